@@ -1,0 +1,46 @@
+# FaceFlow: every install step lives here, so CI on a clean clone needs nothing else.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.faceflow-installed
+
+.PHONY: setup run test lint typecheck pytest bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first (exact pin: a CPU wheel lies on disk; a looser pin pulls a CUDA build),
+# then the project, then the two packages we only take files from, without their deps:
+#  - facenet-pytorch carries the MTCNN weights (never imported: it needs torchvision);
+#  - insightface carries the t1.jpg sample photo and documents the optional model packs;
+#    its own dependency on opencv-python would install a second cv2 next to our
+#    opencv-python-headless.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps facenet-pytorch==2.6.0 insightface==2.1
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+pytest: setup
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+run: setup
+	$(BIN)/faceflow demo
+
+bench: setup
+	$(BIN)/python bench/pipeline.py
+
+clean:
+	rm -rf $(VENV) .faceflow .pytest_cache .mypy_cache .ruff_cache
