@@ -1,0 +1,1 @@
+"""Prefect flows: ``fuse-faces`` (one job) and ``reconcile`` (scheduled safety net)."""

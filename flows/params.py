@@ -1,0 +1,68 @@
+"""The contract between the webapi and the ``fuse-faces`` flow.
+
+Torch-free and Prefect-free, so the webapi can build parameters and read results
+without importing the pipeline. Storage keys are the only way bytes travel: the webapi
+writes inputs under ``inputs/``, the flow writes the result image and a small JSON
+sidecar (``ResultRef``) under ``results/``; the relay reads the sidecar after the run.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.options import FusionOptions
+
+DEFAULT_STORAGE_BLOCK = "local-file-system/faceflow-storage"
+DEFAULT_SETTINGS_BLOCK = "fusion-settings/default"
+FLOW_NAME = "fuse-faces"
+DEPLOYMENT_NAME = "fuse-faces"
+
+
+class FuseFacesParams(BaseModel):
+    """Parameters of one ``fuse-faces`` flow run, as the relay sends them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str = Field(description="The job's id (UUID string); also the flow-run name.")
+    owner_id: str = Field(description="The owning user's id, for tags and audit.")
+    source_key: str = Field(description="Storage key of the source (face) image.")
+    target_key: str = Field(description="Storage key of the target photo.")
+    options: FusionOptions = Field(default_factory=FusionOptions, description="Fusion options.")
+    deadline_at: datetime = Field(description="Absolute UTC deadline shared by every attempt.")
+    attempt: int = Field(1, ge=1, description="Flow-run attempt number for this job (1-based).")
+    storage_block: str = Field(DEFAULT_STORAGE_BLOCK, description="Storage block document name.")
+    settings_block: str = Field(DEFAULT_SETTINGS_BLOCK, description="FusionSettings block name.")
+
+
+class ResultRef(BaseModel):
+    """What a successful run returns and writes as ``result_meta_key``: no image bytes."""
+
+    key: str = Field(description="Storage key of the result image.")
+    content_type: str = Field(description="MIME type of the result image.")
+    width: int
+    height: int
+    faces_replaced: int = 0
+    device: str = "cpu"
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+
+
+def input_key(digest: str, ext: str) -> str:
+    """Storage key of an input image stored by content hash (sha256 hex)."""
+    return f"inputs/{digest[:2]}/{digest}.{ext}"
+
+
+def result_key(job_id: str, attempt: int, ext: str) -> str:
+    """Storage key of a job attempt's result image."""
+    return f"results/{job_id}/attempt-{attempt}.{ext}"
+
+
+def result_meta_key(job_id: str, attempt: int) -> str:
+    """Storage key of the JSON ``ResultRef`` sidecar of a job attempt."""
+    return f"results/{job_id}/attempt-{attempt}.json"
+
+
+def idempotency_key(job_id: str, attempt: int) -> str:
+    """Prefect idempotency key of a job attempt (keys are scoped per flow: globally unique)."""
+    return f"job-{job_id}-attempt-{attempt}"

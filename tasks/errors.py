@@ -1,0 +1,107 @@
+"""Typed pipeline errors: permanent (never retried) versus transient.
+
+Every error carries a stable machine-readable ``code`` and a ``public_message`` that is
+safe to show to API users (no paths, no internals). This module imports nothing heavy,
+so the webapi may map codes without importing the pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class FaceFlowError(Exception):
+    """Base of every error the pipeline raises on purpose."""
+
+    code: ClassVar[str] = "internal_error"
+    permanent: ClassVar[bool] = False
+    default_message: ClassVar[str] = "The job failed."
+
+    def __init__(self, message: str | None = None, *, detail: str | None = None) -> None:
+        self.public_message = message or self.default_message
+        self.detail = detail
+        super().__init__(self.public_message if detail is None else f"{self.public_message} ({detail})")
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {super().__str__()}"
+
+
+class PermanentError(FaceFlowError):
+    """The same input will fail the same way: never retry."""
+
+    permanent = True
+
+
+class TransientError(FaceFlowError):
+    """A failure that may pass on another attempt (resource exhaustion, I/O hiccup)."""
+
+    code = "transient_error"
+    default_message = "A temporary failure interrupted the job."
+
+
+class InvalidInput(PermanentError):
+    """The input is not an acceptable image or the options are invalid."""
+
+    code = "invalid_input"
+    default_message = "The input is not a valid image."
+
+
+class UnsupportedFormat(InvalidInput):
+    """The image format is not one of JPEG, PNG or WebP."""
+
+    code = "unsupported_format"
+    default_message = "Unsupported image format: use JPEG, PNG or WebP."
+
+
+class ImageTooLarge(InvalidInput):
+    """The image exceeds the byte or pixel limit (decompression bombs included)."""
+
+    code = "image_too_large"
+    default_message = "The image exceeds the size limits."
+
+
+class ImageTooSmall(InvalidInput):
+    """The image is too small to hold a face."""
+
+    code = "image_too_small"
+    default_message = "The image is too small."
+
+
+class NoFaceFound(PermanentError):
+    """No face was detected where one is required."""
+
+    code = "no_face_found"
+    default_message = "No face was found in the image."
+
+
+class ModelUnavailable(PermanentError):
+    """A model file is missing or does not match its pinned SHA-256."""
+
+    code = "model_unavailable"
+    default_message = "A required model is not available on this worker."
+
+
+class DeadlineExceeded(PermanentError):
+    """The job's deadline passed (or too little time is left for the next stage)."""
+
+    code = "deadline_exceeded"
+    default_message = "The job did not finish before its deadline."
+
+
+PERMANENT_CODES: frozenset[str] = frozenset(
+    cls.code
+    for cls in (
+        InvalidInput,
+        UnsupportedFormat,
+        ImageTooLarge,
+        ImageTooSmall,
+        NoFaceFound,
+        ModelUnavailable,
+        DeadlineExceeded,
+    )
+)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether an exception must not be retried."""
+    return isinstance(exc, FaceFlowError) and exc.permanent

@@ -1,0 +1,63 @@
+"""Typed pipeline options: the contract between the webapi, the flow and the pipeline.
+
+Pydantic only (no torch), so the webapi can validate options without the pipeline.
+Model choices are ``Literal`` types; their allowed values derive from them with ``get_args``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+
+DetectorName = Literal["mtcnn", "scrfd"]
+FuserName = Literal["classic", "inswapper"]
+OutputFormat = Literal["png", "jpeg", "webp"]
+BlendMode = Literal["multiband", "seamless", "feather"]
+FaceChoice = Literal["largest", "all"] | NonNegativeInt
+
+DETECTORS: tuple[str, ...] = get_args(DetectorName)
+FUSERS: tuple[str, ...] = get_args(FuserName)
+OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
+BLEND_MODES: tuple[str, ...] = get_args(BlendMode)
+
+CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+
+class ImageLimits(BaseModel):
+    """Bounds on every input image, checked before a full decode."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_bytes: Annotated[int, Field(gt=0, description="Largest accepted encoded image.")] = (
+        20 * 1024 * 1024
+    )
+    max_pixels: Annotated[
+        int, Field(gt=0, description="Largest accepted width x height (decompression bombs).")
+    ] = 40_000_000
+    min_side: Annotated[int, Field(gt=0, description="Smallest accepted width or height.")] = 16
+
+
+class FusionOptions(BaseModel):
+    """What a caller may choose for one fusion job."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    detector: DetectorName = Field("mtcnn", description="Face detector.")
+    fuser: FuserName = Field("classic", description="Fusion method.")
+    identity_weight: float = Field(
+        0.85, ge=0.0, le=1.0, description="How much of the source face to carry (0 keeps target)."
+    )
+    face: FaceChoice = Field(
+        "largest", description="Target face(s) to replace: 'largest', 'all' or a face index."
+    )
+    blend: BlendMode = Field("multiband", description="How the face is blended back.")
+    color_transfer: bool = Field(True, description="Match the source face's colour to the target.")
+    sharpen: float = Field(0.0, ge=0.0, le=2.0, description="Unsharp-mask amount (0 = off).")
+    output_format: OutputFormat = Field("png", description="Encoding of the result image.")
+    jpeg_quality: int = Field(92, ge=50, le=100, description="Quality for JPEG and WebP output.")
+
+    @property
+    def content_type(self) -> str:
+        """The MIME type of the encoded result."""
+        return CONTENT_TYPES[self.output_format]

@@ -1,0 +1,264 @@
+"""Models as data: every model the pipeline can use, where its file lives, and its SHA-256.
+
+Nothing here downloads anything. Files come from an installed wheel (facenet-pytorch
+ships the MTCNN weights; the package itself is never imported) or from a directory an
+operator provides (InsightFace packs, ``inswapper_128.onnx``). A missing file or a hash
+mismatch raises ``ModelUnavailable`` naming the file and the expected hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+from tasks.errors import ModelUnavailable
+
+ModelName = Literal[
+    "mtcnn-pnet",
+    "mtcnn-rnet",
+    "mtcnn-onet",
+    "scrfd-10g",
+    "arcface-w600k-r50",
+    "inswapper-128",
+]
+MODEL_NAMES: tuple[str, ...] = get_args(ModelName)
+Runtime = Literal["torch", "onnx"]
+Origin = Literal["wheel", "model_dir"]
+
+MODEL_DIR_ENV = "FACEFLOW_MODEL_DIR"
+DEFAULT_MODEL_DIR = Path(".faceflow") / "models"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One model file and everything needed to find, verify and feed it."""
+
+    name: ModelName
+    filename: str
+    sha256: str
+    runtime: Runtime
+    origin: Origin
+    package: str | None  # wheel origin: the distribution's import name carrying the file
+    subdir: str  # path under the package or model dir
+    input_size: tuple[int, int] | None  # (width, height) the model expects, if fixed
+    template: str | None  # alignment template the model expects
+    licence: str
+    source: str
+    description: str
+
+
+_MTCNN_LICENCE = "MIT (facenet-pytorch); weights from Zhang et al. 2016 MTCNN"
+_INSIGHTFACE_LICENCE = (
+    "InsightFace model packs: non-commercial research use only; operators must hold a licence"
+)
+
+REGISTRY: dict[ModelName, ModelSpec] = {
+    "mtcnn-pnet": ModelSpec(
+        name="mtcnn-pnet",
+        filename="pnet.pt",
+        sha256="a2a71925e0b9996a42f63e47efc1ca19043e69558b5c523b978d611dfae49c8f",
+        runtime="torch",
+        origin="wheel",
+        package="facenet_pytorch",
+        subdir="data",
+        input_size=None,
+        template=None,
+        licence=_MTCNN_LICENCE,
+        source="facenet-pytorch==2.6.0 wheel",
+        description="MTCNN proposal network (fully convolutional, image pyramid).",
+    ),
+    "mtcnn-rnet": ModelSpec(
+        name="mtcnn-rnet",
+        filename="rnet.pt",
+        sha256="bbb937de72efc9ef83b186c49f5f558467a1d7e3453a8ece0d71a886633f6a86",
+        runtime="torch",
+        origin="wheel",
+        package="facenet_pytorch",
+        subdir="data",
+        input_size=(24, 24),
+        template=None,
+        licence=_MTCNN_LICENCE,
+        source="facenet-pytorch==2.6.0 wheel",
+        description="MTCNN refinement network.",
+    ),
+    "mtcnn-onet": ModelSpec(
+        name="mtcnn-onet",
+        filename="onet.pt",
+        sha256="165bfbe42940416ccfb977545cf0e976d5bf321f67083ae2aaaa5c764280118d",
+        runtime="torch",
+        origin="wheel",
+        package="facenet_pytorch",
+        subdir="data",
+        input_size=(48, 48),
+        template=None,
+        licence=_MTCNN_LICENCE,
+        source="facenet-pytorch==2.6.0 wheel",
+        description="MTCNN output network (boxes and 5 landmarks).",
+    ),
+    "scrfd-10g": ModelSpec(
+        name="scrfd-10g",
+        filename="det_10g.onnx",
+        sha256="5838f7fe053675b1c7a08b633df49e7af5495cee0493c7dcf6697200b85b5b91",
+        runtime="onnx",
+        origin="model_dir",
+        package=None,
+        subdir="buffalo_l",
+        input_size=(640, 640),
+        template=None,
+        licence=_INSIGHTFACE_LICENCE,
+        source="InsightFace buffalo_l pack (operator-provided)",
+        description="SCRFD-10GF detector with 5 landmarks.",
+    ),
+    "arcface-w600k-r50": ModelSpec(
+        name="arcface-w600k-r50",
+        filename="w600k_r50.onnx",
+        sha256="4c06341c33c2ca1f86781dab0e829f88ad5b64be9fba56e56bc9ebdefc619e43",
+        runtime="onnx",
+        origin="model_dir",
+        package=None,
+        subdir="buffalo_l",
+        input_size=(112, 112),
+        template="arcface",
+        licence=_INSIGHTFACE_LICENCE,
+        source="InsightFace buffalo_l pack (operator-provided)",
+        description="ArcFace ResNet-50 identity embedding (512-d), source for inswapper.",
+    ),
+    "inswapper-128": ModelSpec(
+        name="inswapper-128",
+        filename="inswapper_128.onnx",
+        sha256="e4a3f08c753cb72d04e10aa0f7dbe3deebbf39567d4ead6dce08e98aa49e16af",
+        runtime="onnx",
+        origin="model_dir",
+        package=None,
+        subdir="",
+        input_size=(128, 128),
+        template="arcface",
+        licence=_INSIGHTFACE_LICENCE,
+        source="InsightFace inswapper_128.onnx (operator-provided)",
+        description="InsightFace face swapper (128 px, conditioned on an ArcFace embedding).",
+    ),
+}
+
+
+def model_dir(explicit: str | Path | None = None) -> Path:
+    """The operator's model directory: ``explicit``, else ``$FACEFLOW_MODEL_DIR``, else default."""
+    if explicit is not None:
+        return Path(explicit)
+    env = os.environ.get(MODEL_DIR_ENV)
+    return Path(env) if env else DEFAULT_MODEL_DIR
+
+
+def _package_dir(package: str) -> Path | None:
+    """Directory of an installed package, found without importing (executing) it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def expected_path(spec: ModelSpec, directory: str | Path | None = None) -> Path:
+    """Where the file of ``spec`` should be (it may not exist)."""
+    if spec.origin == "wheel":
+        assert spec.package is not None
+        base = _package_dir(spec.package)
+        if base is None:
+            raise ModelUnavailable(
+                f"Model {spec.name} is not installed.",
+                detail=f"package {spec.package} carrying {spec.filename} is not installed "
+                f"(expected sha256 {spec.sha256})",
+            )
+        return base / spec.subdir / spec.filename
+    base = model_dir(directory)
+    return base / spec.subdir / spec.filename if spec.subdir else base / spec.filename
+
+
+_verified: dict[tuple[str, int, int, str], bool] = {}
+_verified_lock = threading.Lock()
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def pinned_hash(name: ModelName, pins: Mapping[str, str] | None = None) -> str:
+    """The SHA-256 pin of a model: an operator's override from ``pins`` or the registry's."""
+    if pins and name in pins:
+        return pins[name].lower()
+    return REGISTRY[name].sha256
+
+
+def resolve(
+    name: ModelName,
+    *,
+    directory: str | Path | None = None,
+    pins: Mapping[str, str] | None = None,
+) -> Path:
+    """Path of a verified model file; ``ModelUnavailable`` if missing or mismatched.
+
+    ``pins`` lets an operator pin a different build of a model (its SHA-256), for example
+    a re-exported pack; verification is cached per (path, size, mtime, hash).
+    """
+    spec = REGISTRY[name]
+    path = expected_path(spec, directory)
+    expected = pinned_hash(name, pins)
+    if not path.is_file():
+        raise ModelUnavailable(
+            f"Model {name} is not available on this worker.",
+            detail=f"missing file {path} (expected sha256 {expected})",
+        )
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, expected)
+    with _verified_lock:
+        if _verified.get(key):
+            return path
+    actual = sha256_file(path)
+    if actual != expected:
+        raise ModelUnavailable(
+            f"Model {name} failed verification.",
+            detail=f"file {path} has sha256 {actual}, expected sha256 {expected}",
+        )
+    with _verified_lock:
+        _verified[key] = True
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    """Whether a model's file is present and verified, for ``faceflow models list``."""
+
+    spec: ModelSpec
+    path: Path | None
+    present: bool
+    verified: bool
+    problem: str | None
+
+
+def model_status(
+    name: ModelName,
+    *,
+    directory: str | Path | None = None,
+    pins: Mapping[str, str] | None = None,
+) -> ModelStatus:
+    """Check one model without raising."""
+    spec = REGISTRY[name]
+    try:
+        path: Path | None = expected_path(spec, directory)
+    except ModelUnavailable as exc:
+        return ModelStatus(spec, None, False, False, exc.detail)
+    assert path is not None
+    try:
+        resolve(name, directory=directory, pins=pins)
+    except ModelUnavailable as exc:
+        return ModelStatus(spec, path, path.is_file(), False, exc.detail)
+    return ModelStatus(spec, path, True, True, None)
