@@ -1,82 +1,29 @@
-"""Sample photos from installed packages (no network): real images for real tests."""
+"""Sample photos for tests: re-exported from ``faceflow.samples`` (one implementation)."""
 
-from __future__ import annotations
+from faceflow.samples import (
+    astronaut_jpeg_bytes,
+    astronaut_rgb,
+    encode,
+    grace_hopper_jpeg_bytes,
+    grace_hopper_path,
+    grace_hopper_rgb,
+    no_face_jpeg_bytes,
+    no_face_rgb,
+    t1_jpeg_bytes,
+    t1_path,
+    t1_rgb,
+)
 
-import importlib.util
-import io
-from functools import lru_cache
-from pathlib import Path
-
-import numpy as np
-from PIL import Image
-
-from tasks.types import RGBImage
-
-
-def _package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    assert spec is not None and spec.submodule_search_locations, f"{name} is not installed"
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def grace_hopper_path() -> Path:
-    """matplotlib's sample ``grace_hopper.jpg`` (one face)."""
-    import matplotlib.cbook
-
-    return Path(str(matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)))
-
-
-def t1_path() -> Path:
-    """insightface's ``t1.jpg`` (six faces); the package is located, never imported."""
-    return _package_dir("insightface") / "data" / "images" / "t1.jpg"
-
-
-@lru_cache(maxsize=None)
-def astronaut_rgb() -> RGBImage:
-    """skimage's astronaut (Eileen Collins, one face), 512 x 512 RGB."""
-    from skimage import data
-
-    return np.ascontiguousarray(data.astronaut(), dtype=np.uint8)
-
-
-@lru_cache(maxsize=None)
-def grace_hopper_rgb() -> RGBImage:
-    with Image.open(grace_hopper_path()) as im:
-        return np.asarray(im.convert("RGB"), dtype=np.uint8)
-
-
-@lru_cache(maxsize=None)
-def t1_rgb() -> RGBImage:
-    with Image.open(t1_path()) as im:
-        return np.asarray(im.convert("RGB"), dtype=np.uint8)
-
-
-@lru_cache(maxsize=None)
-def no_face_rgb() -> RGBImage:
-    """skimage's coffee cup: a photo without people."""
-    from skimage import data
-
-    return np.ascontiguousarray(data.coffee(), dtype=np.uint8)
-
-
-def encode(image: RGBImage, fmt: str = "JPEG", **kwargs: object) -> bytes:
-    """Encode an RGB array with Pillow."""
-    buf = io.BytesIO()
-    Image.fromarray(image).save(buf, format=fmt, **kwargs)
-    return buf.getvalue()
-
-
-def astronaut_jpeg_bytes() -> bytes:
-    return encode(astronaut_rgb(), "JPEG", quality=95)
-
-
-def grace_hopper_jpeg_bytes() -> bytes:
-    return grace_hopper_path().read_bytes()
-
-
-def t1_jpeg_bytes() -> bytes:
-    return t1_path().read_bytes()
-
-
-def no_face_jpeg_bytes() -> bytes:
-    return encode(no_face_rgb(), "JPEG", quality=90)
+__all__ = [
+    "astronaut_jpeg_bytes",
+    "astronaut_rgb",
+    "encode",
+    "grace_hopper_jpeg_bytes",
+    "grace_hopper_path",
+    "grace_hopper_rgb",
+    "no_face_jpeg_bytes",
+    "no_face_rgb",
+    "t1_jpeg_bytes",
+    "t1_path",
+    "t1_rgb",
+]
