@@ -1,0 +1,3 @@
+from faceflow.cli import main
+
+main()

@@ -1,0 +1,253 @@
+"""The face pipeline as plain stage functions: detect → align → fuse → postprocess.
+
+Each stage takes the previous stage's typed output and a ``PipelineContext``; ``fuse_images``
+runs them all in-process (the CLI, the benchmark and tests). The Prefect flow calls the same
+stage functions as tasks (``tasks.prefect_tasks``), so there is one implementation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tasks.align import align_face
+from tasks.detect import DEFAULT_DETECT_MAX_SIDE, detect_faces, select_faces
+from tasks.errors import NoFaceFound
+from tasks.images import decode_image, encode_image
+from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits
+from tasks.postprocess import color_transfer, face_mask, paste_back, sharpen
+from tasks.types import AlignedFace, Face, FloatArray, FusionResult, RGBImage, StageTimings
+
+STAGES: tuple[str, ...] = ("decode", "detect", "align", "fuse", "postprocess")
+
+CLASSIC_CROP_SIZE = 256
+INSWAPPER_CROP_SIZE = 128
+ARCFACE_CROP_SIZE = 112
+
+
+@dataclass(frozen=True)
+class PipelineContext:
+    """Where and with what the pipeline runs: device, operator model files, input limits."""
+
+    device: str = "cpu"
+    model_dir: Path | None = None
+    pins: Mapping[str, str] = field(default_factory=dict)
+    limits: ImageLimits = field(default_factory=ImageLimits)
+    crop_size: int = CLASSIC_CROP_SIZE
+    detect_max_side: int = DEFAULT_DETECT_MAX_SIDE
+
+    @classmethod
+    def for_this_machine(
+        cls,
+        *,
+        model_dir: str | Path | None = None,
+        pins: Mapping[str, str] | None = None,
+        limits: ImageLimits | None = None,
+    ) -> PipelineContext:
+        """A context on the best local device (``cuda`` when available)."""
+        from tasks.gpu import select_device
+
+        return cls(
+            device=select_device(),
+            model_dir=Path(model_dir) if model_dir is not None else None,
+            pins=dict(pins or {}),
+            limits=limits or ImageLimits(),
+        )
+
+
+@dataclass(frozen=True)
+class Detections:
+    """The source face and the target faces chosen for replacement."""
+
+    source_face: Face
+    target_faces: list[Face]
+    source_count: int
+    target_count: int
+
+
+@dataclass(frozen=True)
+class Aligned:
+    """Source and target faces warped to the template the fuser expects."""
+
+    source: AlignedFace
+    targets: list[AlignedFace]
+    source_embedding: FloatArray | None = None
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One fused crop per target face, with the alignment used to paste it back."""
+
+    crops: list[RGBImage]
+    targets: list[AlignedFace]
+
+
+def decode_stage(data: bytes, ctx: PipelineContext) -> RGBImage:
+    """Decode and validate one input image (format, bytes, pixels, orientation)."""
+    return decode_image(data, ctx.limits)
+
+
+def detect_stage(
+    source: RGBImage, target: RGBImage, options: FusionOptions, ctx: PipelineContext
+) -> Detections:
+    """Detect faces in both images; the source's largest face and the chosen target faces."""
+    kwargs = {
+        "detector": options.detector,
+        "device": ctx.device,
+        "model_dir": ctx.model_dir,
+        "pins": ctx.pins,
+        "max_side": ctx.detect_max_side,
+    }
+    source_faces = detect_faces(source, **kwargs)  # type: ignore[arg-type]
+    if not source_faces:
+        raise NoFaceFound("No face was found in the source image.")
+    target_faces = detect_faces(target, **kwargs)  # type: ignore[arg-type]
+    chosen = select_faces(target_faces, options.face, role="target")
+    return Detections(source_faces[0], chosen, len(source_faces), len(target_faces))
+
+
+def align_stage(
+    source: RGBImage,
+    target: RGBImage,
+    detections: Detections,
+    options: FusionOptions,
+    ctx: PipelineContext,
+) -> Aligned:
+    """Warp the faces to the template of the chosen fuser."""
+    if options.fuser == "inswapper":
+        from tasks.arcface import embed_with_arcface
+
+        source_112 = align_face(source, detections.source_face, ARCFACE_CROP_SIZE)
+        embedding = embed_with_arcface(
+            source_112.crop, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
+        )
+        targets = [align_face(target, f, INSWAPPER_CROP_SIZE) for f in detections.target_faces]
+        return Aligned(source_112, targets, embedding)
+    aligned_source = align_face(source, detections.source_face, ctx.crop_size)
+    targets = [align_face(target, f, ctx.crop_size) for f in detections.target_faces]
+    return Aligned(aligned_source, targets)
+
+
+def fuse_stage(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> Fused:
+    """Produce one fused crop per target face."""
+    if options.fuser == "inswapper":
+        from tasks.inswapper import swap_with_inswapper
+
+        assert aligned.source_embedding is not None
+        crops = [
+            _mix(
+                t.crop,
+                swap_with_inswapper(
+                    t.crop,
+                    aligned.source_embedding,
+                    device=ctx.device,
+                    model_dir=ctx.model_dir,
+                    pins=ctx.pins,
+                ),
+                options.identity_weight,
+            )
+            for t in aligned.targets
+        ]
+        return Fused(crops, aligned.targets)
+    from tasks.fuse import fuse_with_classic
+
+    crops = [
+        fuse_with_classic(aligned.source, t, identity_weight=options.identity_weight)
+        for t in aligned.targets
+    ]
+    return Fused(crops, aligned.targets)
+
+
+def _mix(target_crop: RGBImage, swapped: RGBImage, weight: float) -> RGBImage:
+    """``weight`` of the swapped face over the target crop."""
+    if weight >= 1.0:
+        return swapped
+    mixed = target_crop.astype(np.float32) * (1.0 - weight) + swapped.astype(np.float32) * weight
+    return np.clip(mixed + 0.5, 0, 255).astype(np.uint8)
+
+
+def postprocess_stage(
+    target: RGBImage, fused: Fused, options: FusionOptions, ctx: PipelineContext
+) -> RGBImage:
+    """Colour-match, mask and blend each fused crop back into the full-resolution target."""
+    out = target
+    for crop, aligned in zip(fused.crops, fused.targets, strict=True):
+        mask = face_mask(aligned.size, aligned.landmarks)
+        if options.color_transfer:
+            crop = color_transfer(crop, aligned.crop, mask)
+        out = paste_back(out, crop, aligned, mask, mode=options.blend)
+    if options.sharpen > 0:
+        out = sharpen(out, options.sharpen)
+    return out
+
+
+def encode_stage(image: RGBImage, options: FusionOptions) -> bytes:
+    """Encode the result (metadata stripped)."""
+    return encode_image(image, options.output_format, options.jpeg_quality)
+
+
+@contextmanager
+def _timed(timings: StageTimings, stage: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings.add(stage, (time.perf_counter() - start) * 1000.0)
+
+
+def fuse_images(
+    source_bytes: bytes,
+    target_bytes: bytes,
+    options: FusionOptions | None = None,
+    ctx: PipelineContext | None = None,
+) -> FusionResult:
+    """Run every stage in this process and return the encoded result with per-stage timings."""
+    options = options or FusionOptions()
+    ctx = ctx or PipelineContext()
+    timings = StageTimings()
+    with _timed(timings, "decode"):
+        source = decode_stage(source_bytes, ctx)
+        target = decode_stage(target_bytes, ctx)
+    with _timed(timings, "detect"):
+        detections = detect_stage(source, target, options, ctx)
+    with _timed(timings, "align"):
+        aligned = align_stage(source, target, detections, options, ctx)
+    with _timed(timings, "fuse"):
+        fused = fuse_stage(aligned, options, ctx)
+    with _timed(timings, "postprocess"):
+        image = postprocess_stage(target, fused, options, ctx)
+        data = encode_stage(image, options)
+    return FusionResult(
+        data=data,
+        content_type=options.content_type,
+        width=int(image.shape[1]),
+        height=int(image.shape[0]),
+        faces_replaced=len(fused.crops),
+        source_faces=detections.source_count,
+        target_faces=detections.target_count,
+        device=ctx.device,
+        timings_ms=dict(timings.ms),
+    )
+
+
+def warm_up(
+    ctx: PipelineContext, detector: DetectorName = "mtcnn", fuser: FuserName = "classic"
+) -> float:
+    """Load the models of ``detector`` and ``fuser`` and run one tiny inference; returns ms."""
+    start = time.perf_counter()
+    probe = np.full((96, 96, 3), 128, dtype=np.uint8)
+    detect_faces(probe, detector=detector, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+    if fuser == "inswapper":
+        from tasks.arcface import embed_with_arcface
+        from tasks.inswapper import swap_with_inswapper
+
+        crop112 = np.full((ARCFACE_CROP_SIZE, ARCFACE_CROP_SIZE, 3), 128, dtype=np.uint8)
+        emb = embed_with_arcface(crop112, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+        crop128 = np.full((INSWAPPER_CROP_SIZE, INSWAPPER_CROP_SIZE, 3), 128, dtype=np.uint8)
+        swap_with_inswapper(crop128, emb, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+    return (time.perf_counter() - start) * 1000.0
