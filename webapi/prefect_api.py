@@ -1,0 +1,283 @@
+"""A small typed client for the parts of the Prefect REST API the relay uses.
+
+Plain ``httpx`` (synchronous: the relay loops run in a background thread), never
+``import prefect``: the webapi stays light. Failures are typed: ``PrefectUnavailable``
+(transient: 5xx, 503, dropped connections, timeouts, a deployment not created yet) and
+``PrefectRejected`` (permanent: the server refused the request itself, e.g. a 409 schema
+error on the parameters).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+import httpx
+
+from flows.params import DEPLOYMENT_NAME, FLOW_NAME, FuseFacesParams, idempotency_key
+
+FILTER_BATCH = 200  # PREFECT_SERVER_API_DEFAULT_LIMIT: the most runs one filter call returns
+# 4xx answers that say "not now" rather than "never": auth being fixed, a deployment
+# re-created, rate limits. The job keeps waiting instead of failing.
+TRANSIENT_4XX = frozenset({401, 403, 404, 408, 425, 429})
+
+
+class PrefectError(Exception):
+    """Base of every error this client raises."""
+
+
+class PrefectUnavailable(PrefectError):
+    """The Prefect API could not be reached or answered with a transient error: retry later."""
+
+
+class PrefectRejected(PrefectError):
+    """The Prefect API refused the request itself: retrying the same request cannot help."""
+
+    def __init__(self, status_code: int, detail: str) -> None:
+        self.status_code = status_code
+        self.detail = detail
+        super().__init__(f"Prefect API answered {status_code}: {detail}")
+
+
+class StateType(StrEnum):
+    """Prefect flow-run state types."""
+
+    SCHEDULED = "SCHEDULED"
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    CRASHED = "CRASHED"
+    PAUSED = "PAUSED"
+    CANCELLING = "CANCELLING"
+
+    @property
+    def is_final(self) -> bool:
+        """Whether a run in this state will never change again on its own."""
+        return self in FINAL_STATES
+
+
+FINAL_STATES = frozenset(
+    {StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED, StateType.CRASHED}
+)
+
+
+@dataclass(frozen=True)
+class FlowRun:
+    """The fields of a Prefect flow run the relay reads."""
+
+    id: str
+    name: str
+    state_type: StateType
+    state_name: str
+    state_message: str | None
+    state_timestamp: datetime | None
+    expected_start_time: datetime | None
+    start_time: datetime | None
+    idempotency_key: str | None
+    tags: tuple[str, ...]
+    parameters: dict[str, Any]
+
+    @classmethod
+    def from_api(cls, data: dict[str, Any]) -> FlowRun:
+        """Build from a ``FlowRunResponse`` JSON object."""
+        state = data.get("state") or {}
+        return cls(
+            id=str(data["id"]),
+            name=str(data.get("name") or ""),
+            state_type=StateType(state.get("type") or data.get("state_type") or "SCHEDULED"),
+            state_name=str(state.get("name") or data.get("state_name") or ""),
+            state_message=state.get("message"),
+            state_timestamp=_parse_time(state.get("timestamp")),
+            expected_start_time=_parse_time(data.get("expected_start_time")),
+            start_time=_parse_time(data.get("start_time")),
+            idempotency_key=data.get("idempotency_key"),
+            tags=tuple(data.get("tags") or ()),
+            parameters=dict(data.get("parameters") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class SetStateResult:
+    """Outcome of ``set_state``: Prefect's orchestration status and the run's state after it."""
+
+    status: str  # ACCEPT, REJECT, ABORT or WAIT
+    state_type: StateType | None
+
+    @property
+    def accepted(self) -> bool:
+        """Whether Prefect applied the requested state."""
+        return self.status == "ACCEPT"
+
+
+def _parse_time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+
+def job_tags(job_id: str, owner_id: str) -> list[str]:
+    """Tags of a job's flow runs, so operators can find them in the Prefect UI."""
+    return [f"job:{job_id}", f"owner:{owner_id}"]
+
+
+class PrefectAPI:
+    """Thread-safe synchronous client for the relay's Prefect REST calls.
+
+    ``api_url`` is the API root, e.g. ``http://127.0.0.1:4200/api`` (``PREFECT_API_URL``).
+    """
+
+    def __init__(
+        self,
+        api_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 10.0,
+        flow_name: str = FLOW_NAME,
+        deployment_name: str = DEPLOYMENT_NAME,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.flow_name = flow_name
+        self.deployment_name = deployment_name
+        self._http = httpx.Client(
+            base_url=api_url.rstrip("/") + "/",
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 3.0)),
+            transport=transport,
+        )
+        self._deployment_id: str | None = None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> PrefectAPI:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport ---------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, json: Any = None) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, json=json)
+        except httpx.TransportError as exc:  # refused, dropped, timed out
+            raise PrefectUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        code = response.status_code
+        if code >= 500 or code in TRANSIENT_4XX:
+            raise PrefectUnavailable(f"{method} {path}: HTTP {code}")
+        if code >= 400:
+            raise PrefectRejected(code, _detail(response))
+        return response
+
+    # -- calls -------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """Whether the API answers its health check."""
+        try:
+            return self._request("GET", "health").status_code == 200
+        except PrefectError:
+            return False
+
+    def deployment_id(self) -> str:
+        """Id of the ``fuse-faces`` deployment, cached after the first lookup.
+
+        A deployment that does not exist yet raises ``PrefectUnavailable`` (jobs wait).
+        """
+        with self._lock:
+            if self._deployment_id is None:
+                path = f"deployments/name/{self.flow_name}/{self.deployment_name}"
+                self._deployment_id = str(self._request("GET", path).json()["id"])
+            return self._deployment_id
+
+    def forget_deployment(self) -> None:
+        """Drop the cached deployment id (after the deployment was re-created)."""
+        with self._lock:
+            self._deployment_id = None
+
+    def create_flow_run(
+        self, params: FuseFacesParams, *, job_variables: dict[str, Any] | None = None
+    ) -> FlowRun:
+        """Create (or find, by idempotency key) the flow run of one job attempt.
+
+        Name = job id, tags ``job:<id>`` and ``owner:<id>``, idempotency key
+        ``job-<id>-attempt-<n>``: a repeat returns the same run (200 instead of 201).
+        """
+        body = {
+            "name": params.job_id,
+            "parameters": params.model_dump(mode="json"),
+            "idempotency_key": idempotency_key(params.job_id, params.attempt),
+            "tags": job_tags(params.job_id, params.owner_id),
+            "job_variables": job_variables or {},
+        }
+        deployment_id = self.deployment_id()
+        try:
+            response = self._request(
+                "POST", f"deployments/{deployment_id}/create_flow_run", json=body
+            )
+        except PrefectUnavailable:
+            self.forget_deployment()  # a 404 means the deployment was re-created
+            raise
+        return FlowRun.from_api(response.json())
+
+    def read_flow_runs(self, ids: Iterable[str]) -> dict[str, FlowRun]:
+        """The flow runs with these ids (batched); unknown ids are absent from the result."""
+        wanted = sorted(set(ids))
+        found: dict[str, FlowRun] = {}
+        for start in range(0, len(wanted), FILTER_BATCH):
+            batch = wanted[start : start + FILTER_BATCH]
+            body = {"flow_runs": {"id": {"any_": batch}}, "limit": len(batch)}
+            for item in self._request("POST", "flow_runs/filter", json=body).json():
+                run = FlowRun.from_api(item)
+                found[run.id] = run
+        return found
+
+    def read_flow_run(self, flow_run_id: str) -> FlowRun | None:
+        """One flow run, or None when Prefect does not know the id."""
+        return self.read_flow_runs([flow_run_id]).get(flow_run_id)
+
+    def set_state(
+        self,
+        flow_run_id: str,
+        state_type: StateType,
+        *,
+        message: str | None = None,
+        force: bool = False,
+    ) -> SetStateResult:
+        """Propose a new state for a flow run (``force`` skips orchestration rules)."""
+        body = {"state": {"type": state_type.value, "message": message}, "force": force}
+        data = self._request("POST", f"flow_runs/{flow_run_id}/set_state", json=body).json()
+        state = data.get("state") or {}
+        return SetStateResult(
+            status=str(data.get("status")),
+            state_type=StateType(state["type"]) if state.get("type") else None,
+        )
+
+    def cancel_flow_run(self, run: FlowRun, *, message: str) -> StateType:
+        """Cancel a run by its current state; returns the state it is in afterwards.
+
+        Not started yet (Scheduled, Pending, Paused) → CANCELLED at once (no worker holds
+        it, no GPU spent); Running → CANCELLING (the worker stops the process and the run
+        becomes CANCELLED); already final or cancelling → unchanged.
+        """
+        if run.state_type.is_final or run.state_type is StateType.CANCELLING:
+            return run.state_type
+        target = (
+            StateType.CANCELLING if run.state_type is StateType.RUNNING else StateType.CANCELLED
+        )
+        result = self.set_state(run.id, target, message=message, force=True)
+        return result.state_type or target
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    return str(detail)[:500]
