@@ -1,0 +1,399 @@
+"""The job store: users, API keys, jobs, the outbox and webhook delivery attempts.
+
+Table models (``table=True``) are the database; ``*Create`` models are validated input and
+``*Public`` models are what the API returns. Every timestamp is timezone-aware UTC in
+Python and stored as naive UTC (``UTCDateTime``), identically on SQLite and PostgreSQL.
+
+Who writes what:
+
+- the API (``webapi.crud``) inserts users, jobs and the first ``dispatch`` outbox row;
+- every job *status* change goes through ``webapi.jobstate.transition`` (compare-and-set);
+- the relay leases outbox rows (``lease_owner``/``lease_until``), creates flow runs, syncs
+  Prefect state into jobs, and records ``WebhookDelivery`` rows for each POST it makes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from pydantic import AnyUrl, BaseModel, ConfigDict, field_validator
+from sqlalchemy.engine import Dialect
+from sqlmodel import JSON, Field, SQLModel
+
+from tasks.options import FusionOptions
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+class UTCDateTime(sa.types.TypeDecorator[datetime]):
+    """Aware UTC ``datetime`` in Python, naive UTC in the database (same on every dialect)."""
+
+    impl = sa.DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column; use webapi.models.utcnow()")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+class JobStatus(StrEnum):
+    """Job states. ``queued → running → succeeded | failed``, plus ``expired`` (queue
+    deadline passed before start) and ``cancel_requested → cancelled``."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    expired = "expired"
+    cancel_requested = "cancel_requested"
+    cancelled = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the job can never change state again."""
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES: frozenset[JobStatus] = frozenset(
+    {JobStatus.succeeded, JobStatus.failed, JobStatus.expired, JobStatus.cancelled}
+)
+ACTIVE_STATUSES: frozenset[JobStatus] = frozenset(set(JobStatus) - TERMINAL_STATUSES)
+
+Priority = Literal["normal", "high"]
+CallbackEvent = Literal[
+    "job.running", "job.succeeded", "job.failed", "job.cancelled", "job.expired"
+]
+CALLBACK_EVENTS: tuple[CallbackEvent, ...] = (
+    "job.running",
+    "job.succeeded",
+    "job.failed",
+    "job.cancelled",
+    "job.expired",
+)
+#: Events sent when a job has a ``callback_url`` but no explicit ``callback_events``.
+DEFAULT_CALLBACK_EVENTS: tuple[CallbackEvent, ...] = (
+    "job.succeeded",
+    "job.failed",
+    "job.cancelled",
+    "job.expired",
+)
+#: The webhook event of each status (``cancel_requested`` and ``queued`` have none).
+STATUS_EVENTS: dict[JobStatus, CallbackEvent] = {
+    JobStatus.running: "job.running",
+    JobStatus.succeeded: "job.succeeded",
+    JobStatus.failed: "job.failed",
+    JobStatus.cancelled: "job.cancelled",
+    JobStatus.expired: "job.expired",
+}
+
+OutboxKind = Literal["dispatch", "webhook", "cancel_run"]
+OutboxOutcome = Literal["done", "obsolete", "gave_up"]
+
+_STATUS_TYPE = sa.Enum(
+    JobStatus,
+    native_enum=False,
+    length=20,
+    validate_strings=True,
+    values_callable=lambda enum: [member.value for member in enum],
+    name="job_status",
+)
+
+
+# --------------------------------------------------------------------------- users
+
+
+class UserBase(SQLModel):
+    """Fields a user shares between storage and output."""
+
+    name: str = Field(
+        min_length=1, max_length=100, unique=True, index=True, description="Unique user name."
+    )
+    quota: int = Field(
+        default=10, ge=0, description="Most non-terminal (queued/running) jobs at once."
+    )
+
+
+class User(UserBase, table=True):
+    """An API user. ``webhook_secret`` is the Standard Webhooks signing secret
+    (``whsec_`` + base64 of 32 random bytes); it is stored as is because the relay signs
+    with it. API keys live in ``ApiKey`` (hashed)."""
+
+    __tablename__ = "users"
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    webhook_secret: str = Field(max_length=100, description="whsec_<base64 32 bytes>.")
+    disabled: bool = Field(default=False, description="A disabled user's keys are refused.")
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
+
+
+class UserPublic(UserBase):
+    """A user as the CLI shows it (never the secret)."""
+
+    id: uuid.UUID
+    created_at: datetime
+
+
+class ApiKey(SQLModel, table=True):
+    """One API key of a user, stored only as ``key_hash`` = hex HMAC-SHA256(pepper, key)."""
+
+    __tablename__ = "api_keys"
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    user_id: uuid.UUID = Field(foreign_key="users.id", index=True, ondelete="CASCADE")
+    key_hash: str = Field(max_length=64, unique=True, index=True, description="hex HMAC-SHA256.")
+    prefix: str = Field(max_length=16, description="First characters of the key, to recognise it.")
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+class JobBase(SQLModel):
+    """Caller-chosen job fields, validated the same way on input and in storage."""
+
+    priority: Priority = Field(default="normal", sa_type=sa.String(10))
+    callback_url: str | None = Field(
+        default=None, max_length=2000, description="Where the relay POSTs signed webhooks."
+    )
+    callback_events: list[CallbackEvent] = Field(
+        default_factory=list, sa_type=JSON, description="Events sent to callback_url."
+    )
+
+
+class Job(JobBase, table=True):
+    """One fusion job.
+
+    Inputs: ``source_key``/``target_key`` are storage keys (``flows.params.input_key``) of
+    validated images; for an input given as an https URL the key is ``None`` until the
+    relay has fetched, validated and stored it, and ``source_url``/``target_url`` hold the
+    URL. ``input_digest`` (sha256 hex) covers both inputs and every option, so an
+    idempotent retry with the same ``idempotency_key`` matches only the same request.
+
+    Attempts: ``attempts`` counts flow runs created (0 until the first dispatch);
+    ``flow_run_id`` is the *current* attempt's Prefect flow run — the only run allowed to
+    write (``jobstate.transition(expected_flow_run_id=...)``). ``max_attempts`` caps
+    re-dispatches. Deadlines are fixed at submit: ``queue_deadline_at`` (must have started
+    by then, else ``expired``) and ``deadline_at`` (shared by every attempt).
+
+    Outcome: ``result_*`` from the flow's ``ResultRef``; ``error_code`` is a stable code
+    (``tasks.errors`` codes, ``deadline_exceeded``, ``worker_lost``, ...) and
+    ``error_message`` is safe to show. ``stage`` is the pipeline stage last reported.
+    """
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        sa.UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        sa.Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
+        sa.Index("ix_jobs_status_created", "status", "created_at"),
+    )
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    owner_id: uuid.UUID = Field(foreign_key="users.id", ondelete="CASCADE")
+    idempotency_key: str | None = Field(default=None, max_length=255)
+    input_digest: str = Field(max_length=64, description="sha256 hex of inputs + options.")
+    source_key: str | None = Field(default=None, max_length=200)
+    target_key: str | None = Field(default=None, max_length=200)
+    source_url: str | None = Field(default=None, max_length=2000)
+    target_url: str | None = Field(default=None, max_length=2000)
+
+    options: dict[str, Any] = Field(
+        default_factory=dict, sa_type=JSON, description="FusionOptions.model_dump(mode='json')."
+    )
+    status: JobStatus = Field(default=JobStatus.queued, sa_type=_STATUS_TYPE)
+    stage: str | None = Field(default=None, max_length=32)
+    attempts: int = Field(default=0, ge=0)
+    max_attempts: int = Field(default=2, ge=1)
+    flow_run_id: uuid.UUID | None = Field(default=None, index=True)
+
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
+    queue_deadline_at: datetime = Field(sa_type=UTCDateTime, nullable=False)
+    deadline_at: datetime = Field(sa_type=UTCDateTime, nullable=False)
+    started_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    finished_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    cancel_requested_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+    result_key: str | None = Field(default=None, max_length=200)
+    result_content_type: str | None = Field(default=None, max_length=50)
+    result_width: int | None = None
+    result_height: int | None = None
+    timings: dict[str, float] = Field(
+        default_factory=dict, sa_type=JSON, description="Stage timings (ms) from ResultRef."
+    )
+    error_code: str | None = Field(default=None, max_length=64)
+    error_message: str | None = Field(default=None, max_length=500)
+
+    @property
+    def fusion_options(self) -> FusionOptions:
+        """``options`` as the typed contract."""
+        return FusionOptions.model_validate(self.options)
+
+
+class JobCreate(BaseModel):
+    """``POST /v1/jobs`` body (JSON, or the ``params`` field of a multipart request with
+    ``source``/``target`` files, in which case ``source``/``target`` are omitted here)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str | None = Field(
+        default=None,
+        description="Source face: a data:image/(jpeg|png|webp);base64, URI or an https URL.",
+    )
+    target: str | None = Field(
+        default=None, description="Target photo: a data: URI or an https URL."
+    )
+    options: FusionOptions = Field(default_factory=lambda: FusionOptions.model_validate({}))
+    callback_url: AnyUrl | None = Field(default=None, description="http(s) webhook receiver.")
+    callback_events: list[CallbackEvent] | None = Field(
+        default=None, description="Events to send (default: every terminal event)."
+    )
+    deadline_seconds: int | None = Field(
+        default=None, ge=1, description="Total time allowed from submit (default from settings)."
+    )
+    queue_timeout_seconds: int | None = Field(
+        default=None, ge=1, description="Time allowed to start (default from settings)."
+    )
+    priority: Priority = "normal"
+
+    @field_validator("callback_events")
+    @classmethod
+    def _unique_events(cls, value: list[CallbackEvent] | None) -> list[CallbackEvent] | None:
+        return None if value is None else list(dict.fromkeys(value))
+
+
+class JobError(BaseModel):
+    """Why a job failed (or expired / was cancelled)."""
+
+    code: str
+    message: str
+
+
+class JobResult(BaseModel):
+    """Where the result image is and what it is."""
+
+    url: str
+    content_type: str
+    width: int
+    height: int
+
+
+class JobUrls(BaseModel):
+    """Links to act on a job."""
+
+    self: str
+    cancel: str
+    result: str
+
+
+class JobCallback(BaseModel):
+    """One webhook delivery attempt, as shown on the job."""
+
+    event: str
+    webhook_id: str
+    attempt: int
+    at: datetime
+    status_code: int | None
+    outcome: str
+    error: str | None = None
+
+
+class JobPublic(BaseModel):
+    """A job as the API returns it."""
+
+    id: uuid.UUID
+    status: JobStatus
+    stage: str | None
+    attempts: int
+    priority: Priority
+    options: FusionOptions
+    created_at: datetime
+    queue_deadline_at: datetime
+    deadline_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: JobError | None
+    result: JobResult | None
+    timings: dict[str, float]
+    urls: JobUrls
+    callback_url: str | None
+    callback_events: list[CallbackEvent]
+    callbacks: list[JobCallback]
+
+
+class JobsPublic(BaseModel):
+    """A page of the caller's jobs, newest first."""
+
+    data: list[JobPublic]
+    next_cursor: str | None
+
+
+# --------------------------------------------------------------------------- outbox
+
+
+class Outbox(SQLModel, table=True):
+    """Work the relay must do, committed in the same transaction as the change causing it.
+
+    ``kind``:
+    - ``dispatch``: create the flow run of attempt ``payload["attempt"]`` (written at
+      submit, and by the reaper for a re-dispatch);
+    - ``webhook``: POST ``payload["body"]`` (a frozen JSON object, so retries send the
+      same bytes) with ``webhook-id`` = ``payload["webhook_id"]`` (``msg_<outbox id hex>``,
+      stable across retries) for event ``payload["event"]``;
+    - ``cancel_run``: set Prefect flow run ``payload["flow_run_id"]`` to CANCELLING
+      (written when a job with a flow run is cancelled, cancel-requested or expired).
+
+    Leasing: a relay claims a row with ``done_at IS NULL AND next_attempt_at <= now AND
+    (lease_until IS NULL OR lease_until < now)`` (``FOR UPDATE SKIP LOCKED`` on
+    PostgreSQL), sets ``lease_owner``/``lease_until``, and on failure bumps ``attempts``,
+    ``last_error`` and ``next_attempt_at`` (backoff). ``done_at`` + ``outcome`` close it:
+    ``done``, ``obsolete`` (job went terminal first) or ``gave_up``.
+    """
+
+    __tablename__ = "outbox"
+    __table_args__ = (sa.Index("ix_outbox_pending", "done_at", "next_attempt_at"),)
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    kind: OutboxKind = Field(sa_type=sa.String(16))
+    job_id: uuid.UUID = Field(foreign_key="jobs.id", index=True, ondelete="CASCADE")
+    payload: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
+    next_attempt_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
+    attempts: int = Field(default=0, ge=0)
+    lease_owner: str | None = Field(default=None, max_length=100)
+    lease_until: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    last_error: str | None = Field(default=None, max_length=1000)
+    done_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    outcome: OutboxOutcome | None = Field(default=None, sa_type=sa.String(16))
+
+
+class WebhookDelivery(SQLModel, table=True):
+    """One HTTP attempt of a webhook outbox row (``outcome``: ``delivered`` for 2xx,
+    ``retry`` for a retryable failure, ``gave_up`` for 410 or the 24 h limit)."""
+
+    __tablename__ = "webhook_deliveries"
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    outbox_id: uuid.UUID = Field(foreign_key="outbox.id", index=True, ondelete="CASCADE")
+    job_id: uuid.UUID = Field(foreign_key="jobs.id", index=True, ondelete="CASCADE")
+    event: str = Field(max_length=32)
+    webhook_id: str = Field(max_length=64)
+    attempt: int = Field(ge=1)
+    at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
+    status_code: int | None = None
+    outcome: str = Field(max_length=16)
+    error: str | None = Field(default=None, max_length=500)
+    duration_ms: float | None = None
