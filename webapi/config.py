@@ -1,0 +1,91 @@
+"""Settings of the web API and the relay: one pydantic-settings class, ``FACEFLOW_`` prefix.
+
+Nested fields use ``__`` (``FACEFLOW_IMAGE_LIMITS__MAX_BYTES=...``). Validated at start:
+``environment=production`` refuses the development secret and private-URL access.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tasks.options import ImageLimits
+
+DEV_API_KEY_PEPPER = "faceflow-development-pepper"
+
+
+class SettingsError(ValueError):
+    """The settings are unusable (e.g. a default secret in production)."""
+
+
+class Settings(BaseSettings):
+    """Everything the webapi reads from the environment."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FACEFLOW_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    environment: Literal["development", "production"] = Field(
+        "development", description="production refuses development secrets and private URLs."
+    )
+    home: Path = Field(Path(".faceflow"), description="Local state directory.")
+    database_url: str = Field(
+        "", description="SQLAlchemy URL of the job store (default: SQLite under home)."
+    )
+    storage_url: str = Field(
+        "", description="file:///path or s3://bucket/prefix (default: file://<home>/storage)."
+    )
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto).")
+    prefect_api_url: str = Field("http://127.0.0.1:4200/api", description="Prefect REST API.")
+    api_key_pepper: SecretStr = Field(
+        SecretStr(DEV_API_KEY_PEPPER), description="HMAC key under which API keys are hashed."
+    )
+    allow_private_urls: bool = Field(
+        False, description="Let callback and input URLs reach private addresses (dev/tests)."
+    )
+    image_limits: ImageLimits = Field(default_factory=lambda: ImageLimits.model_validate({}))
+    default_deadline_seconds: int = Field(120, ge=1, description="Job deadline when not given.")
+    max_deadline_seconds: int = Field(3600, ge=1)
+    default_queue_timeout_seconds: int = Field(60, ge=1, description="Time allowed to start.")
+    max_queue_timeout_seconds: int = Field(3600, ge=1)
+    default_quota: int = Field(10, ge=0, description="Non-terminal jobs per new user.")
+    max_attempts: int = Field(2, ge=1, description="Flow runs per job at most.")
+    worker_slots: int = Field(1, ge=1, description="Jobs the workers run at once (GPUs).")
+    default_service_seconds: float = Field(
+        10.0, gt=0, description="Assumed run time of a job before any has succeeded."
+    )
+    max_backlog: int | None = Field(
+        None, ge=0, description="Hard cap on queued jobs (503 beyond), on top of the estimate."
+    )
+    max_wait_seconds: int = Field(60, ge=0, le=60, description="Largest Prefer: wait=N.")
+    wait_poll_seconds: float = Field(0.15, gt=0, le=1.0)
+    run_relay: bool = Field(True, description="Run the relay loops inside the API process.")
+    public_base_url: str | None = Field(None, description="External URL of the API.")
+
+    @model_validator(mode="after")
+    def _defaults_and_production(self) -> Self:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{(self.home / 'webapi.db').resolve()}"
+        if not self.storage_url:
+            self.storage_url = (self.home / "storage").resolve().as_uri()
+        if self.environment == "production":
+            if self.api_key_pepper.get_secret_value() == DEV_API_KEY_PEPPER:
+                raise SettingsError("set FACEFLOW_API_KEY_PEPPER: the default is for development")
+            if self.allow_private_urls:
+                raise SettingsError("FACEFLOW_ALLOW_PRIVATE_URLS is for development only")
+        return self
+
+    @property
+    def max_request_bytes(self) -> int:
+        """Largest request body: two base64 images plus room for the other fields."""
+        return 2 * (self.image_limits.max_bytes * 4 // 3 + 4) + 64 * 1024
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment once."""
+    return Settings()

@@ -1,0 +1,92 @@
+"""Database engines: created lazily, one per URL per process.
+
+SQLite (the embedded default) runs in WAL mode with a busy timeout, and every transaction
+starts with ``BEGIN IMMEDIATE``: the write lock is taken up front, so a transaction that
+reads then writes never fails half-way with "database is locked" (SQLite cannot upgrade
+a read snapshot that another writer has moved past). PostgreSQL goes through psycopg 3.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+from sqlmodel import Session
+
+SQLITE_BUSY_TIMEOUT_MS = 15_000
+
+_engines: dict[str, Engine] = {}
+_lock = threading.Lock()
+
+
+def get_engine(database_url: str) -> Engine:
+    """The engine of ``database_url``, created on first use."""
+    with _lock:
+        engine = _engines.get(database_url)
+        if engine is None:
+            engine = _engines[database_url] = create_engine(database_url)
+        return engine
+
+
+def create_engine(database_url: str) -> Engine:
+    """A new engine configured for the dialect of ``database_url``."""
+    url = make_url(database_url)
+    if url.get_backend_name() == "sqlite":
+        return _sqlite_engine(database_url)
+    return sa.create_engine(
+        database_url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_recycle=1800
+    )
+
+
+def dispose_engines() -> None:
+    """Close every pooled connection (tests, shutdown)."""
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """A session that is closed (rolled back if uncommitted) on exit."""
+    with Session(engine, expire_on_commit=False) as session:
+        yield session
+
+
+def is_sqlite(engine: Engine) -> bool:
+    """Whether ``engine`` talks to SQLite."""
+    return engine.dialect.name == "sqlite"
+
+
+def _sqlite_engine(database_url: str) -> Engine:
+    url = make_url(database_url)
+    if url.database and url.database != ":memory:":
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(
+        database_url,
+        connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+        pool_size=20,
+        max_overflow=20,
+    )
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: sqlite3.Connection, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we emit BEGIN ourselves
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(connection: sa.Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
