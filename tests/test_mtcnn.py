@@ -1,0 +1,196 @@
+"""MTCNN on real photos (and on none), its NMS and crop resampling on hand-made inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tasks import mtcnn
+from tasks.errors import InvalidInput
+from tasks.models import MODEL_CACHE
+from tasks.types import Face
+from tests import samples
+
+ONE_FACE = {"astronaut": samples.astronaut_rgb, "grace_hopper": samples.grace_hopper_rgb}
+
+
+def _as_tensor(boxes: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(boxes, dtype=torch.float32)
+
+
+def _iou(face: Face, box: tuple[float, float, float, float]) -> float:
+    mine = _as_tensor([[face.box.x1, face.box.y1, face.box.x2, face.box.y2]])
+    return float(mtcnn.box_overlap(mine, _as_tensor([list(box)]))[0, 0])
+
+
+def _assert_plausible_landmarks(face: Face) -> None:
+    marks = face.landmarks
+    assert marks.dtype == np.float32 and marks.shape == (5, 2)
+    assert all(face.box.contains(float(x), float(y)) for x, y in marks)
+    left_eye, right_eye, nose, mouth_left, mouth_right = marks
+    assert left_eye[0] < right_eye[0]
+    assert mouth_left[0] < mouth_right[0]
+    assert max(left_eye[1], right_eye[1]) < nose[1] < min(mouth_left[1], mouth_right[1])
+
+
+@pytest.mark.parametrize("name", sorted(ONE_FACE))
+def test_one_face_with_plausible_landmarks(name: str) -> None:
+    faces = mtcnn.detect_with_mtcnn(ONE_FACE[name]())
+    assert len(faces) == 1
+    assert faces[0].score > 0.9
+    _assert_plausible_landmarks(faces[0])
+
+
+def test_astronaut_face_is_where_the_face_is() -> None:
+    # Eileen Collins' face in skimage's 512 x 512 astronaut: roughly x 170-270, y 40-170.
+    (face,) = mtcnn.detect_with_mtcnn(samples.astronaut_rgb())
+    assert _iou(face, (170, 40, 270, 170)) > 0.6
+    assert 170 <= face.box.x1 < face.box.x2 <= 280 and 40 <= face.box.y1 < face.box.y2 <= 185
+
+
+def test_group_photo_finds_the_six_people_best_score_first() -> None:
+    faces = mtcnn.detect_with_mtcnn(samples.t1_rgb())
+    assert len(faces) >= 5
+    scores = [face.score for face in faces]
+    assert scores == sorted(scores, reverse=True)
+    for face in faces:
+        assert face.score > 0.7
+        assert all(face.box.contains(float(x), float(y), margin=2.0) for x, y in face.landmarks)
+        assert 40 < face.box.width < 300  # people at a table, none tiny or huge
+
+
+def test_no_face_in_a_coffee_cup() -> None:
+    assert mtcnn.detect_with_mtcnn(samples.no_face_rgb()) == []
+
+
+@pytest.mark.parametrize("shape", [(240, 320, 3), (8, 8, 3), (11, 500, 3)])
+def test_blank_and_tiny_images_have_no_face(shape: tuple[int, int, int]) -> None:
+    assert mtcnn.detect_with_mtcnn(np.full(shape, 128, dtype=np.uint8)) == []
+
+
+def test_min_face_size_drops_small_faces() -> None:
+    image = samples.astronaut_rgb()
+    assert len(mtcnn.detect_with_mtcnn(image, min_face_size=60)) == 1
+    assert mtcnn.detect_with_mtcnn(image, min_face_size=200) == []
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        np.zeros((64, 64), dtype=np.uint8),
+        np.zeros((64, 64, 4), dtype=np.uint8),
+        np.zeros((64, 64, 3), dtype=np.float32),
+    ],
+)
+def test_non_rgb_input_is_invalid(image: np.ndarray) -> None:
+    with pytest.raises(InvalidInput):
+        mtcnn.detect_with_mtcnn(image)
+
+
+def test_bad_options_are_invalid() -> None:
+    image = samples.astronaut_rgb()
+    with pytest.raises(InvalidInput):
+        mtcnn.detect_with_mtcnn(image, min_face_size=8)
+    with pytest.raises(InvalidInput):
+        mtcnn.detect_with_mtcnn(image, thresholds=(0.6, 0.7, 1.5))
+
+
+def test_weights_load_once() -> None:
+    mtcnn.detect_with_mtcnn(samples.grace_hopper_rgb())
+    loads = MODEL_CACHE.total_loads("mtcnn")
+    assert loads >= 1 and ("mtcnn", "cpu", None) in MODEL_CACHE
+    nets = mtcnn.load_mtcnn("cpu")
+    for _ in range(3):
+        mtcnn.detect_with_mtcnn(samples.astronaut_rgb())
+    assert MODEL_CACHE.total_loads("mtcnn") == loads
+    assert mtcnn.load_mtcnn("cpu") is nets
+    assert not any(p.requires_grad for p in nets.onet.parameters())
+
+
+def test_box_overlap_known_values() -> None:
+    a = _as_tensor([[0, 0, 10, 10]])
+    b = _as_tensor([[5, 0, 15, 10], [2, 2, 7, 7], [20, 20, 30, 30], [0, 0, 10, 10]])
+    iou = mtcnn.box_overlap(a, b)[0].tolist()
+    assert iou == pytest.approx([50 / 150, 25 / 100, 0.0, 1.0])
+    inter_over_min = mtcnn.box_overlap(a, b, "min")[0].tolist()
+    assert inter_over_min == pytest.approx([0.5, 1.0, 0.0, 1.0])
+
+
+def test_nms_keeps_the_best_of_overlapping_boxes() -> None:
+    boxes = _as_tensor([[1, 0, 11, 10], [0, 0, 10, 10], [20, 20, 30, 30], [40, 40, 45, 45]])
+    scores = torch.tensor([0.8, 0.9, 0.7, 0.95])
+    # boxes 0 and 1: IoU 90 / 110 = 0.82
+    assert mtcnn.nms(boxes, scores, 0.7).tolist() == [3, 1, 2]
+    assert mtcnn.nms(boxes, scores, 0.85).tolist() == [3, 1, 0, 2]
+
+
+def test_nms_is_greedy_not_transitive() -> None:
+    # A suppresses B; B would suppress C, but B is gone, and C barely touches A: C stays.
+    boxes = _as_tensor([[0, 0, 10, 10], [3, 0, 13, 10], [6, 0, 16, 10]])
+    scores = torch.tensor([0.9, 0.8, 0.7])
+    # IoU(A, B) = 70 / 130 = 0.54, IoU(B, C) = 0.54, IoU(A, C) = 40 / 160 = 0.25
+    assert mtcnn.nms(boxes, scores, 0.5).tolist() == [0, 2]
+    assert mtcnn.nms(boxes, scores, 0.2).tolist() == [0]
+
+
+def test_nms_min_mode_drops_a_box_inside_a_better_one() -> None:
+    boxes = _as_tensor([[0, 0, 20, 20], [5, 5, 10, 10]])
+    scores = torch.tensor([0.9, 0.8])
+    assert mtcnn.nms(boxes, scores, 0.7).tolist() == [0, 1]  # IoU 25 / 400
+    assert mtcnn.nms(boxes, scores, 0.7, mode="min").tolist() == [0]  # 25 / 25
+
+
+def _greedy_reference(boxes: torch.Tensor, scores: torch.Tensor, threshold: float) -> list[int]:
+    order = [int(i) for i in torch.argsort(scores, descending=True, stable=True)]
+    overlap = mtcnn.box_overlap(boxes, boxes)
+    kept: list[int] = []
+    for i in order:
+        if all(overlap[k, i] <= threshold for k in kept):
+            kept.append(i)
+    return kept
+
+
+def test_nms_matches_plain_greedy_across_blocks() -> None:
+    generator = torch.Generator().manual_seed(7)
+    n = 3 * mtcnn.NMS_BLOCK + 17
+    corner = torch.rand(n, 2, generator=generator) * 200
+    size = 10 + torch.rand(n, 1, generator=generator) * 40
+    boxes = torch.cat([corner, corner + size], dim=1)
+    scores = torch.rand(n, generator=generator)
+    kept = mtcnn.nms(boxes, scores, 0.4).tolist()
+    assert kept == _greedy_reference(boxes, scores, 0.4)
+    assert 20 < len(kept) < n
+
+
+def test_nms_of_nothing() -> None:
+    assert mtcnn.nms(torch.zeros((0, 4)), torch.zeros(0), 0.5).tolist() == []
+
+
+def test_area_resample_matches_torch_area_and_pads_black() -> None:
+    image = samples.astronaut_rgb()
+    table = mtcnn.summed_area_table(torch.from_numpy(image.copy()))
+    boxes = _as_tensor([[100, 40, 196, 136], [16, 0, 496, 480]])
+    crops = mtcnn.area_resample(table, boxes, 24, 24)
+    assert crops.shape == (2, 3, 24, 24) and crops.dtype == torch.float32
+    pixels = torch.from_numpy(image.copy()).permute(2, 0, 1)[None].float()
+    for crop, (x1, y1, x2, y2) in zip(crops, boxes.int().tolist(), strict=True):
+        expected = F.interpolate(pixels[:, :, y1:y2, x1:x2], size=(24, 24), mode="area")[0]
+        assert torch.allclose(crop, (expected - 127.5) * 0.0078125, atol=1e-4)
+    # A box hanging off the top-left corner: the outside part is black (-127.5 / 128).
+    (outside,) = mtcnn.area_resample(table, _as_tensor([[-24, -24, 24, 24]]), 2, 2)
+    assert torch.allclose(outside[:, 0, 0], torch.full((3,), -0.99609375))
+    inside = (pixels[0, :, :24, :24].mean(dim=(1, 2)) - 127.5) * 0.0078125
+    assert torch.allclose(outside[:, 1, 1], inside, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_finds_the_same_faces_as_cpu() -> None:
+    image = samples.t1_rgb()
+    cpu = mtcnn.detect_with_mtcnn(image, device="cpu")
+    gpu = mtcnn.detect_with_mtcnn(image, device="cuda")
+    assert len(gpu) == len(cpu)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert _iou(b, (a.box.x1, a.box.y1, a.box.x2, a.box.y2)) > 0.95
+        assert np.abs(a.landmarks - b.landmarks).max() < 2.0
