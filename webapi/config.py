@@ -88,4 +88,4 @@ class Settings(BaseSettings):
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """The process-wide settings, read from the environment once."""
-    return Settings()
+    return Settings.model_validate({})

@@ -199,6 +199,7 @@ class Job(JobBase, table=True):
         sa.UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
         sa.Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
         sa.Index("ix_jobs_status_created", "status", "created_at"),
+        sa.Index("ix_jobs_owner_status", "owner_id", "status"),
     )
 
     id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)

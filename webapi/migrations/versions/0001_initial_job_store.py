@@ -103,6 +103,7 @@ def upgrade() -> None:
             "ix_jobs_owner_created", ["owner_id", "created_at", "id"], unique=False
         )
         batch_op.create_index("ix_jobs_status_created", ["status", "created_at"], unique=False)
+        batch_op.create_index("ix_jobs_owner_status", ["owner_id", "status"], unique=False)
 
     op.create_table(
         "outbox",
@@ -161,6 +162,7 @@ def downgrade() -> None:
 
     op.drop_table("outbox")
     with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_index("ix_jobs_owner_status")
         batch_op.drop_index("ix_jobs_status_created")
         batch_op.drop_index("ix_jobs_owner_created")
         batch_op.drop_index(batch_op.f("ix_jobs_flow_run_id"))

@@ -1,0 +1,115 @@
+"""Fixtures of the webapi tests, run against real SQLite and real PostgreSQL.
+
+``database_url`` is module-scoped and parametrised: a SQLite file in a temp dir, and a
+fresh PostgreSQL schema at 127.0.0.1:5432/test (skipped, saying why, when unreachable);
+both migrated with Alembic. Every test using ``engine`` leaves the tables empty.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy.engine import Engine
+
+from webapi import crud
+from webapi.config import Settings
+from webapi.db import dispose_engines, get_engine
+from webapi.main import create_app
+from webapi.migrations import upgrade
+
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+TABLES_CHILD_FIRST = ("webhook_deliveries", "outbox", "jobs", "api_keys", "users")
+
+
+def postgres_unavailable() -> str | None:
+    """Why PostgreSQL cannot be used here, or None when it can."""
+    try:
+        engine = sa.create_engine(PG_ADMIN_URL, connect_args={"connect_timeout": 3})
+        with engine.connect() as connection:
+            connection.execute(sa.text("SELECT 1"))
+        engine.dispose()
+    except Exception as exc:
+        return f"PostgreSQL at 127.0.0.1:5432/test is unreachable: {type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.fixture(
+    scope="module",
+    params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)],
+)
+def database_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A migrated, empty job store for one test module."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('jobstore') / 'jobs.db'}"
+        upgrade(url)
+        yield url
+        dispose_engines()
+        return
+    reason = postgres_unavailable()
+    if reason:
+        pytest.skip(reason)
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_ADMIN_URL)
+    with admin.begin() as connection:
+        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    url = f"{PG_ADMIN_URL}?options=-csearch_path%3D{schema}"
+    upgrade(url)
+    try:
+        yield url
+    finally:
+        dispose_engines()
+        with admin.begin() as connection:
+            connection.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    """The job store's engine; every row is deleted after the test."""
+    engine = get_engine(database_url)
+    crud.reset_service_time_cache()
+    yield engine
+    with engine.begin() as connection:
+        for table in TABLES_CHILD_FIRST:
+            connection.execute(sa.text(f"DELETE FROM {table}"))
+    crud.reset_service_time_cache()
+
+
+def make_settings(database_url: str, tmp_path: Path, **overrides: Any) -> Settings:
+    """Test settings: private URLs allowed, no in-process relay, unreachable Prefect."""
+    values: dict[str, Any] = {
+        "home": tmp_path,
+        "database_url": database_url,
+        "storage_url": (tmp_path / "storage").as_uri(),
+        "allow_private_urls": True,
+        "run_relay": False,
+        "prefect_api_url": "http://127.0.0.1:9/api",
+        "default_service_seconds": 0.5,
+        **overrides,
+    }
+    return Settings.model_validate(values)
+
+
+@pytest.fixture
+def settings(database_url: str, tmp_path: Path) -> Settings:
+    return make_settings(database_url, tmp_path)
+
+
+@pytest.fixture
+def app(settings: Settings, engine: Engine) -> FastAPI:
+    return create_app(settings)
+
+
+@pytest.fixture
+def client(app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(app) as test_client:
+        yield test_client

@@ -1,0 +1,563 @@
+"""The /v1/jobs API against real SQLite and PostgreSQL: every status code of issue 4."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.engine import Engine
+
+from flows.params import input_key
+from tests.webapi.conftest import make_settings
+from tests.webapi.utils import (
+    auth,
+    data_uri,
+    dispatch,
+    image_bytes,
+    job_body,
+    jobs_of,
+    make_user,
+    move,
+    outbox_of,
+    source_jpeg,
+    submit,
+    succeed,
+    target_jpeg,
+)
+from webapi.config import Settings
+from webapi.main import create_app
+from webapi.models import JobStatus
+from webapi.storage import LocalObjectStore
+
+
+def _client(database_url: str, tmp_path: Path, **overrides: object) -> TestClient:
+    return TestClient(create_app(make_settings(database_url, tmp_path, **overrides)))
+
+
+def _error(response) -> str:  # type: ignore[no-untyped-def]
+    body = response.json()
+    assert set(body) >= {"error"} and set(body["error"]) == {"code", "message"}, body
+    return str(body["error"]["code"])
+
+
+# --------------------------------------------------------------------------- submit
+
+
+def test_submit_json_returns_202_location_and_commits_job_with_dispatch(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    response = client.post("/v1/jobs", json=job_body(deadline_seconds=90), headers=auth(user))
+    assert response.status_code == 202, response.text
+    job = response.json()
+    assert response.headers["location"] == job["urls"]["self"]
+    assert job["urls"]["self"].endswith(f"/v1/jobs/{job['id']}")
+    assert job["status"] == "queued" and job["attempts"] == 0 and job["result"] is None
+    assert job["options"]["identity_weight"] == 0.8
+
+    [stored] = jobs_of(engine, user.user.id)
+    assert str(stored.id) == job["id"]
+    assert stored.deadline_at - stored.created_at == timedelta(seconds=90)
+    assert stored.queue_deadline_at - stored.created_at == timedelta(
+        seconds=settings.default_queue_timeout_seconds
+    )
+    [dispatch] = outbox_of(engine, stored.id)
+    assert dispatch.kind == "dispatch" and dispatch.payload == {"attempt": 1}
+    assert dispatch.done_at is None
+
+    store = LocalObjectStore(Path(settings.storage_url.removeprefix("file://")))
+    import hashlib
+
+    source_digest = hashlib.sha256(source_jpeg()).hexdigest()
+    assert stored.source_key == input_key(source_digest, "jpeg")
+    assert store.get(stored.source_key) == source_jpeg()
+    assert stored.target_key is not None and store.exists(stored.target_key)
+
+
+def test_submit_multipart(client: TestClient, engine: Engine, settings: Settings) -> None:
+    user = make_user(engine, settings)
+    response = client.post(
+        "/v1/jobs",
+        headers=auth(user),
+        files={
+            "source": ("face.jpg", source_jpeg(), "image/jpeg"),
+            "target": ("photo.jpg", target_jpeg(), "image/jpeg"),
+        },
+        data={"params": json.dumps({"options": {"output_format": "jpeg"}, "priority": "high"})},
+    )
+    assert response.status_code == 202, response.text
+    assert response.json()["options"]["output_format"] == "jpeg"
+    assert response.json()["priority"] == "high"
+    [stored] = jobs_of(engine, user.user.id)
+    assert stored.source_key and stored.target_key and stored.source_key != stored.target_key
+
+
+def test_submit_https_url_input_is_stored_for_the_relay(
+    client: TestClient, engine: Engine, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    user = make_user(engine, settings)
+    body = job_body(target="https://93.184.216.34/photo.jpg")
+    response = client.post("/v1/jobs", json=body, headers=auth(user))
+    assert response.status_code == 202, response.text
+    [stored] = jobs_of(engine, user.user.id)
+    assert stored.target_key is None and stored.target_url == "https://93.184.216.34/photo.jpg"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer ff_wrong"},
+        {"Authorization": "Basic abc"},
+        {"Authorization": "Bearer"},
+    ],
+    ids=["missing", "wrong", "basic", "empty"],
+)
+def test_unauthenticated_is_401(
+    client: TestClient, engine: Engine, headers: dict[str, str]
+) -> None:
+    for method, path in (
+        ("POST", "/v1/jobs"),
+        ("GET", "/v1/jobs"),
+        ("GET", f"/v1/jobs/{uuid.uuid4()}"),
+    ):
+        response = client.request(method, path, headers=headers, json=job_body())
+        assert response.status_code == 401, (method, path, response.text)
+        assert _error(response) == "unauthorized"
+
+
+def test_unsupported_content_type_is_415(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    response = client.post(
+        "/v1/jobs", content=b"source=x", headers={**auth(user), "Content-Type": "text/plain"}
+    )
+    assert response.status_code == 415 and _error(response) == "unsupported_media_type"
+
+
+@pytest.mark.parametrize(
+    ("source", "code"),
+    [
+        (data_uri(image_bytes(64, 64, "GIF"), "image/gif"), "unsupported_media_type"),
+        (data_uri(image_bytes(64, 64, "GIF"), "image/png"), "unsupported_format"),
+        (data_uri(image_bytes(64, 64, "BMP"), ""), "unsupported_format"),
+    ],
+    ids=["declared-gif", "gif-bytes-declared-png", "bmp-bytes"],
+)
+def test_unsupported_image_format_is_415(
+    client: TestClient, engine: Engine, settings: Settings, source: str, code: str
+) -> None:
+    user = make_user(engine, settings)
+    response = client.post("/v1/jobs", json=job_body(source=source), headers=auth(user))
+    assert response.status_code == 415, response.text
+    assert _error(response) == code
+
+
+def test_too_large_is_413(database_url: str, tmp_path: Path, engine: Engine) -> None:
+    limits = {"max_bytes": 20_000, "max_pixels": 100_000, "min_side": 16}
+    with _client(database_url, tmp_path, image_limits=limits) as client:
+        settings = client.app.state.settings  # type: ignore[attr-defined]
+        user = make_user(engine, settings)
+        # bytes: a real photo of ~60 KB against a 20 KB limit
+        response = client.post("/v1/jobs", json=job_body(), headers=auth(user))
+        assert response.status_code == 413 and _error(response) == "payload_too_large"
+        # the whole body, declared by Content-Length
+        big = b"{" + b" " * (settings.max_request_bytes + 1) + b"}"
+        response = client.post(
+            "/v1/jobs", content=big, headers={**auth(user), "Content-Type": "application/json"}
+        )
+        assert response.status_code == 413
+        # pixels: a small file with too many pixels (decompression-bomb shape)
+        bomb = data_uri(image_bytes(400, 400, "PNG", (0, 0, 0)), "image/png")
+        response = client.post(
+            "/v1/jobs", json=job_body(source=bomb, target=bomb), headers=auth(user)
+        )
+        assert response.status_code == 413 and _error(response) == "image_too_large"
+        # multipart file over the byte limit
+        response = client.post(
+            "/v1/jobs",
+            headers=auth(user),
+            files={"source": ("a.jpg", source_jpeg()), "target": ("b.jpg", source_jpeg())},
+        )
+        assert response.status_code == 413
+    assert jobs_of(engine) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "code"),
+    [
+        ({"options": {"identity_weight": 2}}, "invalid_request"),
+        ({"options": {"detector": "yolo"}}, "invalid_request"),
+        ({"target": None}, "invalid_request"),
+        ({"unknown_field": 1}, "invalid_request"),
+        ({"priority": "urgent"}, "invalid_request"),
+        ({"deadline_seconds": 0}, "invalid_request"),
+        ({"deadline_seconds": 10**6}, "invalid_request"),
+        ({"callback_events": ["job.exploded"]}, "invalid_request"),
+        ({"callback_url": "ftp://example.com/hook"}, "blocked_url"),
+        ({"source": "data:image/png;base64,@@@"}, "invalid_request"),
+        ({"source": "data:image/png,rawbytes"}, "invalid_request"),
+        ({"source": "file:///etc/passwd"}, "invalid_request"),
+        ({"source": data_uri(b"\xff\xd8\xff" + b"\x00" * 200)}, "invalid_input"),
+        ({"source": data_uri(image_bytes(8, 8))}, "image_too_small"),
+        ({"source": data_uri(b"")}, "invalid_request"),
+    ],
+)
+def test_invalid_fields_are_422(
+    client: TestClient, engine: Engine, settings: Settings, overrides: dict[str, object], code: str
+) -> None:
+    user = make_user(engine, settings)
+    response = client.post("/v1/jobs", json=job_body(**overrides), headers=auth(user))
+    assert response.status_code == 422, response.text
+    assert _error(response) == code
+    assert jobs_of(engine) == []
+
+
+def test_malformed_json_is_422(client: TestClient, engine: Engine, settings: Settings) -> None:
+    user = make_user(engine, settings)
+    for content in (b"{", b"[]", b'"x"', b"\xff\xfe"):
+        response = client.post(
+            "/v1/jobs", content=content, headers={**auth(user), "Content-Type": "application/json"}
+        )
+        assert response.status_code == 422, (content, response.text)
+
+
+def test_blocked_callback_and_input_urls_are_422(
+    database_url: str, tmp_path: Path, engine: Engine
+) -> None:
+    with _client(database_url, tmp_path, allow_private_urls=False) as client:
+        user = make_user(engine, client.app.state.settings)  # type: ignore[attr-defined]
+        for url in (
+            "http://127.0.0.1:8080/hook",
+            "https://169.254.169.254/latest",
+            "http://[::1]/x",
+        ):
+            response = client.post("/v1/jobs", json=job_body(callback_url=url), headers=auth(user))
+            assert response.status_code == 422 and _error(response) == "blocked_url", url
+            response = client.post(
+                "/v1/jobs", json=job_body(source=url.replace("http:", "https:")), headers=auth(user)
+            )
+            assert response.status_code == 422 and _error(response) in (
+                "blocked_url",
+                "invalid_request",
+            ), url
+    assert jobs_of(engine) == []
+
+
+def test_quota_is_429_with_retry_after(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings, quota=2)
+    for _ in range(2):
+        assert client.post("/v1/jobs", json=job_body(), headers=auth(user)).status_code == 202
+    response = client.post("/v1/jobs", json=job_body(), headers=auth(user))
+    assert response.status_code == 429 and _error(response) == "quota_exceeded"
+    assert int(response.headers["retry-after"]) >= 1
+    # another user is not affected; a finished job frees the slot
+    assert (
+        client.post(
+            "/v1/jobs", json=job_body(), headers=auth(make_user(engine, settings))
+        ).status_code
+        == 202
+    )
+    first = jobs_of(engine, user.user.id)[0]
+    move(engine, first.id, JobStatus.cancelled, JobStatus.queued)
+    assert client.post("/v1/jobs", json=job_body(), headers=auth(user)).status_code == 202
+
+
+def test_backlog_is_503_with_retry_after_from_service_time(
+    database_url: str, tmp_path: Path, engine: Engine
+) -> None:
+    with _client(database_url, tmp_path, default_service_seconds=30, worker_slots=1) as client:
+        user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
+        body = job_body(queue_timeout_seconds=45)
+        assert client.post("/v1/jobs", json=body, headers=auth(user)).status_code == 202
+        assert (
+            client.post("/v1/jobs", json=body, headers=auth(user)).status_code == 202
+        )  # waits ~30 s
+        response = client.post("/v1/jobs", json=body, headers=auth(user))  # would wait ~60 s > 45
+        assert response.status_code == 503 and _error(response) == "overloaded"
+        assert int(response.headers["retry-after"]) == 60 - 45 + 30
+        # a longer queue timeout fits
+        assert (
+            client.post(
+                "/v1/jobs", json=job_body(queue_timeout_seconds=120), headers=auth(user)
+            ).status_code
+            == 202
+        )
+
+
+def test_service_time_is_the_median_of_recent_runs(
+    database_url: str, tmp_path: Path, engine: Engine
+) -> None:
+    from webapi import crud
+
+    with _client(database_url, tmp_path, default_service_seconds=1000) as client:
+        user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
+        ids = [submit(client, user) for _ in range(1)]
+        # with a 1000 s default, a second job would be refused...
+        assert client.post("/v1/jobs", json=job_body(), headers=auth(user)).status_code == 503
+        # ...until a job has run: then the measured run time (~0 s, floored at 50 ms) is used
+        succeed(engine, ids[0], result_key="results/x/attempt-1.png")
+        crud.reset_service_time_cache()
+        assert client.post("/v1/jobs", json=job_body(), headers=auth(user)).status_code == 202
+
+
+# --------------------------------------------------------------------------- idempotency
+
+
+def test_idempotency_key_replays_or_conflicts(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    headers = {**auth(user), "Idempotency-Key": "order-42"}
+    first = client.post("/v1/jobs", json=job_body(), headers=headers)
+    assert first.status_code == 202
+    again = client.post("/v1/jobs", json=job_body(), headers=headers)
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    assert again.headers["location"] == first.headers["location"]
+    other = client.post(
+        "/v1/jobs", json=job_body(options={"identity_weight": 0.5}), headers=headers
+    )
+    assert other.status_code == 409 and _error(other) == "idempotency_key_reused"
+    # the same key belongs to each user separately
+    someone = make_user(engine, settings)
+    theirs = client.post(
+        "/v1/jobs", json=job_body(), headers={**auth(someone), "Idempotency-Key": "order-42"}
+    )
+    assert theirs.status_code == 202 and theirs.json()["id"] != first.json()["id"]
+    assert len(jobs_of(engine)) == 2
+
+
+def test_idempotent_multipart_matches_json_with_same_images(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    headers = {**auth(user), "Idempotency-Key": "same-images"}
+    first = client.post("/v1/jobs", json=job_body(options={}), headers=headers)
+    again = client.post(
+        "/v1/jobs",
+        headers=headers,
+        files={"source": ("s.jpg", source_jpeg()), "target": ("t.jpg", target_jpeg())},
+    )
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+
+
+# --------------------------------------------------------------------------- Prefer: wait
+
+
+def test_prefer_wait_returns_current_object_after_timeout(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    started = time.monotonic()
+    response = client.post("/v1/jobs", json=job_body(), headers={**auth(user), "Prefer": "wait=1"})
+    elapsed = time.monotonic() - started
+    assert response.status_code == 202 and response.json()["status"] == "queued"
+    assert 0.9 <= elapsed < 5
+    assert response.headers["preference-applied"] == "wait=1"
+
+
+def test_prefer_wait_returns_as_soon_as_the_job_is_terminal(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+
+    def finish_when_submitted() -> None:
+        for _ in range(200):
+            jobs = jobs_of(engine, user.user.id)
+            if jobs:
+                time.sleep(0.3)
+                succeed(engine, jobs[0].id, result_key=f"results/{jobs[0].id}/attempt-1.png")
+                return
+            time.sleep(0.05)
+
+    worker = threading.Thread(target=finish_when_submitted)
+    worker.start()
+    started = time.monotonic()
+    response = client.post(
+        "/v1/jobs", json=job_body(), headers={**auth(user), "Prefer": "respond-async, wait=30"}
+    )
+    elapsed = time.monotonic() - started
+    worker.join()
+    assert response.status_code == 202
+    job = response.json()
+    assert job["status"] == "succeeded" and job["result"]["width"] == 64
+    assert elapsed < 10
+
+
+# --------------------------------------------------------------------------- read, list, ownership
+
+
+def test_read_job_and_ownership_404s(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    owner, stranger = make_user(engine, settings), make_user(engine, settings)
+    job_id = submit(client, owner)
+    mine = client.get(f"/v1/jobs/{job_id}", headers=auth(owner))
+    assert mine.status_code == 200 and mine.json()["id"] == job_id
+    assert set(mine.json()) >= {
+        "id", "status", "stage", "attempts", "created_at", "started_at", "finished_at",
+        "deadline_at", "error", "result", "timings", "urls", "callbacks",
+    }  # fmt: skip
+    for method, path in (
+        ("GET", f"/v1/jobs/{job_id}"),
+        ("GET", f"/v1/jobs/{job_id}/result"),
+        ("POST", f"/v1/jobs/{job_id}/cancel"),
+        ("GET", f"/v1/jobs/{uuid.uuid4()}"),
+    ):
+        response = client.request(method, path, headers=auth(stranger))
+        assert response.status_code == 404, (method, path)
+        assert _error(response) == "not_found"
+    assert client.get(f"/v1/jobs/{job_id}", headers=auth(owner)).json()["status"] == "queued"
+    assert client.get("/v1/jobs", headers=auth(stranger)).json() == {
+        "data": [],
+        "next_cursor": None,
+    }
+
+
+def test_list_newest_first_with_cursor_and_status_filter(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings, quota=10)
+    ids = [submit(client, user) for _ in range(5)]
+    move(engine, ids[1], JobStatus.cancelled, JobStatus.queued)
+    seen, cursor, pages = [], None, 0
+    while True:
+        params = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+        page = client.get("/v1/jobs", params=params, headers=auth(user)).json()
+        seen += [job["id"] for job in page["data"]]
+        pages += 1
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == ids[::-1] and pages == 3
+    queued = client.get("/v1/jobs", params={"status": "queued"}, headers=auth(user)).json()
+    assert [job["id"] for job in queued["data"]] == [i for i in ids[::-1] if i != ids[1]]
+    cancelled = client.get("/v1/jobs", params={"status": "cancelled"}, headers=auth(user)).json()
+    assert [job["id"] for job in cancelled["data"]] == [ids[1]]
+    bad = client.get("/v1/jobs", params={"cursor": "not-a-cursor"}, headers=auth(user))
+    assert bad.status_code == 422
+    assert client.get("/v1/jobs", params={"status": "nope"}, headers=auth(user)).status_code == 422
+
+
+# --------------------------------------------------------------------------- cancel
+
+
+def test_cancel_queued_is_immediate_and_obsoletes_dispatch(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    body = job_body(callback_url="http://127.0.0.1:9/hook")
+    job_id = client.post("/v1/jobs", json=body, headers=auth(user)).json()["id"]
+    response = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["status"] == "cancelled" and job["finished_at"] is not None
+    assert job["error"]["code"] == "cancelled"
+    rows = {row.kind: row for row in outbox_of(engine, uuid.UUID(job_id))}
+    assert rows["dispatch"].outcome == "obsolete" and rows["dispatch"].done_at is not None
+    assert rows["webhook"].payload["event"] == "job.cancelled"
+    assert "cancel_run" not in rows  # never dispatched: no flow run to cancel
+    again = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
+    assert again.status_code == 409 and _error(again) == "job_not_cancellable"
+
+
+def test_cancel_dispatched_queued_job_cancels_its_flow_run(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    job_id = submit(client, user)
+    flow_run_id = dispatch(engine, job_id)
+    assert (
+        client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user)).json()["status"] == "cancelled"
+    )
+    cancel_rows = [row for row in outbox_of(engine, uuid.UUID(job_id)) if row.kind == "cancel_run"]
+    assert [row.payload for row in cancel_rows] == [{"flow_run_id": str(flow_run_id)}]
+
+
+def test_cancel_running_requests_cancellation(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    job_id = submit(client, user)
+    dispatch(engine, job_id)
+    move(engine, job_id, JobStatus.running, JobStatus.queued)
+    response = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
+    assert response.status_code == 202 and response.json()["status"] == "cancel_requested"
+    again = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
+    assert again.status_code == 202 and again.json()["status"] == "cancel_requested"
+    cancel_rows = [row for row in outbox_of(engine, uuid.UUID(job_id)) if row.kind == "cancel_run"]
+    assert len(cancel_rows) == 1
+    # the relay sees the run stop
+    move(engine, job_id, JobStatus.cancelled, JobStatus.cancel_requested)
+    assert client.get(f"/v1/jobs/{job_id}", headers=auth(user)).json()["status"] == "cancelled"
+    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user)).status_code == 409
+
+
+@pytest.mark.parametrize("terminal", [JobStatus.succeeded, JobStatus.failed, JobStatus.expired])
+def test_cancel_terminal_is_409(
+    client: TestClient, engine: Engine, settings: Settings, terminal: JobStatus
+) -> None:
+    user = make_user(engine, settings)
+    job_id = submit(client, user)
+    if terminal is JobStatus.succeeded:
+        succeed(engine, job_id, result_key="results/a/attempt-1.png")
+    else:
+        move(engine, job_id, terminal, JobStatus.queued, error_code="x", error_message="y")
+    response = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
+    assert response.status_code == 409 and _error(response) == "job_not_cancellable"
+
+
+# --------------------------------------------------------------------------- result
+
+
+def test_result_404_before_success_then_bytes(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    job_id = submit(client, user)
+    before = client.get(f"/v1/jobs/{job_id}/result", headers=auth(user))
+    assert before.status_code == 404 and _error(before) == "not_found"
+    png = image_bytes(64, 48)
+    key = f"results/{job_id}/attempt-1.png"
+    LocalObjectStore(settings.storage_url.removeprefix("file://")).put(key, png)
+    succeed(engine, job_id, result_key=key, timings={"detect": 3.0, "fuse": 9.0})
+    job = client.get(f"/v1/jobs/{job_id}", headers=auth(user)).json()
+    assert job["status"] == "succeeded" and job["timings"] == {"detect": 3.0, "fuse": 9.0}
+    assert job["result"] == {
+        "url": f"{job['urls']['self']}/result",
+        "content_type": "image/png",
+        "width": 64,
+        "height": 48,
+    }
+    response = client.get(job["result"]["url"], headers=auth(user))
+    assert response.status_code == 200 and response.content == png
+    assert response.headers["content-type"] == "image/png"
+
+
+# --------------------------------------------------------------------------- errors, docs
+
+
+def test_unknown_route_and_method_use_the_error_body(client: TestClient) -> None:
+    assert _error(client.get("/nope")) == "not_found"
+    assert client.delete("/v1/jobs").status_code == 405
+    assert client.get(
+        "/v1/jobs/not-a-uuid", headers={"Authorization": "Bearer ff_x"}
+    ).status_code in (401, 422)
+
+
+def test_openapi_documents_both_submit_bodies(client: TestClient) -> None:
+    assert client.get("/docs").status_code == 200
+    spec = client.get("/openapi.json").json()
+    content = spec["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]
+    assert set(content) == {"application/json", "multipart/form-data"}
+    assert "JobCreate" in spec["components"]["schemas"]
+    assert "FusionOptions" in spec["components"]["schemas"]

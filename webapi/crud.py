@@ -1,0 +1,440 @@
+"""Job-store operations: keyword-only, session first. Routes call these and nothing else.
+
+Submit is one transaction: the job row and its ``dispatch`` outbox row commit together
+(invariant 1), after the per-user quota (429) and global backlog (503) checks. The user's
+row is locked first (``FOR UPDATE`` on PostgreSQL; SQLite transactions are
+``BEGIN IMMEDIATE``), so a user's concurrent submits see each other; the unique
+constraint on ``(owner_id, idempotency_key)`` is the last word on duplicates.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import statistics
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from webapi.auth import hash_api_key, key_matches, new_api_key, new_webhook_secret
+from webapi.config import Settings
+from webapi.errors import (
+    IdempotencyKeyReused,
+    InvalidRequest,
+    JobNotCancellable,
+    NotFound,
+    Overloaded,
+    QuotaExceeded,
+)
+from webapi.inputs import InputRef
+from webapi.jobstate import transition
+from webapi.models import (
+    ACTIVE_STATUSES,
+    DEFAULT_CALLBACK_EVENTS,
+    ApiKey,
+    Job,
+    JobCreate,
+    JobStatus,
+    Outbox,
+    User,
+    WebhookDelivery,
+    utcnow,
+)
+
+SERVICE_TIME_SAMPLE = 50
+SERVICE_TIME_TTL_S = 5.0
+MAX_PAGE = 100
+
+# --------------------------------------------------------------------------- users
+
+
+@dataclass(frozen=True)
+class NewUser:
+    """A created user with the secrets shown once."""
+
+    user: User
+    api_key: str
+    webhook_secret: str
+
+
+def create_user(session: Session, *, name: str, quota: int, pepper: str) -> NewUser:
+    """Create a user with one API key and a webhook secret; commits."""
+    api_key = new_api_key()
+    user = User(name=name, quota=quota, webhook_secret=new_webhook_secret())
+    session.add(user)
+    try:
+        session.flush()  # users before api_keys (no ORM relationship orders them)
+    except IntegrityError as exc:
+        session.rollback()
+        raise InvalidRequest(f"a user named {name!r} already exists") from exc
+    session.add(
+        ApiKey(user_id=user.id, key_hash=hash_api_key(api_key, pepper), prefix=api_key[:10])
+    )
+    try:
+        session.commit()
+    except IntegrityError as exc:
+        session.rollback()
+        raise InvalidRequest(f"a user named {name!r} already exists") from exc
+    return NewUser(user=user, api_key=api_key, webhook_secret=user.webhook_secret)
+
+
+def list_users(session: Session) -> Sequence[User]:
+    """Every user, oldest first."""
+    return session.exec(select(User).order_by(col(User.created_at))).all()
+
+
+def authenticate(session: Session, *, api_key: str, pepper: str) -> User | None:
+    """The enabled user owning ``api_key`` (not revoked), or None."""
+    key_hash = hash_api_key(api_key, pepper)
+    row = session.exec(
+        select(ApiKey, User)
+        .join(User, col(User.id) == col(ApiKey.user_id))
+        .where(col(ApiKey.key_hash) == key_hash, col(ApiKey.revoked_at).is_(None))
+    ).first()
+    if row is None:
+        return None
+    key, user = row
+    if user.disabled or not key_matches(api_key, key.key_hash, pepper):
+        return None
+    return user
+
+
+# --------------------------------------------------------------------------- submit
+
+
+def request_digest(create: JobCreate, source: InputRef, target: InputRef) -> str:
+    """sha256 hex over both inputs and every option: what "the same request" means."""
+    document = {
+        "source": source.digest,
+        "target": target.digest,
+        "options": create.options.model_dump(mode="json"),
+        "callback_url": None if create.callback_url is None else str(create.callback_url),
+        "callback_events": create.callback_events,
+        "deadline_seconds": create.deadline_seconds,
+        "queue_timeout_seconds": create.queue_timeout_seconds,
+        "priority": create.priority,
+    }
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
+
+
+def submit_job(
+    session: Session,
+    *,
+    owner: User,
+    create: JobCreate,
+    source: InputRef,
+    target: InputRef,
+    settings: Settings,
+    idempotency_key: str | None = None,
+) -> tuple[Job, bool]:
+    """Create the job and its dispatch outbox row in one transaction.
+
+    Returns ``(job, created)``: ``created`` is False when ``idempotency_key`` matched an
+    earlier job with the same request digest. Raises ``IdempotencyKeyReused`` (409),
+    ``QuotaExceeded`` (429), ``Overloaded`` (503) or ``InvalidRequest`` (422).
+    """
+    deadline_s, queue_s = _timeouts(create, settings)
+    digest = request_digest(create, source, target)
+    _lock_user(session, owner.id)
+    if idempotency_key is not None:
+        existing = _by_idempotency_key(session, owner_id=owner.id, key=idempotency_key)
+        if existing is not None:
+            session.commit()
+            return _replay(existing, digest), False
+    _check_capacity(session, owner=owner, queue_timeout_s=queue_s, settings=settings)
+
+    now = utcnow()
+    callback_events = (
+        list(create.callback_events or DEFAULT_CALLBACK_EVENTS) if create.callback_url else []
+    )
+    job = Job(
+        owner_id=owner.id,
+        idempotency_key=idempotency_key,
+        input_digest=digest,
+        source_key=source.key,
+        target_key=target.key,
+        source_url=source.url,
+        target_url=target.url,
+        options=create.options.model_dump(mode="json"),
+        priority=create.priority,
+        callback_url=None if create.callback_url is None else str(create.callback_url),
+        callback_events=callback_events,
+        max_attempts=settings.max_attempts,
+        created_at=now,
+        updated_at=now,
+        deadline_at=now + timedelta(seconds=deadline_s),
+        queue_deadline_at=now + timedelta(seconds=min(queue_s, deadline_s)),
+    )
+    session.add(job)
+    session.add(
+        Outbox(
+            kind="dispatch",
+            job_id=job.id,
+            payload={"attempt": 1},
+            created_at=now,
+            next_attempt_at=now,
+        )
+    )
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        winner = _by_idempotency_key(session, owner_id=owner.id, key=idempotency_key)
+        if winner is None:
+            raise
+        session.commit()
+        return _replay(winner, digest), False
+    return job, True
+
+
+def _timeouts(create: JobCreate, settings: Settings) -> tuple[int, int]:
+    deadline_s = create.deadline_seconds or settings.default_deadline_seconds
+    queue_s = create.queue_timeout_seconds or settings.default_queue_timeout_seconds
+    if deadline_s > settings.max_deadline_seconds:
+        raise InvalidRequest(f"deadline_seconds must be at most {settings.max_deadline_seconds}.")
+    if queue_s > settings.max_queue_timeout_seconds:
+        raise InvalidRequest(
+            f"queue_timeout_seconds must be at most {settings.max_queue_timeout_seconds}."
+        )
+    return deadline_s, queue_s
+
+
+def _lock_user(session: Session, user_id: uuid.UUID) -> None:
+    session.exec(select(User.id).where(col(User.id) == user_id).with_for_update()).first()
+
+
+def _by_idempotency_key(session: Session, *, owner_id: uuid.UUID, key: str) -> Job | None:
+    return session.exec(
+        select(Job).where(col(Job.owner_id) == owner_id, col(Job.idempotency_key) == key)
+    ).first()
+
+
+def _replay(existing: Job, digest: str) -> Job:
+    if existing.input_digest != digest:
+        raise IdempotencyKeyReused()
+    return existing
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What is waiting and how fast it drains."""
+
+    queued: int
+    running: int
+    service_s: float
+    slots: int
+
+    @property
+    def expected_wait_s(self) -> float:
+        """Estimated time before one more job would start."""
+        return (self.queued + self.running / 2) * self.service_s / self.slots
+
+
+def backlog(session: Session, *, settings: Settings) -> Backlog:
+    """Counts of queued and running jobs and the recent service time."""
+    counts = dict(
+        session.exec(
+            select(Job.status, sa.func.count())
+            .where(
+                col(Job.status).in_(
+                    [JobStatus.queued, JobStatus.running, JobStatus.cancel_requested]
+                )
+            )
+            .group_by(col(Job.status))
+        ).all()
+    )
+    running = counts.get(JobStatus.running, 0) + counts.get(JobStatus.cancel_requested, 0)
+    return Backlog(
+        queued=counts.get(JobStatus.queued, 0),
+        running=running,
+        service_s=service_seconds(session, settings=settings),
+        slots=settings.worker_slots,
+    )
+
+
+_service_cache: dict[str, tuple[float, float]] = {}
+_service_lock = threading.Lock()
+
+
+def service_seconds(session: Session, *, settings: Settings) -> float:
+    """Median run time (started → finished) of the last succeeded jobs, cached a few
+    seconds per database; ``settings.default_service_seconds`` with no history."""
+    url = str(session.get_bind().engine.url)
+    now = time.monotonic()
+    with _service_lock:
+        cached = _service_cache.get(url)
+    if cached is not None and now - cached[0] < SERVICE_TIME_TTL_S:
+        return cached[1]
+    rows = session.exec(
+        select(Job.started_at, Job.finished_at)
+        .where(col(Job.status) == JobStatus.succeeded, col(Job.started_at).is_not(None))
+        .order_by(col(Job.created_at).desc())
+        .limit(SERVICE_TIME_SAMPLE)
+    ).all()
+    runs = [(end - start).total_seconds() for start, end in rows if start and end and end >= start]
+    value = max(0.05, statistics.median(runs)) if runs else settings.default_service_seconds
+    with _service_lock:
+        _service_cache[url] = (now, value)
+    return value
+
+
+def _check_capacity(
+    session: Session, *, owner: User, queue_timeout_s: int, settings: Settings
+) -> None:
+    active = session.exec(
+        select(sa.func.count())
+        .select_from(Job)
+        .where(col(Job.owner_id) == owner.id, col(Job.status).in_(list(ACTIVE_STATUSES)))
+    ).one()
+    load = backlog(session, settings=settings)
+    if active >= owner.quota:
+        raise QuotaExceeded(
+            f"{active} unfinished jobs: the quota of this API key is {owner.quota}.",
+            retry_after=load.expected_wait_s + load.service_s,
+        )
+    over_cap = settings.max_backlog is not None and load.queued >= settings.max_backlog
+    if over_cap or load.expected_wait_s > queue_timeout_s:
+        raise Overloaded(
+            f"{load.queued} jobs are queued; a new one would not start within {queue_timeout_s} s.",
+            retry_after=max(load.expected_wait_s - queue_timeout_s, 0) + load.service_s,
+        )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def get_job(session: Session, *, owner: User, job_id: uuid.UUID) -> Job:
+    """The caller's job; another user's job is ``NotFound`` like a missing one."""
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None or job.owner_id != owner.id:
+        raise NotFound()
+    return job
+
+
+def list_jobs(
+    session: Session,
+    *,
+    owner: User,
+    status: JobStatus | None = None,
+    limit: int = 20,
+    cursor: str | None = None,
+) -> tuple[list[Job], str | None]:
+    """A page of the caller's jobs, newest first, and the cursor of the next page."""
+    limit = max(1, min(limit, MAX_PAGE))
+    query = select(Job).where(col(Job.owner_id) == owner.id)
+    if status is not None:
+        query = query.where(col(Job.status) == status)
+    if cursor:
+        created, last_id = decode_cursor(cursor)
+        query = query.where(
+            sa.or_(
+                col(Job.created_at) < created,
+                sa.and_(col(Job.created_at) == created, col(Job.id) < last_id),
+            )
+        )
+    rows = list(
+        session.exec(
+            query.order_by(col(Job.created_at).desc(), col(Job.id).desc()).limit(limit + 1)
+        )
+    )
+    page, more = rows[:limit], len(rows) > limit
+    return page, encode_cursor(page[-1]) if more and page else None
+
+
+def encode_cursor(job: Job) -> str:
+    """An opaque cursor pointing after ``job``."""
+    raw = f"{job.created_at.isoformat()}|{job.id.hex}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
+    """The (created_at, id) in a cursor; ``InvalidRequest`` if it is not one of ours."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        created, _, job_id = raw.partition("|")
+        value = datetime.fromisoformat(created), uuid.UUID(hex=job_id)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("cursor: not a cursor returned by this API.") from exc
+    if value[0].tzinfo is None:
+        raise InvalidRequest("cursor: not a cursor returned by this API.")
+    return value
+
+
+def callbacks_for(
+    session: Session, *, job_ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, list[WebhookDelivery]]:
+    """Webhook delivery attempts of each job, oldest first."""
+    found: dict[uuid.UUID, list[WebhookDelivery]] = defaultdict(list)
+    if not job_ids:
+        return found
+    rows = session.exec(
+        select(WebhookDelivery)
+        .where(col(WebhookDelivery.job_id).in_(list(job_ids)))
+        .order_by(col(WebhookDelivery.at), col(WebhookDelivery.attempt))
+    )
+    for delivery in rows:
+        found[delivery.job_id].append(delivery)
+    return found
+
+
+def job_status(session: Session, *, job_id: uuid.UUID) -> JobStatus | None:
+    """Just the status of a job (cheap poll for ``Prefer: wait``)."""
+    value = session.exec(select(Job.status).where(col(Job.id) == job_id)).first()
+    return None if value is None else JobStatus(value)
+
+
+def status_counts(session: Session) -> dict[JobStatus, int]:
+    """How many jobs are in each status (every status present, zeros included)."""
+    counts: dict[JobStatus, int] = dict.fromkeys(JobStatus, 0)
+    rows = session.exec(select(Job.status, sa.func.count()).group_by(col(Job.status))).all()
+    for status, count in rows:
+        counts[JobStatus(status)] = int(count)
+    return counts
+
+
+# --------------------------------------------------------------------------- cancel
+
+
+def cancel_job(session: Session, *, owner: User, job_id: uuid.UUID) -> Job:
+    """Cancel the caller's job: queued → cancelled now (its dispatch made obsolete);
+    running → cancel_requested (the relay cancels the flow run); cancel_requested stays.
+    A finished job raises ``JobNotCancellable`` (409)."""
+    for _ in range(5):
+        job = get_job(session, owner=owner, job_id=job_id)
+        status = job.status
+        if status.is_terminal:
+            raise JobNotCancellable(f"The job is already {status.value}.")
+        if status is JobStatus.cancel_requested:
+            session.commit()
+            return job
+        fields: dict[str, Any] = {}
+        if status is JobStatus.queued:
+            to = JobStatus.cancelled
+            fields = {"error_code": "cancelled", "error_message": "The job was cancelled."}
+        else:
+            to = JobStatus.cancel_requested
+        if transition(session, job_id=job_id, to=to, expected=status, **fields):
+            return get_job(session, owner=owner, job_id=job_id)
+        session.rollback()  # lost a race with the relay: look again
+    raise JobNotCancellable("The job changed state repeatedly; try again.")
+
+
+def reset_service_time_cache() -> None:
+    """Forget cached service times (tests; after bulk changes)."""
+    with _service_lock:
+        _service_cache.clear()

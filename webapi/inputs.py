@@ -1,0 +1,101 @@
+"""Job inputs at submit: decode ``data:`` URIs, validate images, store them by content hash.
+
+Validation is ``tasks.images.probe_image`` (header only: magic bytes, byte count, pixel
+count, smallest side; torch-free, imported on first use), so no pixel data is decoded
+in the API. An https URL input is only SSRF-checked here; the relay fetches it later
+(with the same checks, size limits and timeouts) and stores it the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from dataclasses import dataclass
+
+from flows.params import input_key
+from tasks.options import CONTENT_TYPES, ImageLimits
+from webapi.errors import BlockedUrl, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from webapi.storage import ObjectStore
+from webapi.urls import check_url
+
+ACCEPTED_MEDIA_TYPES: frozenset[str] = frozenset(
+    {"image/jpeg", "image/jpg", "image/pjpeg", "image/png", "image/webp"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class InputRef:
+    """Where one input is: a storage ``key`` (validated, stored) or a ``url`` to fetch.
+    ``digest`` is the sha256 hex of the bytes, or of the URL for a URL input."""
+
+    name: str
+    digest: str
+    key: str | None = None
+    url: str | None = None
+    width: int | None = None
+    height: int | None = None
+
+
+def decode_data_uri(uri: str, *, name: str, max_bytes: int) -> bytes:
+    """The bytes of a ``data:image/...;base64,`` URI (413 before decoding if too large)."""
+    header, comma, encoded = uri.partition(",")
+    if not comma:
+        raise InvalidRequest(f"{name}: a data: URI needs a ',' before the data.")
+    media_type, *params = header.removeprefix("data:").split(";")
+    if "base64" not in (p.strip().lower() for p in params):
+        raise InvalidRequest(f"{name}: only base64 data: URIs are accepted.")
+    media_type = media_type.strip().lower()
+    if media_type and media_type not in ACCEPTED_MEDIA_TYPES:
+        raise UnsupportedMediaType(f"{name}: {media_type} is not accepted: use JPEG, PNG or WebP.")
+    encoded = encoded.strip()
+    if len(encoded) // 4 * 3 > max_bytes + 3:
+        raise PayloadTooLarge(f"{name}: the image exceeds {max_bytes} bytes.")
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequest(f"{name}: the data: URI is not valid base64.") from exc
+
+
+def store_image(data: bytes, *, name: str, limits: ImageLimits, store: ObjectStore) -> InputRef:
+    """Validate ``data`` and store it under ``input_key(sha256, format)`` (once per content).
+
+    Raises the typed ``tasks.errors`` (413 too large, 415 format, 422 corrupt/too small).
+    """
+    from tasks.images import probe_image
+
+    if not data:
+        raise InvalidRequest(f"{name}: the image is empty.")
+    if len(data) > limits.max_bytes:
+        raise PayloadTooLarge(f"{name}: the image exceeds {limits.max_bytes} bytes.")
+    info = probe_image(data, limits)
+    digest = hashlib.sha256(data).hexdigest()
+    key = input_key(digest, info.format)
+    if not store.exists(key):
+        store.put(key, data, content_type=CONTENT_TYPES[info.format])
+    return InputRef(name=name, digest=digest, key=key, width=info.width, height=info.height)
+
+
+def accept_input(
+    value: str | bytes,
+    *,
+    name: str,
+    limits: ImageLimits,
+    store: ObjectStore,
+    allow_private_urls: bool,
+) -> InputRef:
+    """One input as given in a request: bytes (multipart), a ``data:`` URI or a URL."""
+    if isinstance(value, bytes):
+        return store_image(value, name=name, limits=limits, store=store)
+    text = value.strip()
+    if text[:5].lower() == "data:":
+        data = decode_data_uri(text, name=name, max_bytes=limits.max_bytes)
+        return store_image(data, name=name, limits=limits, store=store)
+    if text[:6].lower() == "https:" or (allow_private_urls and text[:5].lower() == "http:"):
+        schemes = ("http", "https") if allow_private_urls else ("https",)
+        try:
+            check_url(text, allow_private=allow_private_urls, schemes=schemes)
+        except BlockedUrl as exc:
+            raise BlockedUrl(f"{name}: {exc.message}") from exc
+        return InputRef(name=name, digest=hashlib.sha256(text.encode()).hexdigest(), url=text)
+    raise InvalidRequest(f"{name}: give a data:image/...;base64, URI or an https URL.")

@@ -1,0 +1,102 @@
+"""The FastAPI app: ``create_app(settings)``; ``uvicorn webapi.main:app`` serves the default.
+
+The lifespan refuses to start on an unmigrated job store (``DatabaseNotMigrated`` with
+the command to run) and starts the relay loops in-process when ``settings.run_relay``.
+Nothing here imports torch, the pipeline or prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from starlette.concurrency import run_in_threadpool
+
+from webapi import errors
+from webapi.config import Settings, get_settings
+from webapi.db import get_engine
+from webapi.metrics import ApiMetrics
+from webapi.migrations import check_migrated
+from webapi.routes import health, jobs
+from webapi.storage import open_store
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """A configured app (the engine is created now, connections only on first use)."""
+    settings = settings or get_settings()
+    app = FastAPI(
+        title="FaceFlow",
+        version="0.1.0",
+        summary="Face fusion as a service: submit a job, poll it or receive a signed webhook.",
+        lifespan=_lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = get_engine(settings.database_url)
+    app.state.store = open_store(settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url)
+    app.state.metrics = ApiMetrics(app.state.engine)
+    app.state.relay = None
+    errors.install(app)
+    app.include_router(jobs.router)
+    app.include_router(health.router)
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    await run_in_threadpool(check_migrated, app.state.engine)
+    relay = _relay_module() if settings.run_relay else None
+    if relay is not None:
+        await _maybe_await(relay.start_relay(app.state))
+    try:
+        yield
+    finally:
+        if relay is not None:
+            await _maybe_await(relay.stop_relay(app.state))
+
+
+def _relay_module() -> Any:
+    try:
+        return importlib.import_module("webapi.relay.runner")
+    except ModuleNotFoundError as exc:
+        if exc.name != "webapi.relay.runner":
+            raise
+        log.warning("webapi.relay.runner is not available: the relay does not run in-process")
+        return None
+
+
+async def _maybe_await(value: Any) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=app.routes
+            )
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(
+                jobs.openapi_components()
+            )
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return build
+
+
+def __getattr__(name: str) -> Any:
+    """``webapi.main:app`` for uvicorn, built from the environment on first access."""
+    if name == "app":
+        globals()["app"] = value = create_app()
+        return value
+    raise AttributeError(name)

@@ -1,0 +1,445 @@
+"""The /v1/jobs API: submit, read, list, cancel, download the result."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from webapi import crud
+from webapi.config import Settings
+from webapi.deps import CurrentUser, EngineDep, SessionDep, SettingsDep, StoreDep
+from webapi.errors import (
+    ApiError,
+    BlockedUrl,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    describe_validation,
+)
+from webapi.inputs import accept_input
+from webapi.metrics import ApiMetrics
+from webapi.models import (
+    Job,
+    JobCallback,
+    JobCreate,
+    JobError,
+    JobPublic,
+    JobResult,
+    JobsPublic,
+    JobStatus,
+    JobUrls,
+    User,
+    WebhookDelivery,
+)
+from webapi.storage import ObjectNotFound, ObjectStore
+from webapi.urls import check_url
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+_WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"description": "Missing or invalid API key."},
+    404: {"description": "No such job for this API key."},
+}
+SUBMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Idempotent replay: the job created earlier with this key."},
+    401: _ERRORS[401],
+    409: {"description": "Idempotency-Key reused with a different request."},
+    413: {"description": "A body or image too large."},
+    415: {"description": "Unsupported content type or image format."},
+    422: {"description": "Invalid fields, image, or a blocked URL."},
+    429: {"description": "Over the quota of unfinished jobs (Retry-After)."},
+    503: {"description": "Backlog too long to start within the queue timeout (Retry-After)."},
+}
+SUBMIT_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/JobCreate"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["source", "target"],
+                    "properties": {
+                        "source": {"type": "string", "format": "binary"},
+                        "target": {"type": "string", "format": "binary"},
+                        "params": {
+                            "type": "string",
+                            "description": "JobCreate as JSON, without source/target.",
+                        },
+                    },
+                }
+            },
+        },
+    }
+}
+
+
+def openapi_components() -> dict[str, Any]:
+    """Schemas the hand-written submit request body refers to."""
+    schema = JobCreate.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    return {**defs, "JobCreate": schema}
+
+
+# --------------------------------------------------------------------------- submit
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobPublic,
+    summary="Submit a fusion job",
+    responses=SUBMIT_RESPONSES,
+    openapi_extra=SUBMIT_OPENAPI,
+)
+async def create_job(
+    request: Request,
+    user: CurrentUser,
+    settings: SettingsDep,
+    engine: EngineDep,
+    store: StoreDep,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
+    prefer: Annotated[str | None, Header()] = None,
+) -> JSONResponse:
+    metrics: ApiMetrics = request.app.state.metrics
+    started = time.perf_counter()
+    try:
+        create, source, target = await _read_submission(request, settings)
+        public, created = await run_in_threadpool(
+            _submit,
+            engine=engine,
+            store=store,
+            settings=settings,
+            user=user,
+            create=create,
+            raw_source=source,
+            raw_target=target,
+            idempotency_key=idempotency_key,
+            base_url=_base_url(request, settings),
+        )
+    except ApiError as exc:
+        metrics.submit_latency.labels(outcome=str(exc.status_code)).observe(
+            time.perf_counter() - started
+        )
+        raise
+    status_code = 202 if created else 200
+    metrics.submit_latency.labels(outcome=str(status_code)).observe(time.perf_counter() - started)
+    headers = {"Location": public.urls.self}
+    wait_s = min(_wait_seconds(prefer), settings.max_wait_seconds)
+    if wait_s > 0:
+        public = await _wait_for(request, engine, settings, user, public, wait_s)
+        headers["Preference-Applied"] = f"wait={wait_s}"
+    return JSONResponse(public.model_dump(mode="json"), status_code=status_code, headers=headers)
+
+
+def _submit(
+    *,
+    engine: Engine,
+    store: ObjectStore,
+    settings: Settings,
+    user: User,
+    create: JobCreate,
+    raw_source: str | bytes,
+    raw_target: str | bytes,
+    idempotency_key: str | None,
+    base_url: str,
+) -> tuple[JobPublic, bool]:
+    if create.callback_url is not None:
+        try:
+            check_url(str(create.callback_url), allow_private=settings.allow_private_urls)
+        except BlockedUrl as exc:
+            raise BlockedUrl(f"callback_url: {exc.message}") from exc
+    common = {
+        "limits": settings.image_limits,
+        "store": store,
+        "allow_private_urls": settings.allow_private_urls,
+    }
+    source = accept_input(raw_source, name="source", **common)  # type: ignore[arg-type]
+    target = accept_input(raw_target, name="target", **common)  # type: ignore[arg-type]
+    with Session(engine, expire_on_commit=False) as session:
+        job, created = crud.submit_job(
+            session,
+            owner=user,
+            create=create,
+            source=source,
+            target=target,
+            settings=settings,
+            idempotency_key=idempotency_key,
+        )
+        callbacks = {} if created else crud.callbacks_for(session, job_ids=[job.id])
+        return to_public(job, base_url=base_url, callbacks=callbacks.get(job.id, [])), created
+
+
+async def _read_submission(
+    request: Request, settings: Settings
+) -> tuple[JobCreate, str | bytes, str | bytes]:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    is_json = content_type == "application/json" or content_type.endswith("+json")
+    if not is_json and content_type != "multipart/form-data":
+        raise UnsupportedMediaType()
+    body = await _read_limited(request, settings.max_request_bytes)
+    source: str | bytes | None
+    target: str | bytes | None
+    if is_json:
+        create = _parse_create(body)
+        source, target = create.source, create.target
+    else:
+        create, source, target = await _read_multipart(request, settings)
+    if source is None or target is None:
+        missing = " and ".join(n for n, v in (("source", source), ("target", target)) if v is None)
+        raise InvalidRequest(f"{missing}: required.")
+    return create, source, target
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    request._body = body  # request.form() re-reads the cached body
+    return body
+
+
+def _parse_create(raw: bytes | str) -> JobCreate:
+    try:
+        return JobCreate.model_validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation(exc.errors())) from exc
+
+
+async def _read_multipart(
+    request: Request, settings: Settings
+) -> tuple[JobCreate, str | bytes | None, str | bytes | None]:
+    async with request.form(max_files=2, max_fields=3, max_part_size=1024 * 1024) as form:
+        field = form.get("params")
+        params = (await field.read()) if isinstance(field, UploadFile) else field
+        create = _parse_create(params or "{}")
+        if create.source is not None or create.target is not None:
+            raise InvalidRequest("params: give source and target as multipart files.")
+        inputs: list[str | bytes | None] = []
+        for name in ("source", "target"):
+            part = form.get(name)
+            if isinstance(part, UploadFile):
+                data = await part.read(settings.image_limits.max_bytes + 1)
+                if len(data) > settings.image_limits.max_bytes:
+                    raise PayloadTooLarge(f"{name}: the image exceeds the size limit.")
+                inputs.append(data)
+            else:
+                inputs.append(part)
+    return create, inputs[0], inputs[1]
+
+
+def _wait_seconds(prefer: str | None) -> int:
+    match = _WAIT.search(prefer or "")
+    return int(match.group(1)) if match else 0
+
+
+async def _wait_for(
+    request: Request,
+    engine: Engine,
+    settings: Settings,
+    user: User,
+    public: JobPublic,
+    wait_s: int,
+) -> JobPublic:
+    """Poll the job store until the job is terminal or ``wait_s`` pass (never an error)."""
+    deadline = time.monotonic() + wait_s
+    status: JobStatus | None = public.status
+    while status is not None and not status.is_terminal and time.monotonic() < deadline:
+        if await request.is_disconnected():
+            break
+        await asyncio.sleep(min(settings.wait_poll_seconds, max(0.0, deadline - time.monotonic())))
+        status = await run_in_threadpool(_poll_status, engine, public.id)
+    if status == public.status:
+        return public
+    return await run_in_threadpool(
+        _read_public, engine, user, public.id, _base_url(request, settings)
+    )
+
+
+def _poll_status(engine: Engine, job_id: uuid.UUID) -> JobStatus | None:
+    with Session(engine) as session:
+        return crud.job_status(session, job_id=job_id)
+
+
+def _read_public(engine: Engine, user: User, job_id: uuid.UUID, base_url: str) -> JobPublic:
+    with Session(engine, expire_on_commit=False) as session:
+        job = crud.get_job(session, owner=user, job_id=job_id)
+        callbacks = crud.callbacks_for(session, job_ids=[job.id])
+        return to_public(job, base_url=base_url, callbacks=callbacks.get(job.id, []))
+
+
+# --------------------------------------------------------------------------- read, list
+
+
+@router.get("/{job_id}", summary="Read a job", responses=_ERRORS)
+def read_job(
+    request: Request,
+    session: SessionDep,
+    user: CurrentUser,
+    settings: SettingsDep,
+    job_id: uuid.UUID,
+) -> JobPublic:
+    job = crud.get_job(session, owner=user, job_id=job_id)
+    callbacks = crud.callbacks_for(session, job_ids=[job.id])
+    return to_public(
+        job, base_url=_base_url(request, settings), callbacks=callbacks.get(job.id, [])
+    )
+
+
+@router.get("", summary="List the caller's jobs, newest first", responses={401: _ERRORS[401]})
+def list_jobs(
+    request: Request,
+    session: SessionDep,
+    user: CurrentUser,
+    settings: SettingsDep,
+    status: Annotated[JobStatus | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=crud.MAX_PAGE)] = 20,
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+) -> JobsPublic:
+    jobs, next_cursor = crud.list_jobs(
+        session, owner=user, status=status, limit=limit, cursor=cursor
+    )
+    callbacks = crud.callbacks_for(session, job_ids=[job.id for job in jobs])
+    base_url = _base_url(request, settings)
+    return JobsPublic(
+        data=[
+            to_public(job, base_url=base_url, callbacks=callbacks.get(job.id, [])) for job in jobs
+        ],
+        next_cursor=next_cursor,
+    )
+
+
+# --------------------------------------------------------------------------- cancel, result
+
+
+@router.post(
+    "/{job_id}/cancel",
+    summary="Cancel a job",
+    response_model=JobPublic,
+    responses={
+        **_ERRORS,
+        202: {"description": "Running: cancellation requested."},
+        409: {"description": "The job has already finished."},
+    },
+)
+def cancel_job(
+    request: Request,
+    session: SessionDep,
+    user: CurrentUser,
+    settings: SettingsDep,
+    job_id: uuid.UUID,
+) -> JSONResponse:
+    job = crud.cancel_job(session, owner=user, job_id=job_id)
+    callbacks = crud.callbacks_for(session, job_ids=[job.id])
+    public = to_public(
+        job, base_url=_base_url(request, settings), callbacks=callbacks.get(job.id, [])
+    )
+    status_code = 202 if job.status is JobStatus.cancel_requested else 200
+    return JSONResponse(public.model_dump(mode="json"), status_code=status_code)
+
+
+@router.get(
+    "/{job_id}/result",
+    summary="Download the result image",
+    response_class=Response,
+    responses={
+        **_ERRORS,
+        200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}},
+    },
+)
+def read_result(
+    session: SessionDep, user: CurrentUser, store: StoreDep, job_id: uuid.UUID
+) -> Response:
+    job = crud.get_job(session, owner=user, job_id=job_id)
+    session.commit()
+    if job.status is not JobStatus.succeeded or not job.result_key:
+        raise NotFound(f"The job has no result (it is {job.status.value}).")
+    try:
+        data = store.get(job.result_key)
+    except ObjectNotFound as exc:
+        log.error("result object missing for job %s: %s", job.id, job.result_key)
+        raise NotFound("The result is no longer available.") from exc
+    filename = f"{job.id}.{job.result_key.rsplit('.', 1)[-1]}"
+    return Response(
+        data,
+        media_type=job.result_content_type or "application/octet-stream",
+        headers={"Content-Disposition": f'inline; filename="{filename}"'},
+    )
+
+
+# --------------------------------------------------------------------------- presenting
+
+
+def to_public(job: Job, *, base_url: str, callbacks: Sequence[WebhookDelivery] = ()) -> JobPublic:
+    """The API view of a job (absolute URLs under ``base_url``)."""
+    self_url = f"{base_url}/v1/jobs/{job.id}"
+    result = None
+    if job.status is JobStatus.succeeded and job.result_key:
+        result = JobResult(
+            url=f"{self_url}/result",
+            content_type=job.result_content_type or "application/octet-stream",
+            width=job.result_width or 0,
+            height=job.result_height or 0,
+        )
+    error = None
+    if job.error_code:
+        error = JobError(code=job.error_code, message=job.error_message or job.error_code)
+    return JobPublic(
+        id=job.id,
+        status=job.status,
+        stage=job.stage,
+        attempts=job.attempts,
+        priority=job.priority,
+        options=job.fusion_options,
+        created_at=job.created_at,
+        queue_deadline_at=job.queue_deadline_at,
+        deadline_at=job.deadline_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        error=error,
+        result=result,
+        timings=job.timings or {},
+        urls=JobUrls(self=self_url, cancel=f"{self_url}/cancel", result=f"{self_url}/result"),
+        callback_url=job.callback_url,
+        callback_events=job.callback_events or [],
+        callbacks=[
+            JobCallback(
+                event=d.event,
+                webhook_id=d.webhook_id,
+                attempt=d.attempt,
+                at=d.at,
+                status_code=d.status_code,
+                outcome=d.outcome,
+                error=d.error,
+            )
+            for d in callbacks
+        ],
+    )
+
+
+def _base_url(request: Request, settings: Settings) -> str:
+    return (settings.public_base_url or str(request.base_url)).rstrip("/")

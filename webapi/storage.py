@@ -1,0 +1,143 @@
+"""Object storage shared with the flow: inputs go in, results come out, by key.
+
+Keys follow ``flows.params`` (``inputs/ab/<sha256>.jpg``, ``results/<job>/attempt-1.png``).
+``LocalObjectStore(basepath)`` matches a Prefect ``LocalFileSystem`` block with the same
+basepath; ``S3ObjectStore(bucket, prefix)`` matches a prefect-aws ``S3Bucket`` with the
+same bucket and ``bucket_folder``. ``open_store(storage_url)`` picks one from
+``FACEFLOW_STORAGE_URL`` (``file:///path`` or ``s3://bucket/prefix``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import unquote, urlsplit
+
+
+class StorageError(Exception):
+    """The store failed or a key is invalid."""
+
+
+class ObjectNotFound(StorageError, KeyError):
+    """No object under this key."""
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """What the webapi and relay need from storage."""
+
+    def put(self, key: str, data: bytes, *, content_type: str | None = None) -> None:
+        """Store ``data`` under ``key`` (replacing any object there)."""
+        ...
+
+    def get(self, key: str) -> bytes:
+        """The bytes under ``key``; raises ``ObjectNotFound``."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored under ``key``."""
+        ...
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is a relative POSIX path without ``..`` (else ``StorageError``)."""
+    path = PurePosixPath(key)
+    if not key or path.is_absolute() or ".." in path.parts or "\\" in key:
+        raise StorageError(f"invalid storage key {key!r}")
+    return key
+
+
+class LocalObjectStore:
+    """Objects as files under ``basepath`` (written atomically: temp file + rename)."""
+
+    def __init__(self, basepath: str | Path) -> None:
+        self.basepath = Path(basepath).expanduser().resolve()
+
+    def _path(self, key: str) -> Path:
+        return self.basepath / check_key(key)
+
+    def put(self, key: str, data: bytes, *, content_type: str | None = None) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise ObjectNotFound(key) from exc
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def __repr__(self) -> str:
+        return f"LocalObjectStore({str(self.basepath)!r})"
+
+
+class S3ObjectStore:
+    """Objects in ``bucket`` under ``prefix`` (boto3, imported on first use)."""
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (created lazily)."""
+        if self._client is None:
+            import boto3
+
+            self._client = boto3.client("s3", endpoint_url=self.endpoint_url)
+        return self._client
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, data: bytes, *, content_type: str | None = None) -> None:
+        extra = {"ContentType": content_type} if content_type else {}
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **extra)
+
+    def get(self, key: str) -> bytes:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except self.client.exceptions.NoSuchKey as exc:
+            raise ObjectNotFound(key) from exc
+        return bytes(response["Body"].read())
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
+    def __repr__(self) -> str:
+        return f"S3ObjectStore({self.bucket!r}, {self.prefix!r})"
+
+
+def open_store(storage_url: str, *, s3_endpoint_url: str | None = None) -> ObjectStore:
+    """The store named by ``storage_url`` (``file:///path`` or ``s3://bucket/prefix``)."""
+    parts = urlsplit(storage_url)
+    if parts.scheme == "file":
+        return LocalObjectStore(unquote(parts.path))
+    if parts.scheme == "s3" and parts.netloc:
+        return S3ObjectStore(parts.netloc, parts.path, endpoint_url=s3_endpoint_url)
+    if not parts.scheme:
+        return LocalObjectStore(storage_url)
+    raise StorageError(f"unsupported storage URL {storage_url!r}: use file:// or s3://")
