@@ -61,7 +61,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         if relay is not None:
-            await _maybe_await(relay.stop_relay(app.state))
+            await _maybe_await(await run_in_threadpool(relay.stop_relay, app.state))
 
 
 def _relay_module() -> Any:

@@ -7,13 +7,18 @@ both migrated with Alembic. Every test using ``engine`` leaves the tables empty.
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
@@ -113,3 +118,33 @@ def app(settings: Settings, engine: Engine) -> FastAPI:
 def client(app: FastAPI) -> Iterator[TestClient]:
     with TestClient(app) as test_client:
         yield test_client
+
+
+@contextmanager
+def serve(app: FastAPI) -> Iterator[str]:
+    """Run ``app`` under a real uvicorn server on a free 127.0.0.1 port; its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+
+
+@pytest.fixture
+def live_url(app: FastAPI) -> Iterator[str]:
+    """The app served by uvicorn on loopback."""
+    with serve(app) as url:
+        yield url

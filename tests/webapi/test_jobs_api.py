@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import uuid
@@ -229,25 +230,34 @@ def test_malformed_json_is_422(client: TestClient, engine: Engine, settings: Set
         assert response.status_code == 422, (content, response.text)
 
 
-def test_blocked_callback_and_input_urls_are_422(
-    database_url: str, tmp_path: Path, engine: Engine
+def test_blocked_callback_and_input_urls_are_422_without_connecting(
+    database_url: str, tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    attempts: list[object] = []
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        attempts.append(args)
+        raise AssertionError("a connection was attempted")
+
     with _client(database_url, tmp_path, allow_private_urls=False) as client:
         user = make_user(engine, client.app.state.settings)  # type: ignore[attr-defined]
+        monkeypatch.setattr(socket, "create_connection", refuse)
+        monkeypatch.setattr(socket.socket, "connect", refuse)
         for url in (
             "http://127.0.0.1:8080/hook",
-            "https://169.254.169.254/latest",
+            "http://10.0.0.1/hook",
+            "http://169.254.169.254/latest",
             "http://[::1]/x",
+            "http://localhost/hook",
         ):
             response = client.post("/v1/jobs", json=job_body(callback_url=url), headers=auth(user))
             assert response.status_code == 422 and _error(response) == "blocked_url", url
-            response = client.post(
-                "/v1/jobs", json=job_body(source=url.replace("http:", "https:")), headers=auth(user)
-            )
-            assert response.status_code == 422 and _error(response) in (
-                "blocked_url",
-                "invalid_request",
-            ), url
+            https = url.replace("http:", "https:")
+            response = client.post("/v1/jobs", json=job_body(source=https), headers=auth(user))
+            assert response.status_code == 422 and _error(response) == "blocked_url", url
+            response = client.post("/v1/jobs", json=job_body(source=url), headers=auth(user))
+            assert response.status_code == 422, url  # plain http inputs: https only
+    assert attempts == []
     assert jobs_of(engine) == []
 
 

@@ -139,3 +139,24 @@ def dispatch(engine: Engine, job_id: uuid.UUID | str) -> uuid.UUID:
     flow_run_id = uuid.uuid4()
     move(engine, job_id, JobStatus.queued, JobStatus.queued, flow_run_id=flow_run_id, attempts=1)
     return flow_run_id
+
+
+def new_job(engine: Engine, settings: Settings, user: crud.NewUser, **create: Any) -> Job:
+    """A queued job created through ``crud.submit_job`` (inputs named by fake keys)."""
+    from webapi.inputs import InputRef
+    from webapi.models import JobCreate
+
+    digest = uuid.uuid4().hex * 2
+    source = InputRef(name="source", digest=digest, key=f"inputs/{digest[:2]}/{digest}.jpeg")
+    target = InputRef(name="target", digest=digest[::-1], key=f"inputs/x/{digest[::-1]}.png")
+    with Session(engine, expire_on_commit=False) as session:
+        job, created = crud.submit_job(
+            session,
+            owner=user.user,
+            create=JobCreate.model_validate(create),
+            source=source,
+            target=target,
+            settings=settings,
+        )
+    assert created
+    return job

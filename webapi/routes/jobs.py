@@ -139,6 +139,8 @@ async def create_job(
         )
         raise
     status_code = 202 if created else 200
+    if created:
+        _wake_relay(request)
     metrics.submit_latency.labels(outcome=str(status_code)).observe(time.perf_counter() - started)
     headers = {"Location": public.urls.self}
     wait_s = min(_wait_seconds(prefer), settings.max_wait_seconds)
@@ -250,6 +252,13 @@ async def _read_multipart(
             else:
                 inputs.append(part)
     return create, inputs[0], inputs[1]
+
+
+def _wake_relay(request: Request) -> None:
+    """Nudge an in-process relay to dispatch now instead of at its next tick."""
+    wake = getattr(getattr(request.app.state, "relay", None), "wake", None)
+    if callable(wake):
+        wake()
 
 
 def _wait_seconds(prefer: str | None) -> int:
