@@ -1,0 +1,155 @@
+"""Object stores (local files and S3 via a real moto server on loopback) and input handling."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flows.params import input_key
+from tasks.errors import ImageTooLarge, ImageTooSmall, InvalidInput, UnsupportedFormat
+from tasks.options import ImageLimits
+from tests.webapi.utils import data_uri, image_bytes, source_jpeg
+from webapi.errors import BlockedUrl, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from webapi.inputs import InputRef, accept_input, decode_data_uri, store_image
+from webapi.storage import (
+    LocalObjectStore,
+    ObjectNotFound,
+    ObjectStore,
+    S3ObjectStore,
+    StorageError,
+    open_store,
+)
+
+LIMITS = ImageLimits.model_validate({})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 with bucket ``faceflow``."""
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (
+            ("AWS_ACCESS_KEY_ID", "testing"),
+            ("AWS_SECRET_ACCESS_KEY", "testing"),
+            ("AWS_DEFAULT_REGION", "us-east-1"),
+        ):
+            patch.setenv(name, value)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="faceflow")
+        yield endpoint
+    server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "local":
+        return open_store(tmp_path.as_uri())
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return open_store(f"s3://faceflow/{tmp_path.name}", s3_endpoint_url=endpoint)
+
+
+def test_put_get_exists(store: ObjectStore) -> None:
+    key = "results/job/attempt-1.png"
+    assert not store.exists(key)
+    with pytest.raises(ObjectNotFound):
+        store.get(key)
+    store.put(key, b"first", content_type="image/png")
+    store.put(key, b"second")
+    assert store.exists(key) and store.get(key) == b"second"
+
+
+@pytest.mark.parametrize("key", ["", "/etc/passwd", "../up", "a/../../b", "a\\b"])
+def test_bad_keys_are_refused(store: ObjectStore, key: str) -> None:
+    with pytest.raises(StorageError):
+        store.put(key, b"x")
+
+
+def test_open_store_kinds(tmp_path: Path) -> None:
+    local = open_store((tmp_path / "st").as_uri())
+    assert isinstance(local, LocalObjectStore) and local.basepath == (tmp_path / "st").resolve()
+    s3 = open_store("s3://bucket/some/prefix/")
+    assert isinstance(s3, S3ObjectStore) and (s3.bucket, s3.prefix) == ("bucket", "some/prefix")
+    with pytest.raises(StorageError):
+        open_store("ftp://x/y")
+
+
+def test_local_layout_matches_a_prefect_local_file_system_basepath(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    store.put("inputs/ab/abc.jpeg", b"data")
+    assert (tmp_path / "inputs" / "ab" / "abc.jpeg").read_bytes() == b"data"
+    assert [p.name for p in (tmp_path / "inputs" / "ab").iterdir()] == ["abc.jpeg"]  # no temp left
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def test_store_image_by_content_hash(store: ObjectStore) -> None:
+    ref = store_image(source_jpeg(), name="source", limits=LIMITS, store=store)
+    digest = hashlib.sha256(source_jpeg()).hexdigest()
+    assert ref.digest == digest and ref.key == input_key(digest, "jpeg") and ref.url is None
+    assert ref.width and ref.height and store.get(ref.key) == source_jpeg()
+    again = store_image(source_jpeg(), name="source", limits=LIMITS, store=store)
+    assert again == ref
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        (image_bytes(64, 64, "GIF"), UnsupportedFormat),
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, InvalidInput),
+        (image_bytes(10, 64), ImageTooSmall),
+        (image_bytes(300, 300), ImageTooLarge),
+        (b"x" * 5000, PayloadTooLarge),
+    ],
+)
+def test_store_image_rejects(tmp_path: Path, data: bytes, error: type[Exception]) -> None:
+    limits = ImageLimits(max_bytes=4096, max_pixels=50_000, min_side=16)
+    store = LocalObjectStore(tmp_path)
+    with pytest.raises(error):
+        store_image(data, name="source", limits=limits, store=store)
+    assert not any(tmp_path.iterdir())
+
+
+def test_decode_data_uri() -> None:
+    png = image_bytes(20, 20)
+    assert decode_data_uri(data_uri(png, "image/png"), name="s", max_bytes=10_000) == png
+    assert decode_data_uri(data_uri(png, ""), name="s", max_bytes=10_000) == png
+    with pytest.raises(UnsupportedMediaType):
+        decode_data_uri(data_uri(png, "text/html"), name="s", max_bytes=10_000)
+    with pytest.raises(PayloadTooLarge):
+        decode_data_uri(data_uri(b"x" * 20_000, "image/png"), name="s", max_bytes=10_000)
+    for bad in ("data:image/png;base64", "data:image/png,abc", "data:image/png;base64,a=b"):
+        with pytest.raises(InvalidRequest):
+            decode_data_uri(bad, name="s", max_bytes=10_000)
+
+
+def test_accept_input_kinds(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+
+    def accept(value: str | bytes, private: bool = False) -> InputRef:
+        return accept_input(value, name="s", limits=LIMITS, store=store, allow_private_urls=private)
+
+    assert accept(source_jpeg()) == accept(data_uri(source_jpeg()))
+    url = accept("https://93.184.216.34/a.jpg")
+    assert url.url == "https://93.184.216.34/a.jpg" and url.key is None
+    with pytest.raises(BlockedUrl, match=r"^s: "):
+        accept("https://10.0.0.1/a.jpg")
+    with pytest.raises(InvalidRequest):
+        accept("http://93.184.216.34/a.jpg")
+    assert accept("http://127.0.0.1:8000/a.jpg", private=True).url == "http://127.0.0.1:8000/a.jpg"
