@@ -3,7 +3,9 @@
 SQLite (the embedded default) runs in WAL mode with a busy timeout, and every transaction
 starts with ``BEGIN IMMEDIATE``: the write lock is taken up front, so a transaction that
 reads then writes never fails half-way with "database is locked" (SQLite cannot upgrade
-a read snapshot that another writer has moved past). PostgreSQL goes through psycopg 3.
+a read snapshot that another writer has moved past). Sessions on ``read_only(engine)``
+begin ``DEFERRED`` instead (readers do not queue behind writers); they must not write.
+PostgreSQL goes through psycopg 3 (the option is ignored there).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlmodel import Session
 
 SQLITE_BUSY_TIMEOUT_MS = 15_000
+_BEGIN_OPTION = "faceflow_sqlite_begin"
 
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
@@ -59,6 +62,11 @@ def session_scope(engine: Engine) -> Iterator[Session]:
         yield session
 
 
+def read_only(engine: Engine) -> Engine:
+    """``engine`` for read-only sessions (same pool; SQLite transactions begin DEFERRED)."""
+    return engine.execution_options(**{_BEGIN_OPTION: "DEFERRED"})
+
+
 def is_sqlite(engine: Engine) -> bool:
     """Whether ``engine`` talks to SQLite."""
     return engine.dialect.name == "sqlite"
@@ -87,6 +95,7 @@ def _sqlite_engine(database_url: str) -> Engine:
 
     @sa.event.listens_for(engine, "begin")
     def _on_begin(connection: sa.Connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        mode = connection.get_execution_options().get(_BEGIN_OPTION, "IMMEDIATE")
+        connection.exec_driver_sql(f"BEGIN {mode}")
 
     return engine

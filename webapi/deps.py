@@ -43,8 +43,14 @@ def get_store(request: Request) -> ObjectStore:
 
 
 def get_session(engine: Annotated[Engine, Depends(get_engine)]) -> Iterator[Session]:
-    """A session for one request, closed afterwards."""
+    """A session for one request that writes, closed afterwards."""
     with Session(engine, expire_on_commit=False) as session:
+        yield session
+
+
+def get_read_session(request: Request) -> Iterator[Session]:
+    """A read-only session for one request (never write through it), closed afterwards."""
+    with Session(request.app.state.read_engine, expire_on_commit=False) as session:
         yield session
 
 
@@ -52,16 +58,17 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SessionDep = Annotated[Session, Depends(get_session)]
+ReadSessionDep = Annotated[Session, Depends(get_read_session)]
 
 
 def get_current_user(
-    session: SessionDep,
+    session: ReadSessionDep,
     settings: SettingsDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> User:
     """The user of the request's API key, or 401.
 
-    Ends its read transaction at once (SQLite transactions hold the write lock).
+    Ends its read transaction at once, before the route opens its own.
     """
     header = None if credentials is None else f"{credentials.scheme} {credentials.credentials}"
     api_key = parse_bearer(header)

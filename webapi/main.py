@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from webapi import errors
 from webapi.config import Settings, get_settings
-from webapi.db import get_engine
+from webapi.db import get_engine, read_only
 from webapi.metrics import ApiMetrics
 from webapi.migrations import check_migrated
 from webapi.routes import health, jobs
@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.engine = get_engine(settings.database_url)
+    app.state.read_engine = read_only(app.state.engine)
     app.state.store = open_store(settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url)
     app.state.metrics = ApiMetrics(app.state.engine)
     app.state.relay = None

@@ -20,7 +20,8 @@ from starlette.datastructures import UploadFile
 
 from webapi import crud
 from webapi.config import Settings
-from webapi.deps import CurrentUser, EngineDep, SessionDep, SettingsDep, StoreDep
+from webapi.db import read_only
+from webapi.deps import CurrentUser, EngineDep, ReadSessionDep, SessionDep, SettingsDep, StoreDep
 from webapi.errors import (
     ApiError,
     BlockedUrl,
@@ -290,12 +291,12 @@ async def _wait_for(
 
 
 def _poll_status(engine: Engine, job_id: uuid.UUID) -> JobStatus | None:
-    with Session(engine) as session:
+    with Session(read_only(engine)) as session:
         return crud.job_status(session, job_id=job_id)
 
 
 def _read_public(engine: Engine, user: User, job_id: uuid.UUID, base_url: str) -> JobPublic:
-    with Session(engine, expire_on_commit=False) as session:
+    with Session(read_only(engine), expire_on_commit=False) as session:
         job = crud.get_job(session, owner=user, job_id=job_id)
         callbacks = crud.callbacks_for(session, job_ids=[job.id])
         return to_public(job, base_url=base_url, callbacks=callbacks.get(job.id, []))
@@ -307,7 +308,7 @@ def _read_public(engine: Engine, user: User, job_id: uuid.UUID, base_url: str) -
 @router.get("/{job_id}", summary="Read a job", responses=_ERRORS)
 def read_job(
     request: Request,
-    session: SessionDep,
+    session: ReadSessionDep,
     user: CurrentUser,
     settings: SettingsDep,
     job_id: uuid.UUID,
@@ -322,7 +323,7 @@ def read_job(
 @router.get("", summary="List the caller's jobs, newest first", responses={401: _ERRORS[401]})
 def list_jobs(
     request: Request,
-    session: SessionDep,
+    session: ReadSessionDep,
     user: CurrentUser,
     settings: SettingsDep,
     status: Annotated[JobStatus | None, Query()] = None,
@@ -381,7 +382,7 @@ def cancel_job(
     },
 )
 def read_result(
-    session: SessionDep, user: CurrentUser, store: StoreDep, job_id: uuid.UUID
+    session: ReadSessionDep, user: CurrentUser, store: StoreDep, job_id: uuid.UUID
 ) -> Response:
     job = crud.get_job(session, owner=user, job_id=job_id)
     session.commit()
