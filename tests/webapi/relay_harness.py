@@ -1,0 +1,382 @@
+"""Real services for the relay tests: a Prefect server, a stand-in ``fuse-faces`` flow run
+in-process (a deterministic worker), a loopback HTTP receiver, and job factories.
+
+The Prefect server is ``prefect server start`` in a subprocess (own PREFECT_HOME, SQLite,
+127.0.0.1, stopped by PID through ``faceflow.supervisor``) so a test can stop and restart
+it. Prefect is imported lazily: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextvars
+import hashlib
+import hmac
+import json
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from faceflow.supervisor import Service
+from flows.params import ResultRef, result_key, result_meta_key
+from tests.webapi.utils import image_bytes, source_jpeg, target_jpeg
+from webapi import crud
+from webapi.config import Settings
+from webapi.inputs import InputRef, store_image
+from webapi.models import Job, JobCreate
+from webapi.storage import ObjectStore
+
+PREFECT_BIN = Path(sys.executable).with_name("prefect")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- Prefect server
+
+
+class PrefectServer:
+    """``prefect server start`` on 127.0.0.1 with its own home; restartable on one port."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.port = free_port()
+        self.service = Service(
+            name="prefect-server",
+            argv=[
+                str(PREFECT_BIN),
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--no-services",
+                "--no-ui",
+            ],
+            log=home / "server.log",
+            env={
+                "PREFECT_HOME": str(home),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_API_URL": self.api_url,
+                "PREFECT_LOGGING_LEVEL": "WARNING",
+            },
+        )
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def healthy(self) -> bool:
+        return httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200
+
+    def start(self, timeout_s: float = 120) -> None:
+        self.service.start()
+        self.service.wait_ready(self.healthy, timeout_s)
+
+    def stop(self) -> None:
+        self.service.stop(grace=10)
+
+    def set_state(self, flow_run_id: str, state_type: str, message: str | None = None) -> None:
+        """Force a flow run into a state (what a crashed or stopped worker leaves behind)."""
+        response = httpx.post(
+            f"{self.api_url}/flow_runs/{flow_run_id}/set_state",
+            json={"state": {"type": state_type, "message": message}, "force": True},
+            timeout=10,
+        )
+        response.raise_for_status()
+
+    def delete_run(self, flow_run_id: str) -> None:
+        httpx.delete(f"{self.api_url}/flow_runs/{flow_run_id}", timeout=10).raise_for_status()
+
+    def runs_of_job(self, job_id: uuid.UUID | str) -> list[dict[str, Any]]:
+        """Every flow run tagged ``job:<id>``."""
+        body = {"flow_runs": {"tags": {"all_": [f"job:{job_id}"]}}, "limit": 50}
+        response = httpx.post(f"{self.api_url}/flow_runs/filter", json=body, timeout=10)
+        response.raise_for_status()
+        return list(response.json())
+
+    def run(self, flow_run_id: str) -> dict[str, Any]:
+        response = httpx.get(f"{self.api_url}/flow_runs/{flow_run_id}", timeout=10)
+        response.raise_for_status()
+        return dict(response.json())
+
+
+# --------------------------------------------------------------------------- stand-in flow
+
+
+@dataclass
+class FlowScript:
+    """What the stand-in ``fuse-faces`` flow does: per job id, a behaviour; and where the
+    shared storage lives (the relay's LocalObjectStore directory)."""
+
+    storage_dir: Path | None = None
+    behaviours: dict[str, str] = field(default_factory=dict)  # job id → succeed | fail
+
+    def storage(self) -> Path:
+        assert self.storage_dir is not None, "set SCRIPT.storage_dir in the test"
+        return self.storage_dir
+
+
+SCRIPT = FlowScript()
+
+
+def write_result(storage_dir: Path, job_id: str, attempt: int) -> ResultRef:
+    """What the real flow leaves in storage on success: the image and its sidecar."""
+    data = image_bytes(24, 16)
+    ref = ResultRef(
+        key=result_key(job_id, attempt, "png"),
+        content_type="image/png",
+        width=24,
+        height=16,
+        faces_replaced=1,
+        timings_ms={"fuse": 1.5},
+    )
+    for key, payload in (
+        (ref.key, data),
+        (result_meta_key(job_id, attempt), ref.model_dump_json().encode()),
+    ):
+        path = storage_dir / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(payload)
+    return ref
+
+
+def fuse_faces_body(
+    job_id: str,
+    owner_id: str,
+    source_key: str,
+    target_key: str,
+    options: dict[str, Any],
+    deadline_at: datetime,
+    attempt: int = 1,
+    storage_block: str = "local-file-system/faceflow-storage",
+    settings_block: str = "fusion-settings/default",
+) -> dict[str, Any]:
+    """The stand-in flow's body: FuseFacesParams fields in, a ResultRef out."""
+    from tasks.errors import NoFaceFound
+
+    behaviour = SCRIPT.behaviours.get(job_id, "succeed")
+    if behaviour == "fail":
+        raise NoFaceFound(detail="stand-in flow told to fail")
+    return write_result(SCRIPT.storage(), job_id, attempt).model_dump()
+
+
+_FLOWS: dict[str, Any] = {}
+
+
+def stand_in_flow(name: str = "fuse-faces") -> Any:
+    """The Prefect flow ``name`` over ``fuse_faces_body`` (created once)."""
+    if name not in _FLOWS:
+        from prefect import flow
+
+        _FLOWS[name] = flow(name=name, persist_result=False)(fuse_faces_body)
+    return _FLOWS[name]
+
+
+def strict_flow() -> Any:
+    """A ``fuse-faces-strict`` flow whose ``attempt`` must be a string: the relay's
+    parameters fail its schema (Prefect answers 409)."""
+    if "strict" not in _FLOWS:
+        from prefect import flow
+
+        def strict(job_id: str, attempt: str) -> None:
+            return None
+
+        _FLOWS["strict"] = flow(name="fuse-faces-strict", persist_result=False)(strict)
+    return _FLOWS["strict"]
+
+
+def deploy_stand_ins() -> None:
+    """Register deployments ``fuse-faces/fuse-faces`` and ``fuse-faces-strict/fuse-faces``."""
+    stand_in_flow().to_deployment(name="fuse-faces").apply()
+    strict_flow().to_deployment(name="fuse-faces").apply()
+
+
+def execute_run(flow_run_id: str) -> str:
+    """Run an existing flow run in this process, as a worker would; returns its final state
+    type. Must run where the Prefect settings context points at the test server."""
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(uuid.UUID(flow_run_id))
+    state = run_flow(stand_in_flow(), flow_run=flow_run, return_type="state")
+    return str(state.type.value)  # type: ignore[union-attr]
+
+
+def in_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread running ``target`` in a copy of this context (Prefect settings)."""
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=lambda: context.run(target), name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+# --------------------------------------------------------------------------- HTTP receiver
+
+
+@dataclass
+class Received:
+    """One request the receiver got."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+class Receiver:
+    """A real ``http.server`` on 127.0.0.1 in a thread. POSTs are recorded and answered
+    from ``statuses`` (the last one repeats); GETs serve ``files`` (path → status,
+    headers, body)."""
+
+    def __init__(self) -> None:
+        self.requests: list[Received] = []
+        self.statuses: list[int] = [200]
+        self.files: dict[str, tuple[int, dict[str, str], bytes]] = {}
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+            def _record(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with receiver._lock:
+                    receiver.requests.append(
+                        Received(self.command, self.path, dict(self.headers.items()), body)
+                    )
+
+            def do_POST(self) -> None:
+                self._record()
+                with receiver._lock:
+                    index = sum(1 for r in receiver.requests if r.method == "POST") - 1
+                    status = receiver.statuses[min(index, len(receiver.statuses) - 1)]
+                self.send_response(status)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                self._record()
+                status, headers, body = receiver.files.get(self.path, (404, {}, b""))
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def posts(self) -> list[Received]:
+        with self._lock:
+            return [r for r in self.requests if r.method == "POST"]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+@contextmanager
+def receiver() -> Iterator[Receiver]:
+    """A running ``Receiver``, shut down on exit."""
+    instance = Receiver()
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def submit(
+    engine: Engine,
+    settings: Settings,
+    store: ObjectStore,
+    owner: crud.NewUser,
+    *,
+    source_url: str | None = None,
+    **fields: Any,
+) -> Job:
+    """Submit a job the way the API does (inputs validated and stored, one transaction)."""
+    create = JobCreate.model_validate({"options": {"identity_weight": 0.8}, **fields})
+    if source_url is not None:
+        source = InputRef(name="source", digest="0" * 64, url=source_url)
+    else:
+        source = store_image(
+            source_jpeg(), name="source", limits=settings.image_limits, store=store
+        )
+    target = store_image(target_jpeg(), name="target", limits=settings.image_limits, store=store)
+    with Session(engine, expire_on_commit=False) as session:
+        job, created = crud.submit_job(
+            session,
+            owner=owner.user,
+            create=create,
+            source=source,
+            target=target,
+            settings=settings,
+        )
+    assert created
+    return job
+
+
+def job(engine: Engine, job_id: uuid.UUID) -> Job:
+    """The job row as stored now."""
+    with Session(engine, expire_on_commit=False) as session:
+        found = session.get(Job, job_id)
+        assert found is not None
+        return found
+
+
+def body_json(received: Received) -> Any:
+    return json.loads(received.body)
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def independent_verify(
+    secret: str, headers: dict[str, str], body: bytes, *, tolerance_s: int = 300
+) -> bool:
+    """Standard Webhooks verification written from the spec, sharing no code with
+    ``webapi.webhooks``: HMAC-SHA256 over ``id.timestamp.body`` with the base64-decoded
+    ``whsec_`` key, compared with each ``v1,`` signature in the header."""
+    lower = {name.lower(): value for name, value in headers.items()}
+    msg_id, stamp = lower["webhook-id"], lower["webhook-timestamp"]
+    if abs(time.time() - int(stamp)) > tolerance_s:
+        return False
+    key = base64.b64decode(secret.split("_", 1)[1])
+    signed = b".".join([msg_id.encode(), stamp.encode(), body])
+    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    offered = [sig.split(",", 1) for sig in lower["webhook-signature"].split(" ")]
+    return any(
+        version == "v1" and hmac.compare_digest(value, expected) for version, value in offered
+    )

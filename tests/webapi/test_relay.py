@@ -1,0 +1,529 @@
+"""The relay against a real Prefect server, on real SQLite and PostgreSQL job stores.
+
+Flow runs are executed in-process by ``execute_run`` (a deterministic worker) or forced
+into the states a crashed or stopped worker leaves behind. Each step is driven one pass at
+a time except in the end-to-end test, which runs the relay's background threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from flows.params import FuseFacesParams, idempotency_key, result_key
+from tests.webapi.conftest import make_settings
+from tests.webapi.relay_harness import (
+    SCRIPT,
+    PrefectServer,
+    body_json,
+    deploy_stand_ins,
+    execute_run,
+    in_thread,
+    independent_verify,
+    job,
+    receiver,
+    submit,
+    write_result,
+)
+from tests.webapi.utils import make_user, outbox_of, source_jpeg
+from webapi import crud
+from webapi.config import Settings
+from webapi.models import JobStatus, Outbox
+from webapi.prefect_api import FlowRun, PrefectAPI, StateType
+from webapi.relay import dispatch, expire, reap, sync
+from webapi.relay.context import Relay, RelayTimings
+from webapi.relay.metrics import METRICS
+from webapi.relay.runner import build_relay, reconcile_once, start_relay, stop_relay
+from webapi.storage import LocalObjectStore
+
+pytestmark = pytest.mark.prefect
+
+FAST = RelayTimings(
+    dispatch_interval_s=0.05,
+    sync_interval_s=0.2,
+    expire_interval_s=0.2,
+    reap_interval_s=0.2,
+    notify_interval_s=0.1,
+    dispatch_backoff_base_s=0.1,
+    dispatch_backoff_cap_s=0.5,
+    running_grace_s=0.5,
+    pending_timeout_s=2.0,
+    cancel_grace_s=2.0,
+    webhook_backoff_base_s=0.1,
+    webhook_backoff_cap_s=0.3,
+)
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """A real Prefect server with the stand-in deployments; this process's Prefect client
+    settings point at it while the session lasts."""
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_LOGGING_TO_API_ENABLED,
+        temporary_settings,
+    )
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    server = PrefectServer(home)
+    server.start()
+    try:
+        with temporary_settings(
+            updates={
+                PREFECT_API_URL: server.api_url,
+                PREFECT_HOME: home / "client",
+                PREFECT_LOGGING_TO_API_ENABLED: False,
+            }
+        ):
+            deploy_stand_ins()
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def settings(database_url: str, tmp_path: Path, prefect_server: PrefectServer) -> Settings:
+    return make_settings(database_url, tmp_path, prefect_api_url=prefect_server.api_url)
+
+
+@pytest.fixture
+def relay(engine: Engine, settings: Settings) -> Iterator[Relay]:
+    store = LocalObjectStore(tmp_path_of(settings) / "storage")
+    SCRIPT.storage_dir = store.basepath
+    SCRIPT.behaviours.clear()
+    instance = build_relay(settings, engine=engine, store=store, timings=FAST)
+    yield instance
+    instance.close()
+
+
+@pytest.fixture
+def owner(engine: Engine, settings: Settings) -> crud.NewUser:
+    return make_user(engine, settings, quota=100)
+
+
+def tmp_path_of(settings: Settings) -> Path:
+    return Path(settings.home)
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 0.05) -> float:
+    """Poll until ``check()``; returns the seconds waited (fails the test on timeout)."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"condition not met within {timeout_s} s")
+        time.sleep(step_s)
+    return time.monotonic() - started
+
+
+def dispatched(relay: Relay, owner: crud.NewUser, **fields: Any) -> uuid.UUID:
+    """Submit a job and dispatch it; returns its id (job queued with a Scheduled run)."""
+    new = submit(relay.engine, relay.settings, relay.store, owner, **fields)
+    dispatch.run_once(relay)
+    assert job(relay.engine, new.id).flow_run_id is not None
+    return new.id
+
+
+def running(
+    relay: Relay, owner: crud.NewUser, server: PrefectServer, **fields: Any
+) -> tuple[uuid.UUID, str]:
+    """A dispatched job whose run a worker has started (then stopped reporting)."""
+    job_id = dispatched(relay, owner, **fields)
+    run_id = str(job(relay.engine, job_id).flow_run_id)
+    server.set_state(run_id, "RUNNING")
+    sync.run_once(relay)
+    assert job(relay.engine, job_id).status is JobStatus.running
+    return job_id, run_id
+
+
+def flow_run_of(relay: Relay, job_id: uuid.UUID) -> FlowRun:
+    run_id = job(relay.engine, job_id).flow_run_id
+    assert run_id is not None
+    run = relay.prefect.read_flow_run(str(run_id))
+    assert run is not None
+    return run
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_creates_one_flow_run_per_attempt(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    new = submit(relay.engine, relay.settings, relay.store, owner)
+    assert dispatch.run_once(relay) == 1
+
+    stored = job(relay.engine, new.id)
+    assert stored.status is JobStatus.queued and stored.attempts == 1
+    runs = prefect_server.runs_of_job(new.id)
+    assert [r["id"] for r in runs] == [str(stored.flow_run_id)]
+    run = runs[0]
+    assert run["name"] == str(new.id)
+    assert set(run["tags"]) >= {f"job:{new.id}", f"owner:{owner.user.id}"}
+    assert run["idempotency_key"] == idempotency_key(str(new.id), 1)
+    params = FuseFacesParams.model_validate(run["parameters"])
+    assert (params.job_id, params.owner_id, params.attempt) == (str(new.id), str(owner.user.id), 1)
+    assert params.source_key == stored.source_key and params.target_key == stored.target_key
+    assert params.deadline_at == stored.deadline_at
+    assert [row.outcome for row in outbox_of(relay.engine, new.id)] == ["done"]
+
+    # The same attempt again (a relay that crashed before recording): Prefect returns the
+    # same run; a stale dispatch row for an attempt already made is dropped.
+    assert relay.prefect.create_flow_run(params).id == str(stored.flow_run_id)
+    with Session(relay.engine) as session:
+        session.add(Outbox(kind="dispatch", job_id=new.id, payload={"attempt": 1}))
+        session.commit()
+    dispatch.run_once(relay)
+    assert len(prefect_server.runs_of_job(new.id)) == 1
+    assert outbox_of(relay.engine, new.id)[-1].outcome == "obsolete"
+
+
+def test_prefect_down_job_stays_queued_then_dispatched(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    prefect_server.stop()
+    try:
+        new = submit(relay.engine, relay.settings, relay.store, owner)
+        for _ in range(3):
+            dispatch.run_once(relay)
+            time.sleep(FAST.dispatch_backoff_cap_s)
+        stored = job(relay.engine, new.id)
+        assert stored.status is JobStatus.queued and stored.flow_run_id is None
+        [row] = outbox_of(relay.engine, new.id)
+        assert row.done_at is None and row.attempts == 3 and row.last_error
+        assert METRICS.value("faceflow_relay_dispatches_total", "retry") >= 3
+        assert sync.run_once(relay) == 0 and reap.run_once(relay) == 0  # no crash while down
+    finally:
+        prefect_server.start()
+    wait_for(lambda: dispatch.run_once(relay) > 0 and job(relay.engine, new.id).attempts == 1)
+    assert len(prefect_server.runs_of_job(new.id)) == 1
+
+
+def test_dispatch_rejected_by_the_parameter_schema_fails_the_job(
+    relay: Relay, owner: crud.NewUser
+) -> None:
+    strict = PrefectAPI(relay.settings.prefect_api_url, flow_name="fuse-faces-strict")
+    strict_relay = replace(relay, prefect=strict)
+    new = submit(relay.engine, relay.settings, relay.store, owner)
+    dispatch.run_once(strict_relay)
+    stored = job(relay.engine, new.id)
+    assert stored.status is JobStatus.failed and stored.error_code == "dispatch_rejected"
+    assert stored.flow_run_id is None
+    strict.close()
+
+
+def test_url_input_is_fetched_through_redirects_then_dispatched(
+    relay: Relay, owner: crud.NewUser
+) -> None:
+    photo = source_jpeg()
+    with receiver() as server:
+        server.files["/start"] = (302, {"location": "/hop"}, b"")
+        server.files["/hop"] = (307, {"location": f"{server.url}/photo.jpg"}, b"")
+        server.files["/photo.jpg"] = (200, {"content-type": "image/jpeg"}, photo)
+        server.files["/meta"] = (302, {"location": "http://169.254.169.254/latest"}, b"")
+        good = submit(
+            relay.engine, relay.settings, relay.store, owner, source_url=f"{server.url}/start"
+        )
+        blocked = submit(
+            relay.engine, relay.settings, relay.store, owner, source_url=f"{server.url}/meta"
+        )
+        dispatch.run_once(relay)
+        asked = [r.path for r in server.requests]
+
+    fetched = job(relay.engine, good.id)
+    assert fetched.flow_run_id is not None and fetched.source_key is not None
+    assert relay.store.get(fetched.source_key) == photo
+    assert flow_run_of(relay, good.id).parameters["source_key"] == fetched.source_key
+    refused = job(relay.engine, blocked.id)
+    assert refused.status is JobStatus.failed and refused.error_code == "input_fetch_failed"
+    assert asked.count("/meta") == 1 and "/latest" not in asked  # never followed
+
+
+# --------------------------------------------------------------------------- sync
+
+
+def test_sync_maps_completed_failed_cancelled_and_running(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    ok, bad, stopped, busy = (dispatched(relay, owner) for _ in range(4))
+    SCRIPT.behaviours[str(bad)] = "fail"
+    assert execute_run(str(job(relay.engine, ok).flow_run_id)) == "COMPLETED"
+    assert execute_run(str(job(relay.engine, bad).flow_run_id)) == "FAILED"
+    prefect_server.set_state(str(job(relay.engine, stopped).flow_run_id), "CANCELLED")
+    prefect_server.set_state(str(job(relay.engine, busy).flow_run_id), "RUNNING", "stage: detect")
+
+    assert sync.run_once(relay) == 4
+    done = job(relay.engine, ok)
+    assert done.status is JobStatus.succeeded and done.started_at and done.finished_at
+    assert (done.result_key, done.result_content_type) == (
+        result_key(str(ok), 1, "png"),
+        "image/png",
+    )
+    assert (done.result_width, done.result_height, done.timings) == (24, 16, {"fuse": 1.5})
+    failed = job(relay.engine, bad)
+    assert failed.status is JobStatus.failed and failed.error_code == "no_face_found"
+    assert failed.error_message == "No face was found in the image."
+    assert job(relay.engine, stopped).status is JobStatus.cancelled
+    running = job(relay.engine, busy)
+    assert running.status is JobStatus.running and running.stage == "detect"
+    assert sync.run_once(relay) == 0  # nothing new
+
+
+def test_stale_flow_run_late_result_is_ignored(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    job_id, first = running(relay, owner, prefect_server)
+    prefect_server.set_state(first, "CRASHED")
+    assert reap.run_once(relay) >= 1
+    dispatch.run_once(relay)
+    second = str(job(relay.engine, job_id).flow_run_id)
+    assert second != first and job(relay.engine, job_id).attempts == 2
+
+    # Attempt 1's zombie finishes now, with a result of its own: nothing changes.
+    write_result(SCRIPT.storage(), str(job_id), 1)
+    prefect_server.set_state(first, "COMPLETED")
+    sync.run_once(relay)
+    stale = job(relay.engine, job_id)
+    assert stale.status is JobStatus.queued and stale.result_key is None
+
+    assert execute_run(second) == "COMPLETED"
+    sync.run_once(relay)
+    final = job(relay.engine, job_id)
+    assert final.status is JobStatus.succeeded
+    assert final.result_key == result_key(str(job_id), 2, "png")
+
+
+# --------------------------------------------------------------------------- expire
+
+
+def test_expire_without_creating_a_flow_run(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    new = submit(relay.engine, relay.settings, relay.store, owner, queue_timeout_seconds=1)
+    time.sleep(1.1)
+    assert dispatch.run_once(relay) == 1  # too late: deferred, no run created
+    assert expire.run_once(relay) == 1
+    stored = job(relay.engine, new.id)
+    assert stored.status is JobStatus.expired and stored.error_code == "queue_timeout"
+    assert stored.flow_run_id is None and prefect_server.runs_of_job(new.id) == []
+    assert all(row.done_at for row in outbox_of(relay.engine, new.id))
+
+
+def test_expire_cancels_a_scheduled_flow_run(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    job_id = dispatched(relay, owner, queue_timeout_seconds=1)
+    time.sleep(1.1)
+    assert expire.run_once(relay) == 1
+    assert job(relay.engine, job_id).status is JobStatus.expired
+    reap.run_once(relay)  # processes the cancel_run row
+    assert flow_run_of(relay, job_id).state_type is StateType.CANCELLED
+
+
+# --------------------------------------------------------------------------- reap
+
+
+def test_reap_crashed_run_redispatches_then_stops_at_max_attempts(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    job_id = dispatched(relay, owner)
+    for attempt in (1, 2):
+        run = flow_run_of(relay, job_id)
+        assert run.idempotency_key == idempotency_key(str(job_id), attempt)
+        prefect_server.set_state(run.id, "RUNNING")
+        sync.run_once(relay)
+        assert job(relay.engine, job_id).status is JobStatus.running
+        prefect_server.set_state(run.id, "CRASHED")
+        assert reap.run_once(relay) >= 1
+        dispatch.run_once(relay)
+
+    final = job(relay.engine, job_id)
+    assert final.status is JobStatus.failed and final.error_code == "worker_lost"
+    assert final.attempts == 2 and len(prefect_server.runs_of_job(job_id)) == 2
+    kinds = [(row.kind, row.payload.get("attempt")) for row in outbox_of(relay.engine, job_id)]
+    assert kinds.count(("dispatch", 2)) == 1 and ("dispatch", 3) not in kinds
+
+
+def test_reap_lost_run_redispatches(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    job_id = dispatched(relay, owner)
+    prefect_server.delete_run(str(job(relay.engine, job_id).flow_run_id))
+    assert reap.run_once(relay) >= 1
+    dispatch.run_once(relay)
+    stored = job(relay.engine, job_id)
+    assert stored.status is JobStatus.queued and stored.attempts == 2
+    assert [r["idempotency_key"] for r in prefect_server.runs_of_job(job_id)] == [
+        idempotency_key(str(job_id), 2)
+    ]
+
+
+def test_reap_running_past_deadline_fails_and_cancels_the_run(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    job_id, run_id = running(relay, owner, prefect_server, deadline_seconds=1)
+    time.sleep(1 + FAST.running_grace_s + 0.1)
+    assert reap.run_once(relay) >= 1
+    stored = job(relay.engine, job_id)
+    assert stored.status is JobStatus.failed and stored.error_code == "deadline_exceeded"
+    reap.run_once(relay)  # the cancel_run row
+    assert relay.prefect.read_flow_run(run_id).state_type is StateType.CANCELLING  # type: ignore[union-attr]
+
+
+def test_cancel_running_job_then_scheduled_job(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    (busy, busy_run), waiting = running(relay, owner, prefect_server), dispatched(relay, owner)
+    with Session(relay.engine, expire_on_commit=False) as session:
+        assert (
+            crud.cancel_job(session, owner=owner.user, job_id=busy).status
+            is JobStatus.cancel_requested
+        )
+        assert (
+            crud.cancel_job(session, owner=owner.user, job_id=waiting).status is JobStatus.cancelled
+        )
+
+    reap.run_once(relay)
+    assert relay.prefect.read_flow_run(busy_run).state_type is StateType.CANCELLING  # type: ignore[union-attr]
+    assert flow_run_of(relay, waiting).state_type is StateType.CANCELLED
+    assert job(relay.engine, busy).status is JobStatus.cancel_requested
+    prefect_server.set_state(busy_run, "CANCELLED")  # the worker stopped the process
+    sync.run_once(relay)
+    assert job(relay.engine, busy).status is JobStatus.cancelled
+
+
+def test_cancel_that_never_stops_is_forced_after_grace(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    job_id, run_id = running(relay, owner, prefect_server)
+    with Session(relay.engine) as session:
+        crud.cancel_job(session, owner=owner.user, job_id=job_id)
+    reap.run_once(relay)
+    time.sleep(FAST.cancel_grace_s + 0.1)
+    reap.run_once(relay)
+    assert job(relay.engine, job_id).status is JobStatus.cancelled
+    assert relay.prefect.read_flow_run(run_id).state_type is StateType.CANCELLED  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+class CountingPrefect(PrefectAPI):
+    """A real client that records, per job, the flow runs it created and whether two
+    replicas were ever creating the same job's run at the same time."""
+
+    created: dict[str, int]
+    in_flight: set[str]
+    overlaps: list[str]
+    lock = threading.Lock()
+
+    def create_flow_run(self, params: FuseFacesParams, **kwargs: object) -> FlowRun:  # type: ignore[override]
+        with self.lock:
+            if params.job_id in self.in_flight:
+                self.overlaps.append(params.job_id)
+            self.in_flight.add(params.job_id)
+        try:
+            run = super().create_flow_run(params)
+        finally:
+            with self.lock:
+                self.in_flight.discard(params.job_id)
+        with self.lock:
+            self.created[params.job_id] = self.created.get(params.job_id, 0) + 1
+        return run
+
+
+def test_two_relays_never_double_dispatch(relay: Relay, owner: crud.NewUser) -> None:
+    created: dict[str, int] = {}
+    in_flight: set[str] = set()
+    overlaps: list[str] = []
+    replicas = []
+    for _ in range(2):
+        client = CountingPrefect(relay.settings.prefect_api_url)
+        client.created, client.in_flight, client.overlaps = created, in_flight, overlaps
+        replicas.append(
+            replace(
+                relay,
+                prefect=client,
+                owner=f"replica-{uuid.uuid4().hex[:6]}",
+                timings=replace(FAST, batch=5),
+            )
+        )
+    jobs = [submit(relay.engine, relay.settings, relay.store, owner).id for _ in range(30)]
+    stop = threading.Event()
+    handled: dict[str, int] = {}
+
+    def loop(replica: Relay) -> None:
+        while not stop.is_set():
+            handled[replica.owner] = handled.get(replica.owner, 0) + dispatch.run_once(replica)
+
+    threads = [in_thread(partial(loop, r), f"replica-{i}") for i, r in enumerate(replicas)]
+    wait_for(lambda: all(job(relay.engine, j).flow_run_id for j in jobs), timeout_s=60)
+    stop.set()
+    for thread in threads:
+        thread.join(10)
+    for replica in replicas:
+        replica.prefect.close()
+    # Prefect's SQLite server answers some concurrent writes 503: those rows back off and
+    # are retried, but no job's run is ever being created by two replicas at once.
+    assert overlaps == []
+    assert created == {str(j): 1 for j in jobs}
+    assert all(count > 0 for count in handled.values()), handled  # both took work
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_relay_threads_end_to_end_with_signed_webhook(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    with receiver() as hooks:
+        runner = start_relay(relay=relay)
+        try:
+            new = submit(
+                relay.engine,
+                relay.settings,
+                relay.store,
+                owner,
+                callback_url=f"{hooks.url}/hook",
+                callback_events=["job.running", "job.succeeded"],
+            )
+            runner.wake()
+            wait_for(lambda: job(relay.engine, new.id).flow_run_id is not None)
+            run_id = str(job(relay.engine, new.id).flow_run_id)
+            finished: list[float] = []
+
+            def worker() -> None:
+                execute_run(run_id)
+                finished.append(time.monotonic())
+
+            in_thread(worker, "worker").join(60)
+            wait_for(lambda: job(relay.engine, new.id).status is JobStatus.succeeded)
+            lag = time.monotonic() - finished[0]
+            assert lag < 2.0, f"succeeded {lag:.2f} s after the run finished"
+            wait_for(lambda: "job.succeeded" in {body_json(p)["type"] for p in hooks.posts()})
+        finally:
+            stop_relay()
+    ids: dict[str, set[str]] = {}
+    for post in hooks.posts():
+        assert independent_verify(owner.webhook_secret, post.headers, post.body)
+        ids.setdefault(body_json(post)["type"], set()).add(post.headers["webhook-id"])
+    assert all(len(found) == 1 for found in ids.values())  # one webhook-id per event
+    assert body_json(hooks.posts()[-1])["data"]["id"] == str(new.id)
+    assert "faceflow_relay_dispatches_total" in METRICS.render()
+
+
+def test_reconcile_once_runs_every_step(relay: Relay, owner: crud.NewUser) -> None:
+    new = submit(relay.engine, relay.settings, relay.store, owner)
+    counts = reconcile_once(relay=relay)
+    assert set(counts) == {"dispatch", "sync", "expire", "reap", "notify"}
+    assert counts["dispatch"] == 1 and job(relay.engine, new.id).flow_run_id is not None

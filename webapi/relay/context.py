@@ -1,0 +1,95 @@
+"""What every relay step needs: the job store, Prefect, storage, settings and timings.
+
+One ``Relay`` value is built by the runner and passed to each step's ``run_once``. Steps
+keep database transactions short and never hold one across an HTTP call (SQLite takes
+the write lock at ``BEGIN``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from webapi import crud
+from webapi.config import Settings
+from webapi.db import session_scope
+from webapi.models import Outbox, OutboxKind
+from webapi.prefect_api import PrefectAPI
+from webapi.relay import leases
+from webapi.relay.leases import DEFAULT_LEASE_S, replica_id
+from webapi.relay.metrics import METRICS, RelayMetrics
+from webapi.storage import ObjectStore
+
+
+@dataclass(frozen=True)
+class RelayTimings:
+    """Intervals, batch sizes, grace periods and backoff of the relay loops (seconds)."""
+
+    dispatch_interval_s: float = 0.2
+    sync_interval_s: float = 0.5
+    expire_interval_s: float = 1.0
+    reap_interval_s: float = 1.0
+    notify_interval_s: float = 0.5
+    batch: int = 50
+    lease_s: float = DEFAULT_LEASE_S
+    dispatch_backoff_base_s: float = 0.5
+    dispatch_backoff_cap_s: float = 30.0
+    running_grace_s: float = 30.0  # Running past deadline_at + this → reaped
+    pending_timeout_s: float = 120.0  # Pending this long after its state change → lost
+    cancel_grace_s: float = 60.0  # Cancelling this long after the request → forced
+    webhook_timeout_s: float = 10.0
+    webhook_backoff_base_s: float = 5.0
+    webhook_backoff_cap_s: float = 3600.0
+    webhook_max_age_s: float = 24 * 3600.0
+    webhook_concurrency: int = 8
+    fetch_timeout_s: float = 10.0
+    fetch_max_redirects: int = 3
+
+
+@dataclass
+class Relay:
+    """The relay's dependencies; ``owner`` names this replica in outbox leases."""
+
+    engine: Engine
+    prefect: PrefectAPI
+    store: ObjectStore
+    settings: Settings
+    timings: RelayTimings = field(default_factory=RelayTimings)
+    owner: str = field(default_factory=replica_id)
+    metrics: RelayMetrics = METRICS
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(follow_redirects=False))
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A short-lived job-store session (closed, and rolled back if uncommitted)."""
+        with session_scope(self.engine) as session:
+            yield session
+
+    def claim(self, kind: OutboxKind, *, lease_s: float | None = None) -> list[Outbox]:
+        """Lease up to ``timings.batch`` due outbox rows of ``kind`` for this replica."""
+        with self.session() as session:
+            return leases.claim(
+                session,
+                kinds=[kind],
+                owner=self.owner,
+                limit=self.timings.batch,
+                lease_s=lease_s or self.timings.lease_s,
+            )
+
+    def expected_cost_s(self) -> float:
+        """Time one attempt is expected to need (median of recent runs, else the setting):
+        no re-dispatch starts with less time left."""
+        with self.session() as session:
+            value = crud.service_seconds(session, settings=self.settings)
+            session.commit()
+        return value
+
+    def close(self) -> None:
+        """Close the HTTP clients (the engine belongs to the caller)."""
+        self.http.close()
+        self.prefect.close()

@@ -1,0 +1,262 @@
+"""dispatch: due ``dispatch`` outbox rows → one Prefect flow run per job attempt.
+
+For each leased row: inputs given as URLs are fetched, validated and stored first; then
+the flow run is created with idempotency key ``job-<id>-attempt-<n>`` (a repeat returns the
+same run), and its id is written to the job — still ``queued`` until the run starts —
+together with closing the row, in one transaction conditional on the job being queued
+with no run. While Prefect is unreachable the row backs off (exponential, jitter, capped)
+and the job stays queued; a permanent refusal fails the job with ``dispatch_rejected``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+
+from sqlmodel import Session
+
+from flows.params import (
+    DEFAULT_SETTINGS_BLOCK,
+    DEFAULT_STORAGE_BLOCK,
+    FuseFacesParams,
+)
+from tasks.errors import FaceFlowError
+from tasks.options import FusionOptions
+from webapi.errors import ApiError
+from webapi.inputs import store_image
+from webapi.jobstate import transition
+from webapi.models import Job, JobStatus, Outbox, OutboxOutcome, utcnow
+from webapi.prefect_api import PrefectRejected, PrefectUnavailable
+from webapi.relay import leases
+from webapi.relay.context import Relay
+from webapi.relay.fetch import FetchError, FetchRejected, fetch_url
+
+log = logging.getLogger(__name__)
+
+DISPATCH_REJECTED = "dispatch_rejected"
+COUNTER = "faceflow_relay_dispatches_total"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one dispatch needs, read in a short transaction."""
+
+    job_id: uuid.UUID
+    owner_id: uuid.UUID
+    attempt: int
+    created_at: datetime
+    deadline_at: datetime
+    queue_deadline_at: datetime
+    started: bool
+    source_key: str | None
+    target_key: str | None
+    source_url: str | None
+    target_url: str | None
+    options: dict[str, object]
+
+
+def run_once(relay: Relay) -> int:
+    """Lease due dispatch rows and process each; returns how many rows were handled."""
+    rows = relay.claim("dispatch")
+    for row in rows:
+        dispatch_row(relay, row)
+    return len(rows)
+
+
+def dispatch_row(relay: Relay, row: Outbox) -> None:
+    """Create the flow run of one leased dispatch row and record it on the job."""
+    plan = _plan(relay, row)
+    if plan is None:
+        return
+    now = utcnow()
+    if now >= plan.deadline_at or (not plan.started and now >= plan.queue_deadline_at):
+        # Too late to start: expire (or reap) ends the job and closes this row.
+        _defer(relay, row, "past the job's deadline", relay.timings.expire_interval_s)
+        return
+    if plan.source_key is None or plan.target_key is None:
+        plan = _fetch_inputs(relay, row, plan)
+        if plan is None:
+            return
+    assert plan.source_key is not None and plan.target_key is not None
+    params = FuseFacesParams(
+        job_id=str(plan.job_id),
+        owner_id=str(plan.owner_id),
+        source_key=plan.source_key,
+        target_key=plan.target_key,
+        options=FusionOptions.model_validate(plan.options),
+        deadline_at=plan.deadline_at,
+        attempt=plan.attempt,
+        storage_block=DEFAULT_STORAGE_BLOCK,
+        settings_block=DEFAULT_SETTINGS_BLOCK,
+    )
+    try:
+        run = relay.prefect.create_flow_run(params)
+    except PrefectUnavailable as exc:
+        _back_off(relay, row, str(exc))
+        return
+    except PrefectRejected as exc:
+        log.error("dispatch rejected", extra={"job_id": str(plan.job_id), "detail": exc.detail})
+        _fail(relay, row, plan, DISPATCH_REJECTED, "The job could not be scheduled.", str(exc))
+        return
+    _record_run(relay, row, plan, uuid.UUID(run.id))
+
+
+def _plan(relay: Relay, row: Outbox) -> _Plan | None:
+    """Read the job; close the row (obsolete) when the job no longer wants a run."""
+    with relay.session() as session:
+        job = session.get(Job, row.job_id)
+        attempt = int(row.payload.get("attempt") or ((job.attempts + 1) if job else 1))
+        if job is None or job.status is not JobStatus.queued or job.attempts >= attempt:
+            leases.finish(session, row, owner=relay.owner, outcome="obsolete")
+            session.commit()
+            relay.metrics.inc(COUNTER, "obsolete")
+            return None
+        plan = _Plan(
+            job_id=job.id,
+            owner_id=job.owner_id,
+            attempt=attempt,
+            created_at=job.created_at,
+            deadline_at=job.deadline_at,
+            queue_deadline_at=job.queue_deadline_at,
+            started=job.started_at is not None,
+            source_key=job.source_key,
+            target_key=job.target_key,
+            source_url=job.source_url,
+            target_url=job.target_url,
+            options=dict(job.options),
+        )
+        session.commit()  # end the read transaction before any network call
+    return plan
+
+
+def _fetch_inputs(relay: Relay, row: Outbox, plan: _Plan) -> _Plan | None:
+    """Fetch, validate and store URL inputs; write their keys on the job."""
+    try:
+        source_key = plan.source_key or _fetch_and_store(relay, plan.source_url, "source")
+        target_key = plan.target_key or _fetch_and_store(relay, plan.target_url, "target")
+    except FetchRejected as exc:
+        _fail(relay, row, plan, exc.code, exc.public_message, str(exc))
+        return None
+    except FaceFlowError as exc:  # the fetched bytes are not an acceptable image
+        _fail(relay, row, plan, exc.code, exc.public_message, str(exc))
+        return None
+    except ApiError as exc:  # empty or too large
+        _fail(relay, row, plan, exc.code, exc.message, str(exc))
+        return None
+    except FetchError as exc:
+        _back_off(relay, row, str(exc))
+        return None
+    with relay.session() as session:
+        stored = _update_queued(session, plan, source_key=source_key, target_key=target_key)
+    if not stored:  # cancelled or expired meanwhile
+        _close(relay, row, "obsolete")
+        return None
+    return replace(plan, source_key=source_key, target_key=target_key)
+
+
+def _fetch_and_store(relay: Relay, url: str | None, name: str) -> str:
+    if url is None:
+        raise FetchRejected(f"The job has no {name} image.")
+    settings = relay.settings
+    data = fetch_url(
+        relay.http,
+        url,
+        max_bytes=settings.image_limits.max_bytes,
+        allow_private=settings.allow_private_urls,
+        timeout_s=relay.timings.fetch_timeout_s,
+        max_redirects=relay.timings.fetch_max_redirects,
+        schemes=("http", "https") if settings.allow_private_urls else ("https",),
+    )
+    ref = store_image(data, name=name, limits=settings.image_limits, store=relay.store)
+    assert ref.key is not None
+    return ref.key
+
+
+def _update_queued(session: Session, plan: _Plan, **fields: Any) -> bool:
+    """Write ``fields`` on the job if it is still queued without a flow run."""
+    return transition(
+        session,
+        job_id=plan.job_id,
+        to=JobStatus.queued,
+        expected=JobStatus.queued,
+        expected_flow_run_id=None,
+        **fields,
+    )
+
+
+def _record_run(relay: Relay, row: Outbox, plan: _Plan, flow_run_id: uuid.UUID) -> None:
+    now = utcnow()
+    with relay.session() as session:
+        recorded = _update_queued(
+            session, plan, flow_run_id=flow_run_id, attempts=plan.attempt, commit=False, now=now
+        )
+        leases.finish(
+            session, row, owner=relay.owner, outcome="done" if recorded else "obsolete", now=now
+        )
+        session.commit()
+    if recorded:
+        relay.metrics.inc(COUNTER, "dispatched")
+        relay.metrics.observe_dispatch_lag((now - plan.created_at).total_seconds())
+        log.info("dispatched", extra={"job_id": str(plan.job_id), "attempt": plan.attempt})
+        return
+    # The job was cancelled or expired while the run was being created: cancel that run
+    # (it is Scheduled, so no worker has it yet; best effort, the reaper covers failures).
+    relay.metrics.inc(COUNTER, "obsolete")
+    try:
+        run = relay.prefect.read_flow_run(str(flow_run_id))
+        if run is not None:
+            relay.prefect.cancel_flow_run(run, message="FaceFlow job is no longer queued")
+    except (PrefectUnavailable, PrefectRejected) as exc:
+        log.warning("could not cancel an orphaned run", extra={"error": str(exc)})
+
+
+def _defer(relay: Relay, row: Outbox, error: str, delay_s: float) -> None:
+    with relay.session() as session:
+        leases.reschedule(
+            session, row, owner=relay.owner, error=error, delay_s=delay_s, count_attempt=False
+        )
+        session.commit()
+
+
+def _back_off(relay: Relay, row: Outbox, error: str) -> None:
+    delay = leases.backoff_s(
+        row.attempts + 1,
+        base_s=relay.timings.dispatch_backoff_base_s,
+        cap_s=relay.timings.dispatch_backoff_cap_s,
+    )
+    with relay.session() as session:
+        leases.reschedule(session, row, owner=relay.owner, error=error, delay_s=delay)
+        session.commit()
+    relay.metrics.inc(COUNTER, "retry")
+    log.warning(
+        "dispatch deferred: %s",
+        error,
+        extra={"job_id": str(row.job_id), "delay_s": round(delay, 2)},
+    )
+
+
+def _fail(relay: Relay, row: Outbox, plan: _Plan, code: str, message: str, detail: str) -> None:
+    with relay.session() as session:
+        # Close the row first: the terminal transition would close it as "obsolete".
+        leases.finish(session, row, owner=relay.owner, outcome="done", error=detail)
+        transition(
+            session,
+            job_id=plan.job_id,
+            to=JobStatus.failed,
+            expected=JobStatus.queued,
+            expected_flow_run_id=None,
+            error_code=code,
+            error_message=message[:500],
+            commit=False,
+        )
+        session.commit()
+    relay.metrics.inc(COUNTER, "rejected")
+
+
+def _close(relay: Relay, row: Outbox, outcome: OutboxOutcome) -> None:
+    with relay.session() as session:
+        leases.finish(session, row, owner=relay.owner, outcome=outcome)
+        session.commit()

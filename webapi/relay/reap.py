@@ -1,0 +1,224 @@
+"""reap: crashed, lost and overdue flow runs → re-dispatch or fail; cancellations.
+
+A job's run is reaped when it is ``Crashed``, unknown to Prefect (lost), ``Pending`` for
+longer than ``pending_timeout_s``, or not finished by ``deadline_at + running_grace_s``.
+The old run is cancelled (a ``cancel_run`` outbox row, written in the same transaction)
+and the job either goes back to ``queued`` with a new ``dispatch`` row for attempt n+1 —
+when attempts remain and the time left exceeds the expected cost of an attempt — or fails
+with ``worker_lost`` / ``deadline_exceeded``. Clearing ``flow_run_id`` fences the old run.
+
+Cancellation: ``cancel_run`` outbox rows set the run CANCELLED (not started) or
+CANCELLING (running); a ``cancel_requested`` job becomes ``cancelled`` when its run is
+CANCELLED (``sync``), gone, crashed, or still stopping after ``cancel_grace_s`` (forced).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlmodel import col, select
+
+from tasks.errors import DeadlineExceeded
+from webapi.jobstate import transition
+from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, OutboxKind, utcnow
+from webapi.prefect_api import FlowRun, PrefectRejected, PrefectUnavailable, StateType
+from webapi.relay import leases
+from webapi.relay.context import Relay
+from webapi.relay.sync import Watched, observe
+
+log = logging.getLogger(__name__)
+
+WORKER_LOST = "worker_lost"
+DEADLINE_EXCEEDED = DeadlineExceeded.code
+MESSAGES = {
+    WORKER_LOST: "The worker running the job was lost.",
+    DEADLINE_EXCEEDED: DeadlineExceeded.default_message,
+}
+COUNTER = "faceflow_relay_reaped_total"
+
+
+def run_once(relay: Relay) -> int:
+    """Process cancel_run rows, then reap runs and overdue jobs; returns actions taken."""
+    done = cancel_runs(relay)
+    observed = observe(relay)
+    if observed is not None:
+        now = utcnow()
+        done += sum(check(relay, job, run, now=now) for job, run in observed)
+    return done + reap_runless(relay)
+
+
+# --------------------------------------------------------------------------- cancel_run
+
+
+def cancel_runs(relay: Relay) -> int:
+    """Cancel the flow runs named by leased ``cancel_run`` rows; returns rows handled."""
+    rows = relay.claim("cancel_run")
+    for row in rows:
+        _cancel_row(relay, row)
+    return len(rows)
+
+
+def _cancel_row(relay: Relay, row: Outbox) -> None:
+    run_id = str(row.payload.get("flow_run_id") or "")
+    state: StateType | None = None
+    error: str | None = None
+    try:
+        run = relay.prefect.read_flow_run(run_id) if run_id else None
+        state = (
+            relay.prefect.cancel_flow_run(run, message="Cancelled by FaceFlow")
+            if run is not None
+            else None
+        )
+    except PrefectUnavailable as exc:
+        delay = leases.backoff_s(row.attempts + 1, cap_s=relay.timings.dispatch_backoff_cap_s)
+        with relay.session() as session:
+            leases.reschedule(session, row, owner=relay.owner, error=str(exc), delay_s=delay)
+            session.commit()
+        return
+    except PrefectRejected as exc:
+        error = str(exc)
+    with relay.session() as session:
+        leases.finish(session, row, owner=relay.owner, outcome="done", error=error)
+        session.commit()
+    log.info("flow run cancel", extra={"job_id": str(row.job_id), "state": str(state)})
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def check(relay: Relay, job: Watched, run: FlowRun | None, *, now: datetime) -> bool:
+    """Act on one watched job if its run needs reaping; returns whether it acted."""
+    t = relay.timings
+    if job.status is JobStatus.cancel_requested:
+        return _check_cancel(relay, job, run, now=now)
+    if run is None:
+        return retry_or_fail(relay, job, run, reason="lost", now=now)
+    state = run.state_type
+    if state is StateType.CRASHED:
+        return retry_or_fail(relay, job, run, reason="crashed", now=now)
+    if state.is_final:
+        return False  # sync writes Completed / Failed / Cancelled
+    if now > job.deadline_at + timedelta(seconds=t.running_grace_s):
+        return retry_or_fail(relay, job, run, reason="overdue", now=now)
+    since = run.state_timestamp or now
+    if state is StateType.PENDING and now - since > timedelta(seconds=t.pending_timeout_s):
+        return retry_or_fail(relay, job, run, reason="stuck_pending", now=now)
+    return False
+
+
+def _check_cancel(relay: Relay, job: Watched, run: FlowRun | None, *, now: datetime) -> bool:
+    requested = job.cancel_requested_at or now
+    overdue = now - requested > timedelta(seconds=relay.timings.cancel_grace_s)
+    if run is not None and run.state_type in (StateType.COMPLETED, StateType.FAILED):
+        return False  # the real outcome arrived first: sync writes it
+    if run is not None and not run.state_type.is_final:
+        if not overdue:
+            return False
+        try:  # the worker never stopped it: force the run's end
+            relay.prefect.set_state(
+                run.id, StateType.CANCELLED, message="Cancel timed out", force=True
+            )
+        except (PrefectUnavailable, PrefectRejected) as exc:
+            log.warning("could not force cancel", extra={"job_id": str(job.job_id), "e": str(exc)})
+    with relay.session() as session:
+        changed = transition(
+            session,
+            job_id=job.job_id,
+            to=JobStatus.cancelled,
+            expected=JobStatus.cancel_requested,
+            expected_flow_run_id=job.flow_run_id,
+        )
+    if changed:
+        relay.metrics.inc("faceflow_relay_transitions_total", JobStatus.cancelled.value)
+    return changed
+
+
+def retry_or_fail(
+    relay: Relay, job: Watched, run: FlowRun | None, *, reason: str, now: datetime
+) -> bool:
+    """Fence off ``job``'s current run (and cancel it), then re-dispatch or fail the job."""
+    time_left = (job.deadline_at - now).total_seconds()
+    enough_time = time_left > relay.expected_cost_s()
+    can_retry = reason != "overdue" and job.attempts < job.max_attempts and enough_time
+    fields: dict[str, Any]
+    if can_retry:  # back to queued without a run: the old run is fenced off
+        to, fields = JobStatus.queued, {"flow_run_id": None, "stage": None}
+    else:
+        code = WORKER_LOST if reason != "overdue" and enough_time else DEADLINE_EXCEEDED
+        to, fields = JobStatus.failed, {"error_code": code, "error_message": MESSAGES[code]}
+    with relay.session() as session:
+        changed = transition(
+            session,
+            job_id=job.job_id,
+            to=to,
+            expected=job.status,
+            expected_flow_run_id=job.flow_run_id,
+            commit=False,
+            now=now,
+            **fields,
+        )
+        if changed and can_retry:
+            session.add(_outbox("dispatch", job.job_id, {"attempt": job.attempts + 1}, now))
+        if changed and run is not None and not run.state_type.is_final:
+            session.add(_outbox("cancel_run", job.job_id, {"flow_run_id": run.id}, now))
+        session.commit()
+    if changed:
+        outcome = "redispatched" if can_retry else "failed"
+        relay.metrics.inc(COUNTER, f"{reason}_{outcome}")
+        log.warning(
+            "flow run reaped",
+            extra={
+                "job_id": str(job.job_id),
+                "attempt": job.attempts,
+                "reason": reason,
+                "outcome": outcome,
+            },
+        )
+    return changed
+
+
+def _outbox(kind: OutboxKind, job_id: uuid.UUID, payload: dict[str, Any], now: datetime) -> Outbox:
+    return Outbox(kind=kind, job_id=job_id, payload=payload, created_at=now, next_attempt_at=now)
+
+
+# --------------------------------------------------------------------------- no run
+
+
+def reap_runless(relay: Relay) -> int:
+    """End active jobs without a flow run that are past their deadline (e.g. a re-dispatch
+    that Prefect never accepted in time) and cancel-requested jobs that lost their run."""
+    now = utcnow()
+    cutoff = now - timedelta(seconds=relay.timings.running_grace_s)
+    query = (
+        select(Job.id, Job.status)
+        .where(
+            col(Job.status).in_(list(ACTIVE_STATUSES)),
+            col(Job.flow_run_id).is_(None),
+            (col(Job.deadline_at) <= cutoff) | (col(Job.status) == JobStatus.cancel_requested),
+        )
+        .limit(relay.timings.batch)
+    )
+    with relay.session() as session:
+        jobs = list(session.exec(query).all())
+        session.commit()
+    ended = 0
+    for job_id, raw_status in jobs:
+        status = JobStatus(raw_status)
+        cancelling = status is JobStatus.cancel_requested
+        to = JobStatus.cancelled if cancelling else JobStatus.failed
+        with relay.session() as session:
+            if transition(
+                session,
+                job_id=job_id,
+                to=to,
+                expected=status,
+                expected_flow_run_id=None,
+                error_code=None if cancelling else DEADLINE_EXCEEDED,
+                error_message=None if cancelling else MESSAGES[DEADLINE_EXCEEDED],
+            ):
+                ended += 1
+                relay.metrics.inc(COUNTER, f"runless_{to.value}")
+    return ended

@@ -1,0 +1,223 @@
+"""Run the relay: background threads in the webapi process, standalone, or one pass.
+
+- ``start_relay(settings)`` / ``stop_relay()``: one daemon thread per step (dispatch,
+  sync, expire, reap, notify), each with its own short DB sessions; used by the app's
+  lifespan. ``wake_relay()`` makes dispatch run now (call it after a submit commits).
+- ``run_relay_forever(settings)``: the same loops until SIGINT/SIGTERM (``faceflow relay``).
+- ``reconcile_once(settings)``: one pass of every step, in order (``faceflow relay
+  reconcile`` and the Prefect ``reconcile`` flow).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from sqlalchemy.engine import Engine
+
+from webapi.config import Settings, get_settings
+from webapi.db import get_engine
+from webapi.migrations import check_migrated
+from webapi.prefect_api import PrefectAPI
+from webapi.relay import dispatch, expire, notify, reap, sync
+from webapi.relay.context import Relay, RelayTimings
+from webapi.storage import ObjectStore, open_store
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[Relay], int]
+#: Steps in reconcile order: start what is due, learn what happened, then clean up.
+STEPS: dict[str, Step] = {
+    "dispatch": dispatch.run_once,
+    "sync": sync.run_once,
+    "expire": expire.run_once,
+    "reap": reap.run_once,
+    "notify": notify.run_once,
+}
+
+
+def build_relay(
+    settings: Settings | None = None,
+    *,
+    engine: Engine | None = None,
+    prefect: PrefectAPI | None = None,
+    store: ObjectStore | None = None,
+    timings: RelayTimings | None = None,
+) -> Relay:
+    """A ``Relay`` from settings; any dependency may be given instead (tests)."""
+    settings = settings or get_settings()
+    return Relay(
+        engine=engine or get_engine(settings.database_url),
+        prefect=prefect
+        or PrefectAPI(settings.prefect_api_url, api_key=os.environ.get("PREFECT_API_KEY")),
+        store=store or open_store(settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url),
+        settings=settings,
+        timings=timings or RelayTimings(),
+    )
+
+
+@dataclass
+class _Loop:
+    name: str
+    step: Step
+    interval_s: float
+    wake: threading.Event
+    thread: threading.Thread | None = None
+
+
+class RelayRunner:
+    """The relay's loops as daemon threads over one ``Relay``."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self._stop = threading.Event()
+        t = relay.timings
+        intervals = {
+            "dispatch": t.dispatch_interval_s,
+            "sync": t.sync_interval_s,
+            "expire": t.expire_interval_s,
+            "reap": t.reap_interval_s,
+            "notify": t.notify_interval_s,
+        }
+        self._loops = {
+            name: _Loop(name, step, intervals[name], threading.Event())
+            for name, step in STEPS.items()
+        }
+
+    @property
+    def running(self) -> bool:
+        """Whether the loops are started and not stopped."""
+        return not self._stop.is_set() and any(
+            loop.thread is not None and loop.thread.is_alive() for loop in self._loops.values()
+        )
+
+    def start(self) -> None:
+        """Start every loop thread."""
+        for loop in self._loops.values():
+            loop.thread = threading.Thread(
+                target=self._run, args=(loop,), name=f"faceflow-relay-{loop.name}", daemon=True
+            )
+            loop.thread.start()
+        log.info("relay started", extra={"owner": self.relay.owner})
+
+    def wake(self, *names: str) -> None:
+        """Run the named loops (default: dispatch and notify) without waiting."""
+        for name in names or ("dispatch", "notify"):
+            self._loops[name].wake.set()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop the loops (each finishes its current pass) and close the HTTP clients."""
+        self._stop.set()
+        for loop in self._loops.values():
+            loop.wake.set()
+        for loop in self._loops.values():
+            if loop.thread is not None:
+                loop.thread.join(timeout_s)
+        self.relay.close()
+        log.info("relay stopped", extra={"owner": self.relay.owner})
+
+    def _run(self, loop: _Loop) -> None:
+        while not self._stop.is_set():
+            handled = 0
+            try:
+                handled = loop.step(self.relay)
+            except Exception:  # a loop must survive a bad pass; the next one retries
+                log.exception("relay step failed", extra={"step": loop.name})
+                self.relay.metrics.inc("faceflow_relay_loop_errors_total", loop.name)
+            if handled >= self.relay.timings.batch:
+                continue  # more is due: go again at once
+            loop.wake.wait(loop.interval_s)
+            loop.wake.clear()
+
+
+_runner: RelayRunner | None = None
+_runner_lock = threading.Lock()
+
+
+class AppState(Protocol):
+    """What ``start_relay`` reads from a FastAPI ``app.state``."""
+
+    settings: Settings
+    engine: Engine
+    store: ObjectStore
+
+
+def start_relay(
+    source: Settings | AppState | None = None, *, relay: Relay | None = None
+) -> RelayRunner:
+    """Start the process-wide relay (idempotent).
+
+    ``source`` is the settings, or the app's ``state`` (its settings, engine and store are
+    shared; ``state.relay`` is set to the runner); ``relay`` overrides both (tests).
+    """
+    global _runner
+    with _runner_lock:
+        if _runner is None or not _runner.running:
+            if relay is None:
+                relay = _relay_from(source)
+            _runner = RelayRunner(relay)
+            _runner.start()
+        if source is not None and not isinstance(source, Settings) and hasattr(source, "relay"):
+            source.relay = _runner
+        return _runner
+
+
+def _relay_from(source: Settings | AppState | None) -> Relay:
+    if source is None or isinstance(source, Settings):
+        return build_relay(source)
+    return build_relay(source.settings, engine=source.engine, store=source.store)
+
+
+def stop_relay(_state: object = None, timeout_s: float = 15.0) -> None:
+    """Stop the process-wide relay, if running (``_state``: the app state, unused)."""
+    global _runner
+    with _runner_lock:
+        runner, _runner = _runner, None
+    if runner is not None:
+        runner.stop(timeout_s)
+
+
+def wake_relay() -> None:
+    """Nudge the process-wide relay's dispatch and notify loops (no-op when not running)."""
+    runner = _runner
+    if runner is not None:
+        runner.wake()
+
+
+def run_relay_forever(settings: Settings | None = None) -> None:
+    """Run the relay loops in this process until SIGINT or SIGTERM (``faceflow relay``)."""
+    relay = build_relay(settings)
+    check_migrated(relay.engine)
+    runner = RelayRunner(relay)
+    done = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        log.info("relay stopping", extra={"signal": signum})
+        done.set()
+
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    runner.start()
+    try:
+        done.wait()
+    finally:
+        runner.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def reconcile_once(
+    settings: Settings | None = None, *, relay: Relay | None = None
+) -> dict[str, int]:
+    """One pass of every step, in order; returns how many items each step handled."""
+    own = relay is None
+    relay = relay or build_relay(settings)
+    try:
+        return {name: step(relay) for name, step in STEPS.items()}
+    finally:
+        if own:
+            relay.close()

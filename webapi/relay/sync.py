@@ -1,0 +1,233 @@
+"""sync: Prefect flow-run states → job status, stage, result and error.
+
+Polls the flow runs of every non-terminal job that has one (one batched filter call per
+pass, every ``sync_interval_s``). Mapping:
+
+- PENDING / RUNNING → ``running`` (``started_at``; ``stage`` from a state message
+  ``stage: <name>`` when the flow reports one);
+- COMPLETED → the ``ResultRef`` sidecar (``flows.params.result_meta_key``) is read from
+  storage → ``succeeded`` with the result;
+- FAILED → ``failed`` with the code of the flow's ``[code] message`` (``tasks.errors``);
+- CANCELLED → ``cancelled``;
+- CRASHED, lost runs and overdue runs are the reaper's (``webapi.relay.reap``).
+
+Every write is conditional on the job's current ``flow_run_id``: a stale run never writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from pydantic import ValidationError
+from sqlmodel import col, select
+
+from flows.params import ResultRef, result_meta_key
+from tasks import errors as pipeline_errors
+from webapi.jobstate import transition
+from webapi.models import ACTIVE_STATUSES, Job, JobStatus, UTCDateTime, utcnow
+from webapi.prefect_api import FlowRun, PrefectUnavailable, StateType
+from webapi.relay.context import Relay
+from webapi.storage import ObjectNotFound, StorageError
+
+log = logging.getLogger(__name__)
+
+WATCH_LIMIT = 5000
+COUNTER = "faceflow_relay_transitions_total"
+_CODE = re.compile(r"\[([a-z][a-z0-9_]{1,63})\]")
+_STAGE = re.compile(r"^\s*stage\s*[:=]\s*([A-Za-z][\w-]{0,31})")
+ENDED_FROM = frozenset({JobStatus.queued, JobStatus.running, JobStatus.cancel_requested})
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A non-terminal job with a flow run, as the relay needs it."""
+
+    job_id: uuid.UUID
+    flow_run_id: uuid.UUID
+    status: JobStatus
+    stage: str | None
+    attempts: int
+    max_attempts: int
+    deadline_at: datetime
+    started_at: datetime | None
+    cancel_requested_at: datetime | None
+
+
+def watched_jobs(relay: Relay, *, limit: int = WATCH_LIMIT) -> list[Watched]:
+    """Non-terminal jobs holding a flow run, oldest update first."""
+    query = (
+        select(Job)
+        .where(col(Job.status).in_(list(ACTIVE_STATUSES)), col(Job.flow_run_id).is_not(None))
+        .order_by(col(Job.updated_at))
+        .limit(limit)
+    )
+    with relay.session() as session:
+        jobs = session.exec(query).all()
+        watched = [
+            Watched(
+                job_id=job.id,
+                flow_run_id=job.flow_run_id,
+                status=job.status,
+                stage=job.stage,
+                attempts=job.attempts,
+                max_attempts=job.max_attempts,
+                deadline_at=job.deadline_at,
+                started_at=job.started_at,
+                cancel_requested_at=job.cancel_requested_at,
+            )
+            for job in jobs
+            if job.flow_run_id is not None
+        ]
+        session.commit()
+    return watched
+
+
+def observe(relay: Relay) -> list[tuple[Watched, FlowRun | None]] | None:
+    """Each watched job with its flow run (None: unknown to Prefect); None if unreachable."""
+    watched = watched_jobs(relay)
+    if not watched:
+        return []
+    try:
+        runs = relay.prefect.read_flow_runs(str(job.flow_run_id) for job in watched)
+    except PrefectUnavailable as exc:
+        log.debug("sync skipped: Prefect unavailable", extra={"error": str(exc)})
+        return None
+    return [(job, runs.get(str(job.flow_run_id))) for job in watched]
+
+
+def run_once(relay: Relay) -> int:
+    """One sync pass; returns how many jobs changed."""
+    observed = observe(relay) or []
+    return sum(apply_run_state(relay, job, run) for job, run in observed if run is not None)
+
+
+def apply_run_state(relay: Relay, job: Watched, run: FlowRun) -> bool:
+    """Write what ``run``'s state means for ``job``; returns whether the job changed."""
+    state = run.state_type
+    if state in (StateType.PENDING, StateType.RUNNING):
+        return _started(relay, job, run)
+    if state is StateType.COMPLETED:
+        return _completed(relay, job, run)
+    if state is StateType.FAILED:
+        code, message = failure_of(run)
+        return _end(relay, job, JobStatus.failed, error_code=code, error_message=message)
+    if state is StateType.CANCELLED:
+        return _end(relay, job, JobStatus.cancelled)
+    return False  # SCHEDULED, PAUSED, CANCELLING: wait; CRASHED: the reaper's
+
+
+def stage_of(run: FlowRun) -> str | None:
+    """The stage a running flow reports in its state message (``stage: detect``)."""
+    match = _STAGE.match(run.state_message or "")
+    return match.group(1).lower() if match else None
+
+
+def failure_of(run: FlowRun) -> tuple[str, str]:
+    """``(error_code, public message)`` of a FAILED run, from its ``[code] ...`` message."""
+    message = run.state_message or ""
+    if run.state_name == "TimedOut":
+        return (
+            pipeline_errors.DeadlineExceeded.code,
+            pipeline_errors.DeadlineExceeded.default_message,
+        )
+    match = _CODE.search(message)
+    code = match.group(1) if match else pipeline_errors.FaceFlowError.code
+    return code, PUBLIC_MESSAGES.get(code, pipeline_errors.FaceFlowError.default_message)
+
+
+def _error_classes(base: type[pipeline_errors.FaceFlowError]) -> list[type[Any]]:
+    found: list[type[Any]] = [base]
+    for sub in base.__subclasses__():
+        found += _error_classes(sub)
+    return found
+
+
+#: Safe messages per pipeline error code (the flow's own text may carry internal detail).
+PUBLIC_MESSAGES: dict[str, str] = {
+    cls.code: cls.default_message for cls in _error_classes(pipeline_errors.FaceFlowError)
+}
+
+
+def _started(relay: Relay, job: Watched, run: FlowRun) -> bool:
+    stage = stage_of(run)
+    if job.status is JobStatus.queued:
+        changed = _write(relay, job, JobStatus.running, JobStatus.queued, stage=stage or "started")
+        if changed:
+            relay.metrics.inc(COUNTER, JobStatus.running.value)
+        return changed
+    if job.status is JobStatus.running and stage is not None and stage != job.stage:
+        return _write(relay, job, JobStatus.running, JobStatus.running, stage=stage)
+    return False
+
+
+def _completed(relay: Relay, job: Watched, run: FlowRun) -> bool:
+    key = result_meta_key(str(job.job_id), job.attempts)
+    try:
+        ref = ResultRef.model_validate_json(relay.store.get(key))
+    except ObjectNotFound:
+        log.error("completed run without result", extra={"job_id": str(job.job_id)})
+        return _end(
+            relay,
+            job,
+            JobStatus.failed,
+            error_code="result_missing",
+            error_message="The job finished but its result could not be found.",
+        )
+    except ValidationError:
+        return _end(
+            relay,
+            job,
+            JobStatus.failed,
+            error_code="result_invalid",
+            error_message="The job finished but its result could not be read.",
+        )
+    except StorageError as exc:  # storage unreachable: try again next pass
+        log.warning("result not readable yet", extra={"job_id": str(job.job_id), "error": str(exc)})
+        return False
+    return _end(
+        relay,
+        job,
+        JobStatus.succeeded,
+        started_at=sa.func.coalesce(
+            Job.started_at, sa.literal(run.start_time or utcnow(), UTCDateTime)
+        ),
+        result_key=ref.key,
+        result_content_type=ref.content_type,
+        result_width=ref.width,
+        result_height=ref.height,
+        timings=ref.timings_ms,
+        error_code=None,
+        error_message=None,
+    )
+
+
+def _end(relay: Relay, job: Watched, to: JobStatus, **fields: Any) -> bool:
+    changed = _write(relay, job, to, ENDED_FROM, **fields)
+    if changed:
+        relay.metrics.inc(COUNTER, to.value)
+        log.info("job ended", extra={"job_id": str(job.job_id), "status": to.value})
+    return changed
+
+
+def _write(
+    relay: Relay,
+    job: Watched,
+    to: JobStatus,
+    expected: JobStatus | frozenset[JobStatus],
+    **fields: Any,
+) -> bool:
+    with relay.session() as session:
+        return transition(
+            session,
+            job_id=job.job_id,
+            to=to,
+            expected=expected,
+            expected_flow_run_id=job.flow_run_id,
+            **fields,
+        )
