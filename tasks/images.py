@@ -161,7 +161,8 @@ def encode_image(image: RGBImage, fmt: OutputFormat, quality: int) -> bytes:
     picture = Image.fromarray(np.ascontiguousarray(image))
     buffer = io.BytesIO()
     if fmt == "png":
-        picture.save(buffer, format="PNG", compress_level=6)
+        # zlib level 3: half the time of level 6 for ~3% more bytes on photos.
+        picture.save(buffer, format="PNG", compress_level=3)
     elif fmt == "jpeg":
         subsampling = 0 if quality >= 90 else 2
         picture.save(buffer, format="JPEG", quality=quality, subsampling=subsampling)

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 from PIL import Image, ImageCms, PngImagePlugin
 
-from tasks.errors import ImageTooLarge, ImageTooSmall, InvalidInput, UnsupportedFormat
+from tasks.errors import (
+    FaceFlowError,
+    ImageTooLarge,
+    ImageTooSmall,
+    InvalidInput,
+    UnsupportedFormat,
+)
 from tasks.images import ImageInfo, decode_image, encode_image, probe_image, sniff_format
 from tasks.options import ImageLimits
 from tests.samples import astronaut_jpeg_bytes, astronaut_rgb, encode, grace_hopper_jpeg_bytes
@@ -119,6 +125,25 @@ def test_corrupt_png_chunk_is_invalid() -> None:
     with pytest.raises(InvalidInput) as excinfo:
         decode_image(bytes(data))
     _exact_type(excinfo, InvalidInput)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_damaged_bytes_raise_only_typed_errors(fmt: str) -> None:
+    """Random byte flips and cuts: a decoded image or a FaceFlowError, never anything else."""
+    rng = np.random.default_rng(1)
+    base = encode(_gradient(64, 64), fmt)
+    for _ in range(80):
+        data = bytearray(base)
+        for _ in range(int(rng.integers(1, 6))):
+            data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+        if rng.random() < 0.3:
+            data = data[: int(rng.integers(1, len(data)))]
+        try:
+            decoded = decode_image(bytes(data))
+        except FaceFlowError as exc:
+            assert exc.permanent
+        else:
+            assert decoded.dtype == np.uint8 and decoded.shape[2] == 3
 
 
 def test_png_signature_alone_is_invalid() -> None:
