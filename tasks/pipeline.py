@@ -20,7 +20,7 @@ from tasks.detect import DEFAULT_DETECT_MAX_SIDE, detect_faces, select_faces
 from tasks.errors import NoFaceFound
 from tasks.images import decode_image, encode_image
 from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits
-from tasks.postprocess import color_transfer, face_mask, paste_back, sharpen
+from tasks.postprocess import color_transfer, face_mask, image_mask, paste_back, sharpen
 from tasks.types import AlignedFace, Face, FloatArray, FusionResult, RGBImage, StageTimings
 
 STAGES: tuple[str, ...] = ("decode", "detect", "align", "fuse", "postprocess")
@@ -181,8 +181,8 @@ def postprocess_stage(
         if options.color_transfer:
             crop = color_transfer(crop, aligned.crop, mask)
         out = paste_back(out, crop, aligned, mask, mode=options.blend)
-    if options.sharpen > 0:
-        out = sharpen(out, options.sharpen)
+        if options.sharpen > 0:  # only the replaced face: the rest stays bit-identical
+            out = sharpen(out, options.sharpen, region_mask=image_mask(aligned, mask, out.shape))
     return out
 
 

@@ -143,9 +143,16 @@ def test_large_image_is_detected_on_a_downscaled_copy_and_mapped_back() -> None:
     base = detect_faces(target)[0]
     big = np.kron(target, np.ones((3, 3, 1), dtype=np.uint8))  # 1536 x 1800
     found = detect_faces(big, max_side=1024)[0]
-    assert abs(found.box.x1 - 3 * base.box.x1) < 3 * 6
-    assert abs(found.box.y2 - 3 * base.box.y2) < 3 * 6
-    assert np.abs(found.landmarks - 3 * base.landmarks).max() < 3 * 6
+    # Same face, mapped back to full-resolution coordinates: within 10% of the face's size
+    # (the detector sees a different pyramid at the other scale).
+    tol = 0.1 * 3 * base.box.height
+    for got, want in zip(
+        (found.box.x1, found.box.y1, found.box.x2, found.box.y2),
+        (base.box.x1, base.box.y1, base.box.x2, base.box.y2),
+        strict=True,
+    ):
+        assert abs(got - 3 * want) < tol
+    assert np.abs(found.landmarks - 3 * base.landmarks).max() < tol
 
 
 def test_decode_honours_limits_before_full_decode() -> None:
