@@ -1,0 +1,158 @@
+"""``FusionSettings``: the operator's knobs for the ``fuse-faces`` flow, stored as a block.
+
+Per-job choices travel in ``FuseFacesParams.options``; this block holds what an operator
+sets once per deployment: default models, per-stage time budgets and retries, input
+limits and where model files live. Stage dictionaries may name only some stages: the
+others keep their defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from prefect.blocks.core import Block
+from pydantic import Field, field_validator
+
+from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits
+
+StageName = Literal["load", "detect", "align", "fuse", "postprocess", "store"]
+"""The flow's stages, in order: load (read + decode inputs) … store (write result)."""
+STAGES: tuple[StageName, ...] = get_args(StageName)
+
+DEFAULT_BUDGETS_S: dict[StageName, float] = {
+    "load": 30.0,
+    "detect": 60.0,
+    "align": 15.0,
+    "fuse": 60.0,
+    "postprocess": 30.0,
+    "store": 30.0,
+}
+DEFAULT_EXPECTED_S: dict[StageName, float] = {
+    "load": 0.5,
+    "detect": 2.0,
+    "align": 0.2,
+    "fuse": 2.0,
+    "postprocess": 1.0,
+    "store": 0.5,
+}
+DEFAULT_RETRIES: dict[StageName, int] = {
+    "load": 2,
+    "detect": 1,
+    "align": 0,
+    "fuse": 1,
+    "postprocess": 0,
+    "store": 2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StagePolicy:
+    """Time budget, expected cost and retries of one stage."""
+
+    stage: StageName
+    budget_s: float
+    expected_s: float
+    retries: int
+    retry_delay_s: float
+
+
+class FusionSettings(Block):
+    """Operator settings of the fuse-faces flow: models, stage budgets, retries and limits."""
+
+    _block_type_name = "Fusion Settings"
+    _description = (
+        "Operator settings of the FaceFlow fuse-faces flow: default detector and fuser, "
+        "identity weight, per-stage time budgets, expected costs and retries, input limits, "
+        "model directory and model pins."
+    )
+
+    detector: DetectorName = Field(
+        default="mtcnn", description="Detector used when a job does not choose one."
+    )
+    fuser: FuserName = Field(
+        default="classic", description="Fuser used when a job does not choose one."
+    )
+    identity_weight: float = Field(
+        default=0.85,
+        ge=0.0,
+        le=1.0,
+        description="Identity weight used when a job does not choose one (0 keeps the target).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Torch device: auto picks cuda when a GPU is visible, else cpu."
+    )
+    stage_budgets_s: dict[StageName, float] = Field(
+        default_factory=lambda: dict(DEFAULT_BUDGETS_S),
+        description="Longest time one attempt of each stage may take, in seconds.",
+    )
+    stage_expected_s: dict[StageName, float] = Field(
+        default_factory=lambda: dict(DEFAULT_EXPECTED_S),
+        description="Typical duration of each stage in seconds; no attempt starts with less left.",
+    )
+    stage_retries: dict[StageName, int] = Field(
+        default_factory=lambda: dict(DEFAULT_RETRIES),
+        description="How many times a transient failure of each stage is retried.",
+    )
+    retry_delay_s: float = Field(
+        default=0.5, ge=0.0, description="Pause before a stage retry, in seconds."
+    )
+    image_limits: ImageLimits = Field(
+        default_factory=ImageLimits, description="Bounds on every input image."
+    )
+    model_dir: str | None = Field(
+        default=None,
+        description="Directory of operator-provided model files (None uses FACEFLOW_MODEL_DIR).",
+    )
+    model_pins: dict[str, str] = Field(
+        default_factory=dict,
+        description="SHA-256 overrides by model name, for operator-provided model files.",
+    )
+
+    @field_validator("stage_budgets_s", "stage_expected_s")
+    @classmethod
+    def _positive_seconds(cls, value: dict[StageName, float]) -> dict[StageName, float]:
+        if any(v <= 0 for v in value.values()):
+            raise ValueError("stage durations must be positive")
+        return value
+
+    @field_validator("stage_retries")
+    @classmethod
+    def _non_negative_retries(cls, value: dict[StageName, int]) -> dict[StageName, int]:
+        if any(v < 0 for v in value.values()):
+            raise ValueError("stage retries must not be negative")
+        return value
+
+    def policy(self, stage: StageName) -> StagePolicy:
+        """The effective policy of ``stage`` (stages missing from a dictionary use defaults)."""
+        return StagePolicy(
+            stage=stage,
+            budget_s=self.stage_budgets_s.get(stage, DEFAULT_BUDGETS_S[stage]),
+            expected_s=self.stage_expected_s.get(stage, DEFAULT_EXPECTED_S[stage]),
+            retries=self.stage_retries.get(stage, DEFAULT_RETRIES[stage]),
+            retry_delay_s=self.retry_delay_s,
+        )
+
+    def apply_defaults(self, options: FusionOptions) -> FusionOptions:
+        """``options`` with detector, fuser and identity weight from here where the job set none.
+
+        A field counts as set when the caller sent it (pydantic's ``model_fields_set``): the
+        webapi sends ``options.model_dump(exclude_unset=True)``.
+        """
+        defaults = {
+            "detector": self.detector,
+            "fuser": self.fuser,
+            "identity_weight": self.identity_weight,
+        }
+        missing = {k: v for k, v in defaults.items() if k not in options.model_fields_set}
+        if not missing:
+            return options
+        return options.model_copy(update=missing)
+
+
+def load_settings(block_name: str) -> FusionSettings:
+    """Load the ``FusionSettings`` document ``block_name`` (``"fusion-settings/<name>"``)."""
+    block = Block.load(block_name)
+    if not isinstance(block, FusionSettings):
+        raise TypeError(f"Block {block_name!r} is not a FusionSettings block.")
+    return block

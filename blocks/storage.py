@@ -1,0 +1,134 @@
+"""Result storage: where inputs and results live, as a Prefect filesystem block.
+
+Local stack: a ``LocalFileSystem`` block named ``faceflow-storage`` rooted at
+``$FACEFLOW_HOME/storage``. Production: a prefect-aws ``S3Bucket`` block (any name; the
+flow receives the block document name as a parameter). Both expose ``read_path`` and
+``write_path``; the helpers below add typed errors: a missing key is a permanent
+``InvalidInput``, any other storage failure a ``TransientError`` (retried by the stage).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol, cast
+
+from prefect.blocks.core import Block
+from prefect.filesystems import LocalFileSystem
+from pydantic import SecretStr
+
+from tasks.errors import InvalidInput, TransientError
+
+HOME_ENV = "FACEFLOW_HOME"
+DEFAULT_HOME = Path(".faceflow")
+LOCAL_STORAGE_NAME = "faceflow-storage"
+
+
+class ByteStore(Protocol):
+    """What the flow needs from a storage block (``LocalFileSystem``, ``S3Bucket``)."""
+
+    def read_path(self, path: str) -> bytes: ...
+
+    def write_path(self, path: str, content: bytes) -> object: ...
+
+
+def faceflow_home(home: str | Path | None = None) -> Path:
+    """``home``, else ``$FACEFLOW_HOME``, else ``.faceflow``; absolute."""
+    chosen = Path(home) if home is not None else Path(os.environ.get(HOME_ENV, DEFAULT_HOME))
+    return chosen.expanduser().resolve()
+
+
+def local_storage(home: str | Path | None = None) -> LocalFileSystem:
+    """An (unsaved) ``LocalFileSystem`` block rooted at ``<home>/storage``."""
+    return LocalFileSystem(basepath=str(faceflow_home(home) / "storage"))
+
+
+def s3_storage(
+    bucket_name: str,
+    *,
+    bucket_folder: str = "",
+    endpoint_url: str | None = None,
+    region_name: str | None = None,
+    aws_access_key_id: str | None = None,
+    aws_secret_access_key: str | None = None,
+) -> Block:
+    """An (unsaved) prefect-aws ``S3Bucket`` block; ``endpoint_url`` for MinIO or moto.
+
+    Without keys, boto3's default chain applies (instance role, environment, profile).
+    """
+    from prefect_aws import AwsClientParameters, AwsCredentials
+    from prefect_aws.s3 import S3Bucket
+
+    credentials = AwsCredentials(
+        aws_access_key_id=aws_access_key_id,
+        aws_secret_access_key=SecretStr(aws_secret_access_key) if aws_secret_access_key else None,
+        region_name=region_name,
+        aws_client_parameters=AwsClientParameters(endpoint_url=endpoint_url),
+    )
+    return cast(
+        Block,
+        S3Bucket(bucket_name=bucket_name, bucket_folder=bucket_folder, credentials=credentials),
+    )
+
+
+def load_storage(block_name: str) -> ByteStore:
+    """Load the storage block document ``block_name`` (``"<block-type-slug>/<name>"``)."""
+    if block_name.startswith("s3-bucket/"):
+        import prefect_aws.s3  # noqa: F401 - registers the S3Bucket block class
+    block = Block.load(block_name)
+    if not (hasattr(block, "read_path") and hasattr(block, "write_path")):
+        raise TypeError(f"Block {block_name!r} is not a readable and writable filesystem.")
+    return cast(ByteStore, block)
+
+
+def read_from(store: ByteStore, key: str) -> bytes:
+    """The bytes stored under ``key``; ``InvalidInput`` when absent."""
+    try:
+        return store.read_path(key)
+    except Exception as exc:
+        if _is_missing(exc):
+            raise InvalidInput("An input image was not found in storage.", detail=key) from exc
+        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
+
+
+def write_to(store: ByteStore, key: str, data: bytes) -> None:
+    """Store ``data`` under ``key`` (overwrites)."""
+    try:
+        store.write_path(key, data)
+    except Exception as exc:
+        raise TransientError("Storage could not be written.", detail=type(exc).__name__) from exc
+
+
+def read_bytes(block_name: str, key: str) -> bytes:
+    """Read ``key`` from the storage block ``block_name``."""
+    return read_from(load_storage(block_name), key)
+
+
+def write_bytes(block_name: str, key: str, data: bytes) -> None:
+    """Write ``data`` under ``key`` in the storage block ``block_name``."""
+    write_to(load_storage(block_name), key, data)
+
+
+def _is_missing(exc: BaseException) -> bool:
+    """Whether a storage exception means "no such key" (LocalFileSystem or S3)."""
+    if isinstance(exc, FileNotFoundError):
+        return True
+    if isinstance(exc, ValueError) and "does not exist" in str(exc):
+        return True
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = str(response.get("Error", {}).get("Code", ""))
+        return code in {"404", "NoSuchKey", "NotFound"}
+    return False
+
+
+def location_of(store: ByteStore, key: str) -> str:
+    """A URI an operator can open for ``key``: ``file://…`` locally, ``s3://…`` on S3."""
+    bucket = getattr(store, "bucket_name", None)
+    if bucket is not None:
+        folder = str(getattr(store, "bucket_folder", "") or "").strip("/")
+        return f"s3://{bucket}/{folder + '/' if folder else ''}{key}"
+    basepath = getattr(store, "basepath", None)
+    if basepath:
+        return (Path(str(basepath)).expanduser().resolve() / key).as_uri()
+    return key

@@ -1,0 +1,223 @@
+"""The ``fuse-faces`` flow: one job attempt, load → detect → align → fuse → postprocess → store.
+
+Parameters mirror ``flows.params.FuseFacesParams``. Inputs come from, and the result
+goes to, the storage block named by ``storage_block``; the flow returns the small
+``ResultRef`` dict (never image bytes). Every stage is a sync task called directly on
+the main thread under ``flows.deadline.StageGuard``: its timeout is
+``min(stage budget, deadline_at - now)`` on every attempt and retries stop for permanent
+errors or when the time left is below the stage's expected cost. A run started after its
+deadline fails at once, before loading settings or models. Failures end the run in a
+``Failed`` state whose message is the typed error, ``"[code] message"``, which the
+webapi's relay parses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from prefect import flow, get_run_logger, tags
+from prefect.client.orchestration import get_client
+from prefect.runtime import flow_run
+from prefect.states import Failed, State
+
+from blocks.settings import STAGES, FusionSettings, StageName, load_settings
+from flows.artifacts import OperatorView
+from flows.deadline import Deadline, StageGuard, alarm_timeouts_available
+from flows.params import (
+    DEFAULT_SETTINGS_BLOCK,
+    DEFAULT_STORAGE_BLOCK,
+    FLOW_NAME,
+    ResultRef,
+    result_key,
+)
+from flows.storage_tasks import load_task, store_task
+from tasks.errors import DeadlineExceeded, FaceFlowError
+from tasks.gpu import gpu_stats, select_device
+from tasks.options import FusionOptions
+from tasks.pipeline import PipelineContext
+from tasks.prefect_tasks import align_task, detect_task, fuse_task, postprocess_task
+
+JOB_TAG = "job:{}"
+OWNER_TAG = "owner:{}"
+
+
+def run_tags(job_id: str, owner_id: str) -> list[str]:
+    """The tags a job's flow run (and its task runs) carry."""
+    return [JOB_TAG.format(job_id), OWNER_TAG.format(owner_id)]
+
+
+def pipeline_context(settings: FusionSettings) -> PipelineContext:
+    """Where the pipeline runs, from the operator settings (imports torch)."""
+    return PipelineContext(
+        device=select_device(None if settings.device == "auto" else settings.device),
+        model_dir=Path(settings.model_dir) if settings.model_dir else None,
+        pins=dict(settings.model_pins),
+        limits=settings.image_limits,
+    )
+
+
+@dataclass
+class _Run:
+    """One attempt's deadline, settings, timings and operator view."""
+
+    deadline: Deadline
+    settings: FusionSettings
+    view: OperatorView
+    timings_ms: dict[str, float]
+
+    @contextmanager
+    def stage(self, name: StageName) -> Iterator[StageGuard]:
+        """Guard, time and report one stage."""
+        guard = StageGuard(self.deadline, self.settings.policy(name))
+        self.view.stage_started(name)
+        get_run_logger().info("Stage %s: %.2f s left to the deadline", name, self.deadline.left())
+        start = time.perf_counter()
+        ok = False
+        try:
+            yield guard
+            ok = True
+        finally:
+            ms = (time.perf_counter() - start) * 1000.0
+            self.timings_ms[name] = ms
+            self.view.stage_finished(name, ms, guard.failures + (1 if ok else 0), ok)
+
+
+def _tag_flow_run(job_id: str, owner_id: str) -> None:
+    """Add job and owner tags to this flow run (the relay may have set them already)."""
+    run_id = flow_run.get_id()
+    if run_id is None:
+        return
+    wanted = sorted(set(flow_run.get_tags()) | set(run_tags(job_id, owner_id)))
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(UUID(run_id), tags=wanted)
+
+
+@flow(
+    name=FLOW_NAME,
+    flow_run_name="{job_id}",
+    persist_result=False,
+    retries=0,
+    validate_parameters=True,
+    log_prints=False,
+)
+def fuse_faces(
+    job_id: str,
+    owner_id: str,
+    source_key: str,
+    target_key: str,
+    deadline_at: datetime,
+    options: FusionOptions | None = None,
+    attempt: int = 1,
+    storage_block: str = DEFAULT_STORAGE_BLOCK,
+    settings_block: str = DEFAULT_SETTINGS_BLOCK,
+) -> dict[str, Any] | State[Any]:
+    """Fuse the source face into the target photo for one job attempt.
+
+    Returns ``ResultRef.model_dump(mode="json")``; on failure the run ends ``Failed`` with
+    the message ``"[code] message"`` of the typed error.
+    """
+    logger = get_run_logger()
+    deadline = Deadline.of(deadline_at)
+    if deadline.passed():
+        late = DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
+        logger.error("%s", late)
+        return Failed(message=str(late), data=late)
+    if not alarm_timeouts_available():
+        logger.warning(
+            "Stage timeouts cannot interrupt blocking calls here (not the main thread, or "
+            "another SIGALRM handler is installed): a stuck stage may overrun the deadline."
+        )
+    try:
+        with tags(*run_tags(job_id, owner_id)):
+            _tag_flow_run(job_id, owner_id)
+            return _fuse(
+                job_id=job_id,
+                source_key=source_key,
+                target_key=target_key,
+                deadline=deadline,
+                options=options or FusionOptions.model_validate({}),
+                attempt=attempt,
+                storage_block=storage_block,
+                settings_block=settings_block,
+            )
+    except FaceFlowError as error:
+        logger.error("Job %s attempt %d failed: %s", job_id, attempt, error)
+        return Failed(message=str(error), data=error)
+    except Exception as exc:
+        logger.exception("Job %s attempt %d failed unexpectedly", job_id, attempt)
+        internal = FaceFlowError(detail=type(exc).__name__)
+        return Failed(message=str(internal), data=internal)
+
+
+def _fuse(
+    *,
+    job_id: str,
+    source_key: str,
+    target_key: str,
+    deadline: Deadline,
+    options: FusionOptions,
+    attempt: int,
+    storage_block: str,
+    settings_block: str,
+) -> dict[str, Any]:
+    settings = load_settings(settings_block)
+    options = settings.apply_defaults(options)
+    view = OperatorView(job_id, attempt, STAGES)
+    view.start()
+    run = _Run(deadline, settings, view, {})
+    ctx = PipelineContext(device="cpu")
+    faces: dict[str, int] = {}
+    outcome = "failed"
+    ref: ResultRef | None = None
+    uri: str | None = None
+    try:
+        ctx = pipeline_context(settings)
+        with run.stage("load") as guard:
+            source, target = guard.run(load_task, storage_block, source_key, target_key, ctx)
+        with run.stage("detect") as guard:
+            detections = guard.run(detect_task, source, target, options, ctx)
+        faces = {
+            "source": detections.source_count,
+            "target": detections.target_count,
+            "replaced": len(detections.target_faces),
+        }
+        with run.stage("align") as guard:
+            aligned = guard.run(align_task, source, target, detections, options, ctx)
+        with run.stage("fuse") as guard:
+            fused = guard.run(fuse_task, aligned, options, ctx)
+        with run.stage("postprocess") as guard:
+            encoded = guard.run(postprocess_task, target, fused, options, ctx)
+        ref = ResultRef(
+            key=result_key(job_id, attempt, options.output_format),
+            content_type=options.content_type,
+            width=encoded.width,
+            height=encoded.height,
+            faces_replaced=len(fused.crops),
+            device=ctx.device,
+            timings_ms=dict(run.timings_ms),
+        )
+        with run.stage("store") as guard:
+            uri = guard.run(store_task, storage_block, job_id, attempt, ref, encoded.data)
+        outcome = "succeeded"
+    except FaceFlowError as error:
+        outcome = error.code
+        raise
+    finally:
+        view.finish(
+            outcome=outcome,
+            device=ctx.device,
+            gpu=gpu_stats(),
+            faces=faces,
+            result_key=ref.key if ref is not None and outcome == "succeeded" else None,
+            result_uri=uri,
+        )
+    logging.getLogger("faceflow.flows.fuse").debug("timings %s", run.timings_ms)
+    return ref.model_dump(mode="json")

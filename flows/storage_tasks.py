@@ -1,0 +1,37 @@
+"""The flow's storage stages: load (read + decode inputs) and store (result + sidecar).
+
+The storage block is named by a flow parameter and loaded here, never hard-coded.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from blocks.storage import load_storage, location_of, read_from, write_to
+from flows.params import ResultRef, result_meta_key
+from tasks.pipeline import PipelineContext, decode_stage
+from tasks.types import RGBImage
+
+
+@task(name="load", task_run_name="load", persist_result=False, cache_policy=NO_CACHE)
+def load_task(
+    storage_block: str, source_key: str, target_key: str, ctx: PipelineContext
+) -> tuple[RGBImage, RGBImage]:
+    """Read both inputs from storage and decode them (bounded by ``ctx.limits``)."""
+    store = load_storage(storage_block)
+    source = decode_stage(read_from(store, source_key), ctx)
+    target = decode_stage(read_from(store, target_key), ctx)
+    return source, target
+
+
+@task(name="store", task_run_name="store", persist_result=False, cache_policy=NO_CACHE)
+def store_task(storage_block: str, job_id: str, attempt: int, ref: ResultRef, data: bytes) -> str:
+    """Write the result image, then its ``ResultRef`` sidecar; returns the image's URI.
+
+    The sidecar is written last, so its presence means the image is complete.
+    """
+    store = load_storage(storage_block)
+    write_to(store, ref.key, data)
+    write_to(store, result_meta_key(job_id, attempt), ref.model_dump_json().encode())
+    return location_of(store, ref.key)

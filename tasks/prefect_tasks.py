@@ -1,0 +1,65 @@
+"""The pipeline stages as Prefect tasks: thin wrappers over ``tasks.pipeline``.
+
+Images travel between tasks in-process: results are never persisted
+(``persist_result=False``) nor cached (``NO_CACHE``), so no pixel ever becomes a Prefect
+result. Timeouts and retries are set per call by ``flows.deadline.StageGuard``; these
+definitions carry none. Each task resolves its stage function at call time, so one
+implementation serves the flow, the CLI and the benchmark.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks import pipeline
+from tasks.options import FusionOptions
+from tasks.pipeline import Aligned, Detections, Fused, PipelineContext
+from tasks.types import RGBImage
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedImage:
+    """The encoded result image and its size."""
+
+    data: bytes
+    width: int
+    height: int
+
+
+@task(name="detect", task_run_name="detect", persist_result=False, cache_policy=NO_CACHE)
+def detect_task(
+    source: RGBImage, target: RGBImage, options: FusionOptions, ctx: PipelineContext
+) -> Detections:
+    """The source face and the target faces to replace (``NoFaceFound`` when missing)."""
+    return pipeline.detect_stage(source, target, options, ctx)
+
+
+@task(name="align", task_run_name="align", persist_result=False, cache_policy=NO_CACHE)
+def align_task(
+    source: RGBImage,
+    target: RGBImage,
+    detections: Detections,
+    options: FusionOptions,
+    ctx: PipelineContext,
+) -> Aligned:
+    """Warp the faces to the fuser's template."""
+    return pipeline.align_stage(source, target, detections, options, ctx)
+
+
+@task(name="fuse", task_run_name="fuse", persist_result=False, cache_policy=NO_CACHE)
+def fuse_task(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> Fused:
+    """One fused crop per target face."""
+    return pipeline.fuse_stage(aligned, options, ctx)
+
+
+@task(name="postprocess", task_run_name="postprocess", persist_result=False, cache_policy=NO_CACHE)
+def postprocess_task(
+    target: RGBImage, fused: Fused, options: FusionOptions, ctx: PipelineContext
+) -> EncodedImage:
+    """Blend the fused faces into the target and encode the result."""
+    image = pipeline.postprocess_stage(target, fused, options, ctx)
+    data = pipeline.encode_stage(image, options)
+    return EncodedImage(data=data, width=int(image.shape[1]), height=int(image.shape[0]))

@@ -1,0 +1,121 @@
+"""Fixtures of the orchestration tests: a Prefect test harness, blocks, inputs, a real server.
+
+``prefect_harness`` (session) runs every in-process flow test against one temporary
+Prefect server; ``prefect_server`` (session) is a separate ``prefect server start`` in a
+subprocess with its own PREFECT_HOME, for the CLI, deployment and worker tests. Tests that
+use either are marked ``prefect`` automatically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from faceflow.supervisor import Service
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/orchestration/" not in item.nodeid:
+            continue
+        # pytest-timeout's default (signal) method installs a SIGALRM handler, which makes
+        # Prefect fall back to watcher-thread task timeouts that cannot interrupt a sleep.
+        item.add_marker(pytest.mark.timeout(600, method="thread"))
+        fixtures = getattr(item, "fixturenames", ())
+        if "prefect_harness" in fixtures or "prefect_server" in fixtures:
+            item.add_marker(pytest.mark.prefect)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Home:
+    """A FaceFlow home with saved default blocks, and a way to put inputs in its storage."""
+
+    path: Path
+
+    @property
+    def storage(self) -> Path:
+        return self.path / "storage"
+
+    def put_input(self, data: bytes, ext: str = "jpg") -> str:
+        """Store ``data`` as the webapi would and return its key."""
+        from flows.params import input_key
+
+        key = input_key(hashlib.sha256(data).hexdigest(), ext)
+        target = self.storage / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        return key
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
+    """A temporary Prefect server with the default blocks saved (storage in a temp home)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from blocks import init_default_blocks
+
+    home = tmp_path_factory.mktemp("faceflow-home")
+    with prefect_test_harness(server_startup_timeout=90):
+        init_default_blocks(home, webhook_secret="whsec_test-secret")
+        yield Home(home)
+
+
+@dataclass(frozen=True)
+class PrefectServer:
+    """A ``prefect server start`` subprocess and the environment that talks to it."""
+
+    api_url: str
+    env: dict[str, str]
+    home: Path
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """A real Prefect server on 127.0.0.1 with a temporary PREFECT_HOME, stopped by PID."""
+    root = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(root / "prefect"),
+        "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+        "FACEFLOW_HOME": str(root / "faceflow"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    server = Service(
+        "prefect-server",
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        log=root / "server.log",
+        env={k: v for k, v in env.items() if k != "PREFECT_API_URL"},
+    )
+    server.start()
+    try:
+        server.wait_ready(
+            lambda: httpx.get(f"{api_url}/health", timeout=2.0).status_code == 200, timeout=120
+        )
+        yield PrefectServer(api_url=api_url, env=env, home=root / "faceflow")
+    finally:
+        server.stop(grace=10)

@@ -1,0 +1,141 @@
+"""The fuse-faces flow in-process under a real (test-harness) Prefect server."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pytest
+from PIL import Image
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from blocks.settings import FusionSettings
+from blocks.storage import read_bytes
+from flows.fuse import fuse_faces
+from flows.params import DEFAULT_STORAGE_BLOCK, FuseFacesParams, ResultRef, result_meta_key
+from tasks import pipeline
+from tasks.models import MODEL_CACHE
+from tests.orchestration.conftest import Home
+from tests.orchestration.helpers import job_params, task_runs
+from tests.samples import (
+    astronaut_jpeg_bytes,
+    grace_hopper_jpeg_bytes,
+    grace_hopper_rgb,
+    no_face_jpeg_bytes,
+)
+
+
+def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
+    params = job_params(
+        prefect_harness.put_input(astronaut_jpeg_bytes()),
+        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+    )
+    FuseFacesParams.model_validate(params)  # what the test sends is what the webapi sends
+    state = fuse_faces(**params, return_state=True)
+    assert state.is_completed(), state.message
+    ref = ResultRef.model_validate(state.result())
+
+    image = np.asarray(Image.open(io.BytesIO(read_bytes(DEFAULT_STORAGE_BLOCK, ref.key))))
+    target = grace_hopper_rgb()
+    assert image.shape == target.shape
+    assert (ref.width, ref.height, ref.content_type) == (
+        target.shape[1],
+        target.shape[0],
+        "image/png",
+    )
+    assert ref.faces_replaced == 1
+    assert np.abs(image.astype(int) - target.astype(int)).mean() > 0.5  # the face changed
+    sidecar = json.loads(read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(params["job_id"], 1)))
+    assert ResultRef.model_validate(sidecar) == ref
+    assert set(ref.timings_ms) == {"load", "detect", "align", "fuse", "postprocess"}
+
+    run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(run_id)
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+        )
+    assert run.name == params["job_id"]
+    assert {f"job:{params['job_id']}", "owner:user-1"} <= set(run.tags)
+    by_type = {a.type: a for a in artifacts}
+    assert set(by_type) >= {"table", "markdown", "progress"}
+    assert ref.key in str(by_type["markdown"].data)
+    table = by_type["table"].data
+    rows = json.loads(table) if isinstance(table, str) else table
+    items = {row["item"]: row for row in rows}
+    assert {"load", "detect", "align", "fuse", "postprocess", "store", "device"} <= set(items)
+    assert items["faces replaced"]["value"] == "1"
+    assert items["detect"]["detail"].startswith("done")
+    assert by_type["progress"].data == 100.0
+    stage_runs = task_runs(run_id)
+    assert set(stage_runs) == {"load", "detect", "align", "fuse", "postprocess", "store"}
+    assert all(r.state is not None and r.state.is_completed() for r in stage_runs.values())
+
+
+def test_no_face_found_is_not_retried(prefect_harness: Home) -> None:
+    retrying = FusionSettings(stage_retries={"detect": 3})
+    retrying.save("test-detect-retries", overwrite=True)
+    params = job_params(
+        prefect_harness.put_input(no_face_jpeg_bytes()),
+        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+        settings_block="fusion-settings/test-detect-retries",
+    )
+    state = fuse_faces(**params, return_state=True)
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[no_face_found] ")
+    detect = task_runs(state.state_details.flow_run_id)["detect"]
+    assert detect.run_count == 1
+    assert detect.state is not None and detect.state.is_failed()
+
+
+def test_past_deadline_fails_fast_without_models(prefect_harness: Home) -> None:
+    loads = MODEL_CACHE.total_loads()
+    params = job_params("inputs/aa/missing.jpg", "inputs/bb/missing.jpg", seconds=-5)
+    start = time.monotonic()
+    state = fuse_faces(**params, return_state=True)
+    elapsed = time.monotonic() - start
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[deadline_exceeded] ")
+    assert MODEL_CACHE.total_loads() == loads
+    assert task_runs(state.state_details.flow_run_id) == {}
+    assert elapsed < 5.0
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(state.state_details.flow_run_id)
+    assert run.state is not None and run.state.message == state.message
+
+
+def test_slow_stage_ends_at_the_deadline(
+    prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def stuck(*args: object, **kwargs: object) -> object:
+        time.sleep(120)
+        raise AssertionError("not interrupted")
+
+    monkeypatch.setattr(pipeline, "fuse_stage", stuck)
+    seconds = 12.0
+    params = job_params(
+        prefect_harness.put_input(astronaut_jpeg_bytes()),
+        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+        seconds=seconds,
+    )
+    state = fuse_faces(**params, return_state=True)
+    overshoot = (datetime.now(UTC) - params["deadline_at"]).total_seconds()
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[deadline_exceeded] ")
+    assert overshoot < 1.5, f"ended {overshoot:.2f} s after the deadline"
+    fuse = task_runs(state.state_details.flow_run_id)["fuse"]
+    assert fuse.state is not None and fuse.state.name == "TimedOut"
+    assert params["deadline_at"] - timedelta(seconds=seconds) < datetime.now(UTC)
+
+
+def test_missing_input_is_a_permanent_invalid_input(prefect_harness: Home) -> None:
+    params = job_params(
+        "inputs/aa/absent.jpg", prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    )
+    state = fuse_faces(**params, return_state=True)
+    assert state.message is not None and state.message.startswith("[invalid_input] ")
+    assert task_runs(state.state_details.flow_run_id)["load"].run_count == 1
