@@ -18,12 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cv2  # noqa: E402
+import cv2
+import numpy as np
 
-from faceflow import samples  # noqa: E402
-from tasks.models import MODEL_CACHE  # noqa: E402
-from tasks.options import FusionOptions  # noqa: E402
-from tasks.pipeline import STAGES, PipelineContext, fuse_images, warm_up  # noqa: E402
+from faceflow import samples
+from tasks.models import MODEL_CACHE
+from tasks.options import FusionOptions
+from tasks.pipeline import STAGES, PipelineContext, fuse_images, warm_up
 
 
 def _peak_rss_mb() -> float:
@@ -54,9 +55,13 @@ def main() -> None:
     ctx = PipelineContext.for_this_machine()
     source = samples.astronaut_jpeg_bytes()
     target = samples.grace_hopper_jpeg_bytes()
-    big = samples.grace_hopper_rgb()
-    big = cv2.resize(big, (big.shape[1] * 2, big.shape[0] * 2), interpolation=cv2.INTER_CUBIC)
-    big_target = samples.encode(big, "JPEG", quality=95)
+    base_target = samples.grace_hopper_rgb()
+    big = cv2.resize(
+        base_target,
+        (base_target.shape[1] * 2, base_target.shape[0] * 2),
+        interpolation=cv2.INTER_CUBIC,
+    )
+    big_target = samples.encode(np.asarray(big, dtype=np.uint8), "JPEG", quality=95)
 
     rss_before = _peak_rss_mb()
     load_ms = warm_up(ctx)

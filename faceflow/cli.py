@@ -47,7 +47,9 @@ def fuse(
     detector: Annotated[str, typer.Option(help="Face detector: mtcnn or scrfd.")] = "mtcnn",
     fuser: Annotated[str, typer.Option(help="Fusion method: classic or inswapper.")] = "classic",
     face: Annotated[str, typer.Option(help="Target face: largest, all or an index.")] = "largest",
-    blend: Annotated[str, typer.Option(help="Blend: multiband, seamless or feather.")] = "multiband",
+    blend: Annotated[
+        str, typer.Option(help="Blend: multiband, seamless or feather.")
+    ] = "multiband",
     sharpen: Annotated[float, typer.Option(help="Unsharp-mask amount, 0 = off.")] = 0.0,
     model_dir: Annotated[
         Path | None, typer.Option(help="Directory with operator-provided models.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ def t1_path() -> Path:
     return _package_dir("insightface") / "data" / "images" / "t1.jpg"
 
 
-@lru_cache(maxsize=None)
+@cache
 def astronaut_rgb() -> RGBImage:
     """skimage's astronaut (Eileen Collins, one face), 512 x 512 RGB."""
     from skimage import data
@@ -39,19 +39,19 @@ def astronaut_rgb() -> RGBImage:
     return np.ascontiguousarray(data.astronaut(), dtype=np.uint8)
 
 
-@lru_cache(maxsize=None)
+@cache
 def grace_hopper_rgb() -> RGBImage:
     with Image.open(grace_hopper_path()) as im:
         return np.asarray(im.convert("RGB"), dtype=np.uint8)
 
 
-@lru_cache(maxsize=None)
+@cache
 def t1_rgb() -> RGBImage:
     with Image.open(t1_path()) as im:
         return np.asarray(im.convert("RGB"), dtype=np.uint8)
 
 
-@lru_cache(maxsize=None)
+@cache
 def no_face_rgb() -> RGBImage:
     """skimage's coffee cup: a photo without people."""
     from skimage import data

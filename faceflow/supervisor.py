@@ -43,7 +43,7 @@ class Service:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
         with self.log.open("ab") as out:
-            self.process = subprocess.Popen(  # noqa: S603 - argv is built by us
+            self.process = subprocess.Popen(
                 list(self.argv),
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -63,7 +63,9 @@ class Service:
         while time.monotonic() < deadline:
             if not self.alive():
                 code = self.process.returncode if self.process else None
-                raise ServiceFailed(self.name, f"exited with code {code} before it was ready", self.log)
+                raise ServiceFailed(
+                    self.name, f"exited with code {code} before it was ready", self.log
+                )
             try:
                 if check():
                     return

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import cv2
+import numpy as np
 
 from tasks.errors import InvalidInput, NoFaceFound
 from tasks.options import DetectorName, FaceChoice
@@ -34,7 +35,7 @@ def detect_faces(
     work = image
     if scale < 1.0:
         size = (max(1, round(width * scale)), max(1, round(height * scale)))
-        work = cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+        work = np.asarray(cv2.resize(image, size, interpolation=cv2.INTER_AREA), dtype=np.uint8)
     if detector == "mtcnn":
         from tasks.mtcnn import detect_with_mtcnn
 

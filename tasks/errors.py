@@ -20,7 +20,9 @@ class FaceFlowError(Exception):
     def __init__(self, message: str | None = None, *, detail: str | None = None) -> None:
         self.public_message = message or self.default_message
         self.detail = detail
-        super().__init__(self.public_message if detail is None else f"{self.public_message} ({detail})")
+        super().__init__(
+            self.public_message if detail is None else f"{self.public_message} ({detail})"
+        )
 
     def __str__(self) -> str:
         return f"[{self.code}] {super().__str__()}"

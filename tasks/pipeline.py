@@ -241,7 +241,9 @@ def warm_up(
     """Load the models of ``detector`` and ``fuser`` and run one tiny inference; returns ms."""
     start = time.perf_counter()
     probe = np.full((96, 96, 3), 128, dtype=np.uint8)
-    detect_faces(probe, detector=detector, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+    detect_faces(
+        probe, detector=detector, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
+    )
     if fuser == "inswapper":
         from tasks.arcface import embed_with_arcface
         from tasks.inswapper import swap_with_inswapper

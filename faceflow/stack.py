@@ -1,0 +1,252 @@
+"""``faceflow up``: the whole service on one machine, with embedded defaults.
+
+Prefect server (SQLite under the home, unless ``PREFECT_API_URL`` names one) → work pool
+from ``work_pools/gpu-process.json`` → blocks → ``prefect --no-prompt deploy --all`` →
+worker(s) → job-store migrations → webapi with its relay. Every child runs in its own
+process group with a log under ``<home>/logs/`` and is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import httpx
+
+from faceflow.supervisor import Service, ServiceFailed, Supervisor
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+POOL_NAME = "gpu"
+
+
+@dataclass
+class StackConfig:
+    """Where the stack lives and listens."""
+
+    home: Path = field(default_factory=lambda: Path(os.environ.get("FACEFLOW_HOME", ".faceflow")))
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    prefect_port: int = 4200
+    workers: int = 1
+    worker_type: str = "process"
+    external_prefect: str | None = field(default_factory=lambda: os.environ.get("PREFECT_API_URL"))
+    ready_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        self.home = self.home.resolve()
+
+    @property
+    def prefect_api_url(self) -> str:
+        return self.external_prefect or f"http://127.0.0.1:{self.prefect_port}/api"
+
+    @property
+    def prefect_ui_url(self) -> str:
+        return self.prefect_api_url.removesuffix("/api")
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.api_host}:{self.api_port}"
+
+    @property
+    def logs(self) -> Path:
+        return self.home / "logs"
+
+    def env(self) -> dict[str, str]:
+        """Environment shared by every child process."""
+        return {
+            "FACEFLOW_HOME": str(self.home),
+            "FACEFLOW_PREFECT_API_URL": self.prefect_api_url,
+            "PREFECT_API_URL": self.prefect_api_url,
+            "PREFECT_HOME": str(self.home / "prefect"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+
+def _bin(name: str) -> str:
+    """An executable of this interpreter's environment (``.venv/bin/NAME``)."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else (shutil.which(name) or name)
+
+
+def _http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        return httpx.get(url, timeout=2.0).status_code == 200
+
+    return check
+
+
+Progress = Callable[[str], None]
+
+
+class Stack:
+    """The running stack; use as a context manager or call ``start()``/``stop()``."""
+
+    def __init__(self, config: StackConfig, progress: Progress | None = None) -> None:
+        self.config = config
+        self.supervisor = Supervisor()
+        self.progress = progress or (lambda message: print(message, flush=True))
+
+    def _run_step(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> None:
+        """A one-shot setup command; ``ServiceFailed`` with its log on a non-zero exit."""
+        log = self.config.logs / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            proc = subprocess.run(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.config.env(), **(env or {})},
+                cwd=REPO_ROOT,
+                timeout=300,
+                check=False,
+            )
+        if proc.returncode != 0:
+            raise ServiceFailed(name, f"failed with exit code {proc.returncode}", log)
+
+    def _service(
+        self, name: str, argv: list[str], extra: Mapping[str, str] | None = None
+    ) -> Service:
+        return Service(
+            name=name,
+            argv=argv,
+            log=self.config.logs / f"{name}.log",
+            env={**self.config.env(), **(extra or {})},
+            cwd=REPO_ROOT,
+        )
+
+    def start(self) -> None:
+        """Start every part, waiting for each to be ready."""
+        cfg = self.config
+        cfg.home.mkdir(parents=True, exist_ok=True)
+        prefect = _bin("prefect")
+        faceflow = _bin("faceflow")
+        if cfg.external_prefect:
+            self.progress(f"prefect: using existing server {cfg.prefect_api_url}")
+        else:
+            self.progress(f"prefect: starting server on 127.0.0.1:{cfg.prefect_port}")
+            server = self.supervisor.start(
+                self._service(
+                    "prefect-server",
+                    [
+                        prefect,
+                        "server",
+                        "start",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(cfg.prefect_port),
+                    ],
+                )
+            )
+            server.wait_ready(_http_ok(f"{cfg.prefect_api_url}/health"), cfg.ready_timeout)
+        self.progress("prefect: work pool, blocks, deployments")
+        template = REPO_ROOT / "work_pools" / "gpu-process.json"
+        self._run_step(
+            "work-pool",
+            [
+                prefect,
+                "work-pool",
+                "create",
+                POOL_NAME,
+                "--type",
+                "process",
+                "--base-job-template",
+                str(template),
+                "--overwrite",
+            ],
+        )
+        self._run_step(
+            "work-pool-limit",
+            [prefect, "work-pool", "set-concurrency-limit", POOL_NAME, str(cfg.workers)],
+        )
+        self._run_step("blocks", [faceflow, "blocks", "init"])
+        self._run_step("deploy", [prefect, "--no-prompt", "deploy", "--all"])
+        self.progress("job store: migrations")
+        self._run_step("db-upgrade", [faceflow, "db", "upgrade"])
+        for index in range(cfg.workers):
+            name = f"worker-{index}"
+            self.progress(f"worker: starting {name} on pool {POOL_NAME!r}")
+            self.supervisor.start(
+                self._service(
+                    name,
+                    [
+                        prefect,
+                        "worker",
+                        "start",
+                        "--pool",
+                        POOL_NAME,
+                        "--type",
+                        cfg.worker_type,
+                        "--name",
+                        f"local-{name}",
+                        "--limit",
+                        "1",
+                    ],
+                    {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(index))},
+                )
+            )
+        self.progress(f"webapi: starting on {cfg.api_url}")
+        api = self.supervisor.start(
+            self._service(
+                "webapi",
+                [
+                    _bin("uvicorn"),
+                    "--factory",
+                    "webapi.main:create_app",
+                    "--host",
+                    cfg.api_host,
+                    "--port",
+                    str(cfg.api_port),
+                    "--no-access-log",
+                ],
+            )
+        )
+        api.wait_ready(_http_ok(f"{cfg.api_url}/readyz"), cfg.ready_timeout)
+        self.supervisor.check_alive()
+        self.progress(f"ready: API {cfg.api_url}/docs  Prefect UI {cfg.prefect_ui_url}")
+
+    def stop(self) -> None:
+        """Stop every child by PID, workers first."""
+        self.supervisor.stop_all()
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_forever(stack: Stack) -> None:
+    """Watch the children until SIGINT/SIGTERM or one of them dies; then stop all."""
+    stopping = False
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        while not stopping:
+            stack.supervisor.check_alive()
+            time.sleep(0.5)
+    finally:
+        stack.progress("stopping the stack")
+        stack.stop()
