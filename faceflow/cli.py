@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from faceflow.client import FaceFlowClient
 
 app = typer.Typer(
     name="faceflow",
@@ -21,6 +24,20 @@ app = typer.Typer(
 )
 models_app = typer.Typer(help="Inspect the model registry.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+blocks_app = typer.Typer(help="Prefect blocks of the local stack.", no_args_is_help=True)
+app.add_typer(blocks_app, name="blocks")
+relay_app = typer.Typer(help="The relay: dispatch, sync, expire, reap, notify.")
+app.add_typer(relay_app, name="relay")
+
+
+def _mount_webapi() -> None:
+    from webapi.cli import db_app, users_app
+
+    app.add_typer(users_app, name="users")
+    app.add_typer(db_app, name="db")
+
+
+_mount_webapi()
 
 
 def _fail(code: str, message: str, exit_code: int = 1) -> typer.Exit:
@@ -161,6 +178,134 @@ def demo(
     src = output.parent / "astronaut.jpg"
     src.write_bytes(samples.astronaut_jpeg_bytes())
     fuse(src, samples.grace_hopper_path(), output)
+
+
+@blocks_app.command("init")
+def blocks_init(
+    home: Annotated[Path | None, typer.Option(help="FaceFlow home (default .faceflow).")] = None,
+) -> None:
+    """Save the default storage, FusionSettings and WebhookSettings blocks (overwrite)."""
+    from blocks.defaults import init_default_blocks
+
+    saved = init_default_blocks(home)
+    typer.echo(f"saved {saved.storage} ({saved.storage_path}), {saved.settings}, {saved.webhooks}")
+
+
+@relay_app.callback(invoke_without_command=True)
+def relay(ctx: typer.Context) -> None:
+    """Run the relay loops standalone (when the webapi runs with FACEFLOW_RUN_RELAY=false)."""
+    if ctx.invoked_subcommand is None:
+        from webapi.relay.runner import run_relay_forever
+
+        run_relay_forever()
+
+
+@relay_app.command("reconcile")
+def relay_reconcile() -> None:
+    """Run one pass of every relay step and print what it did."""
+    from webapi.relay.runner import reconcile_once
+
+    typer.echo(json.dumps(reconcile_once(), default=str))
+
+
+@app.command()
+def up(
+    demo: Annotated[bool, typer.Option(help="Also run a demo job and print its result.")] = False,
+    workers: Annotated[int, typer.Option(min=1, help="Workers on the GPU pool.")] = 1,
+    worker_type: Annotated[
+        str, typer.Option(help="Worker type: faceflow-gpu (warm) or process (stock).")
+    ] = "process",
+    api_port: Annotated[int, typer.Option(help="Port of the webapi on 127.0.0.1.")] = 8000,
+    prefect_port: Annotated[int, typer.Option(help="Port of the Prefect server.")] = 4200,
+    home: Annotated[Path | None, typer.Option(help="State directory (default .faceflow).")] = None,
+) -> None:
+    """Start the whole stack on this machine; Ctrl-C or SIGTERM stops it cleanly."""
+    from faceflow.stack import Stack, StackConfig, run_demo, serve_forever
+    from faceflow.supervisor import ServiceFailed
+
+    config = StackConfig(
+        api_port=api_port, prefect_port=prefect_port, workers=workers, worker_type=worker_type
+    )
+    if home is not None:
+        config.home = home.resolve()
+    stack = Stack(config)
+    try:
+        stack.start()
+        if demo:
+            run_demo(stack)
+    except ServiceFailed as exc:
+        stack.stop()
+        raise _fail("stack_failed", str(exc)) from None
+    except BaseException:
+        stack.stop()
+        raise
+    serve_forever(stack)
+
+
+def _client() -> FaceFlowClient:
+    import os
+
+    from faceflow.client import FaceFlowClient
+
+    key = os.environ.get("FACEFLOW_API_KEY")
+    if not key:
+        raise _fail("no_api_key", "set FACEFLOW_API_KEY (from `faceflow users create NAME`)", 2)
+    return FaceFlowClient(os.environ.get("FACEFLOW_API_URL", "http://127.0.0.1:8000"), key)
+
+
+@app.command()
+def submit(
+    source: Annotated[str, typer.Argument(help="Source face: a path or an https:// URL.")],
+    target: Annotated[str, typer.Argument(help="Target photo: a path or an https:// URL.")],
+    wait: Annotated[bool, typer.Option(help="Wait for the job to end.")] = False,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Save the result.")] = None,
+    identity_weight: Annotated[float | None, typer.Option(help="0..1.")] = None,
+    deadline: Annotated[float | None, typer.Option(help="Deadline in seconds.")] = None,
+) -> None:
+    """Submit a job to the API (FACEFLOW_API_URL, FACEFLOW_API_KEY)."""
+    from faceflow.client import FaceFlowAPIError, wait_with_progress
+
+    options = {"identity_weight": identity_weight} if identity_weight is not None else None
+    with _client() as client:
+        try:
+            src = source if source.startswith("https://") else Path(source)
+            tgt = target if target.startswith("https://") else Path(target)
+            job = client.submit(src, tgt, options=options, deadline_seconds=deadline)
+            typer.echo(f"job {job['id']} {job['status']}")
+            if wait or output:
+                job = wait_with_progress(client, job["id"])
+                typer.echo(json.dumps(job, indent=2, default=str))
+                if output and job["status"] == "succeeded":
+                    output.write_bytes(client.result(job["id"]))
+                    typer.echo(f"wrote {output}")
+                if job["status"] != "succeeded":
+                    raise typer.Exit(1)
+        except FaceFlowAPIError as exc:
+            raise _fail(exc.code, exc.message) from None
+
+
+@app.command()
+def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
+    """Print a job."""
+    from faceflow.client import FaceFlowAPIError
+
+    with _client() as client:
+        try:
+            typer.echo(json.dumps(client.status(job_id), indent=2, default=str))
+        except FaceFlowAPIError as exc:
+            raise _fail(exc.code, exc.message) from None
+
+
+@app.command()
+def cancel(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
+    """Cancel a queued or running job."""
+    from faceflow.client import FaceFlowAPIError
+
+    with _client() as client:
+        try:
+            typer.echo(json.dumps(client.cancel(job_id), indent=2, default=str))
+        except FaceFlowAPIError as exc:
+            raise _fail(exc.code, exc.message) from None
 
 
 def main() -> None:

@@ -278,3 +278,17 @@ class AsyncFaceFlowClient:
             if job["status"] in TERMINAL_STATUSES or time.monotonic() >= deadline:
                 return job
             await asyncio.sleep(interval)
+
+
+def wait_with_progress(client: FaceFlowClient, job_id: str, *, timeout: float = 300.0) -> Job:
+    """``client.wait`` with a rich progress display naming status and stage."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()) as bar:
+        task = bar.add_task(f"job {job_id}: queued", total=None)
+
+        def update(job: Job) -> None:
+            stage = f" ({job['stage']})" if job.get("stage") else ""
+            bar.update(task, description=f"job {job_id}: {job['status']}{stage}")
+
+        return client.wait(job_id, timeout=timeout, on_update=update)

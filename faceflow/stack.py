@@ -250,3 +250,49 @@ def serve_forever(stack: Stack) -> None:
     finally:
         stack.progress("stopping the stack")
         stack.stop()
+
+
+def create_user(stack: Stack, name: str) -> tuple[str, str]:
+    """Create an API user through ``faceflow users create``; returns (api key, webhook secret)."""
+    log = stack.config.logs / "users.log"
+    proc = subprocess.run(
+        [_bin("faceflow"), "users", "create", name],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **stack.config.env()},
+        cwd=REPO_ROOT,
+        timeout=120,
+        check=False,
+    )
+    if proc.returncode != 0:
+        log.write_text(proc.stdout + proc.stderr)
+        raise ServiceFailed("users create", f"failed with exit code {proc.returncode}", log)
+    fields = dict(line.split(":", 1) for line in proc.stdout.splitlines() if ":" in line)
+    return fields["api key"].strip(), fields["webhook secret"].strip()
+
+
+def run_demo(stack: Stack) -> Path:
+    """Create a demo user, submit astronaut → grace_hopper over HTTP, wait, save the result."""
+    from faceflow import samples
+    from faceflow.client import FaceFlowClient, wait_with_progress
+
+    api_key, _secret = create_user(stack, f"demo-{int(time.time())}")
+    out = stack.config.home / "demo" / "astronaut_on_grace_hopper.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FaceFlowClient(stack.config.api_url, api_key) as client:
+        job = client.submit(samples.astronaut_jpeg_bytes(), samples.grace_hopper_path())
+        stack.progress(f"demo: submitted job {job['id']}")
+        job = wait_with_progress(client, job["id"], timeout=300)
+        if job["status"] != "succeeded":
+            error = job.get("error") or {}
+            raise ServiceFailed(
+                "demo job",
+                f"ended {job['status']} ({error.get('code')}: {error.get('message')})",
+                stack.config.logs / "webapi.log",
+            )
+        out.write_bytes(client.result(job["id"]))
+    stack.progress(f"demo: result written to {out}")
+    stack.progress(f"demo: API docs {stack.config.api_url}/docs")
+    stack.progress(f"demo: Prefect UI {stack.config.prefect_ui_url}/runs")
+    stack.progress(f"demo: try  FACEFLOW_API_KEY={api_key} faceflow status {job['id']}")
+    return out
