@@ -1,0 +1,233 @@
+"""prefect.yaml, work pools and a process worker against a real ``prefect server start``."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from PIL import Image
+
+from faceflow.supervisor import Service
+from flows.params import (
+    DEPLOYMENT_NAME,
+    FLOW_NAME,
+    FuseFacesParams,
+    ResultRef,
+    idempotency_key,
+    result_meta_key,
+)
+from tasks.options import FusionOptions
+from tests.orchestration.conftest import BIN, REPO_ROOT, Home, PrefectServer
+from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes, grace_hopper_rgb
+
+POOLS = REPO_ROOT / "work_pools"
+
+
+def prefect_cli(server: PrefectServer, *args: str, timeout: float = 180) -> str:
+    """Run the prefect CLI against ``server``; its output (``AssertionError`` on failure)."""
+    proc = subprocess.run(
+        [str(BIN / "prefect"), *args],
+        cwd=REPO_ROOT,
+        env=server.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, f"prefect {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def api(server: PrefectServer, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    return httpx.request(method, f"{server.api_url}{path}", timeout=30.0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_server: PrefectServer) -> dict[str, dict[str, Any]]:
+    """Pools created from work_pools/, then ``prefect --no-prompt deploy --all``."""
+    prefect_cli(
+        prefect_server,
+        *("work-pool", "create", "gpu", "--type", "process"),
+        *("--base-job-template", str(POOLS / "gpu-process.json")),
+    )
+    prefect_cli(prefect_server, "work-pool", "set-concurrency-limit", "gpu", "1")
+    prefect_cli(prefect_server, "work-pool", "create", "control", "--type", "process")
+    prefect_cli(prefect_server, "--no-prompt", "deploy", "--all")
+    return {
+        name: api(prefect_server, "GET", f"/deployments/name/{name}").json()
+        for name in (f"{FLOW_NAME}/{DEPLOYMENT_NAME}", "reconcile/reconcile")
+    }
+
+
+def webapi_parameters(job_id: str, source_key: str, target_key: str) -> dict[str, Any]:
+    """What the relay sends: a ``FuseFacesParams`` dump, options as the caller set them."""
+    params = FuseFacesParams(
+        job_id=job_id,
+        owner_id="owner-7",
+        source_key=source_key,
+        target_key=target_key,
+        options=FusionOptions.model_validate({"output_format": "jpeg", "face": "largest"}),
+        deadline_at=datetime.now(UTC) + timedelta(minutes=5),
+        attempt=1,
+    )
+    dumped = params.model_dump(mode="json")
+    dumped["options"] = params.options.model_dump(mode="json", exclude_unset=True)
+    return dumped
+
+
+def test_deploy_all_creates_both_deployments(deployed: dict[str, dict[str, Any]]) -> None:
+    fuse = deployed[f"{FLOW_NAME}/{DEPLOYMENT_NAME}"]
+    reconcile = deployed["reconcile/reconcile"]
+    assert fuse["work_pool_name"] == "gpu" and reconcile["work_pool_name"] == "control"
+    assert fuse["entrypoint"] == "flows/fuse.py:fuse_faces"
+    assert reconcile["entrypoint"] == "flows/reconcile.py:reconcile"
+    assert fuse["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO_ROOT)}}
+    ]
+    assert fuse["parameters"]["storage_block"] == "local-file-system/faceflow-storage"
+    assert fuse["global_concurrency_limit"]["limit"] == 1
+    assert fuse["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+    assert [s["schedule"]["interval"] for s in reconcile["schedules"]] == [60.0]
+    assert fuse["schedules"] == []
+
+
+def test_parameter_schema_accepts_what_the_webapi_sends(
+    prefect_server: PrefectServer, deployed: dict[str, dict[str, Any]]
+) -> None:
+    fuse = deployed[f"{FLOW_NAME}/{DEPLOYMENT_NAME}"]
+    schema = fuse["parameter_openapi_schema"]
+    sent = webapi_parameters(str(uuid.uuid4()), "inputs/aa/a.jpg", "inputs/bb/b.jpg")
+    jsonschema.validate(sent, schema)
+    full = {**sent, "options": FusionOptions().model_dump(mode="json")}
+    jsonschema.validate(full, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**sent, "options": {"identity_weight": 5}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({k: v for k, v in sent.items() if k != "job_id"}, schema)
+
+    # The server agrees: it creates the run (then we delete it before a worker sees it).
+    created = api(
+        prefect_server,
+        "POST",
+        f"/deployments/{fuse['id']}/create_flow_run",
+        json={
+            "parameters": sent,
+            "state": {
+                "type": "SCHEDULED",
+                "name": "Scheduled",
+                "state_details": {"scheduled_time": "2999-01-01T00:00:00Z"},
+            },
+        },
+    )
+    assert created.status_code == 201, created.text
+    assert api(prefect_server, "DELETE", f"/flow_runs/{created.json()['id']}").status_code == 204
+    refused = api(
+        prefect_server,
+        "POST",
+        f"/deployments/{fuse['id']}/create_flow_run",
+        json={"parameters": {**sent, "attempt": "first"}},
+    )
+    assert refused.status_code == 409
+
+
+@pytest.mark.parametrize(
+    ("name", "pool_type"),
+    [
+        ("gpu-process", "process"),
+        ("gpu-ecs", "ecs"),
+        ("gpu-docker", "docker"),
+        ("gpu-kubernetes", "kubernetes"),
+    ],
+)
+def test_work_pool_template_is_accepted(
+    prefect_server: PrefectServer, name: str, pool_type: str
+) -> None:
+    template = POOLS / f"{name}.json"
+    pool = f"check-{name}"
+    prefect_cli(
+        prefect_server,
+        *("work-pool", "create", pool, "--type", pool_type),
+        *("--base-job-template", str(template)),
+    )
+    stored = api(prefect_server, "GET", f"/work_pools/{pool}").json()
+    assert stored["type"] == pool_type
+    assert stored["base_job_template"] == json.loads(template.read_text())
+
+
+@pytest.mark.slow
+def test_process_worker_runs_a_triggered_deployment(
+    prefect_server: PrefectServer, deployed: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from blocks import init_default_blocks
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
+        init_default_blocks(prefect_server.home, webhook_secret="whsec_worker-test")
+    home = Home(prefect_server.home)
+    job_id = str(uuid.uuid4())
+    sent = webapi_parameters(
+        job_id,
+        home.put_input(astronaut_jpeg_bytes()),
+        home.put_input(grace_hopper_jpeg_bytes()),
+    )
+    worker = Service(
+        "worker",
+        [
+            str(BIN / "prefect"),
+            "worker",
+            "start",
+            "--pool",
+            "gpu",
+            "--type",
+            "process",
+            "--limit",
+            "1",
+            "--name",
+            "test-worker",
+        ],
+        log=tmp_path / "worker.log",
+        env=prefect_server.env,
+        cwd=REPO_ROOT,
+    )
+    worker.start()
+    try:
+        fuse = deployed[f"{FLOW_NAME}/{DEPLOYMENT_NAME}"]
+        created = api(
+            prefect_server,
+            "POST",
+            f"/deployments/{fuse['id']}/create_flow_run",
+            json={
+                "parameters": sent,
+                "idempotency_key": idempotency_key(job_id, 1),
+                "name": job_id,
+                "tags": [f"job:{job_id}", "owner:owner-7"],
+            },
+        )
+        assert created.status_code == 201, created.text
+        run_id = created.json()["id"]
+        deadline = time.monotonic() + 240
+        state: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            state = api(prefect_server, "GET", f"/flow_runs/{run_id}").json()["state"]
+            if state["type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}:
+                break
+            assert worker.alive(), worker.log.read_text()[-3000:]
+            time.sleep(1.0)
+        assert state.get("type") == "COMPLETED", f"{state}\n{worker.log.read_text()[-4000:]}"
+    finally:
+        worker.stop(grace=10)
+    ref = ResultRef.model_validate_json((home.storage / result_meta_key(job_id, 1)).read_bytes())
+    assert ref.content_type == "image/jpeg" and ref.key.endswith(".jpeg")
+    image = Image.open(io.BytesIO((home.storage / ref.key).read_bytes()))
+    assert image.format == "JPEG"
+    assert (image.height, image.width) == grace_hopper_rgb().shape[:2]
