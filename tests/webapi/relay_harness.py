@@ -37,9 +37,25 @@ from webapi import crud
 from webapi.config import Settings
 from webapi.inputs import InputRef, store_image
 from webapi.models import Job, JobCreate
+from webapi.relay.context import RelayTimings
 from webapi.storage import ObjectStore
 
 PREFECT_BIN = Path(sys.executable).with_name("prefect")
+#: Relay timings for tests: short intervals, backoffs and grace periods.
+FAST = RelayTimings(
+    dispatch_interval_s=0.05,
+    sync_interval_s=0.2,
+    expire_interval_s=0.2,
+    reap_interval_s=0.2,
+    notify_interval_s=0.1,
+    dispatch_backoff_base_s=0.1,
+    dispatch_backoff_cap_s=0.5,
+    running_grace_s=0.5,
+    pending_timeout_s=2.0,
+    cancel_grace_s=2.0,
+    webhook_backoff_base_s=0.1,
+    webhook_backoff_cap_s=0.3,
+)
 
 
 def free_port() -> int:
@@ -235,7 +251,7 @@ def in_thread(target: Callable[[], None], name: str) -> threading.Thread:
 
 @dataclass
 class Received:
-    """One request the receiver got."""
+    """One request the receiver got (header names lower-cased)."""
 
     method: str
     path: str
@@ -246,7 +262,7 @@ class Received:
 class Receiver:
     """A real ``http.server`` on 127.0.0.1 in a thread. POSTs are recorded and answered
     from ``statuses`` (the last one repeats); GETs serve ``files`` (path → status,
-    headers, body)."""
+    headers, body; a header ``x-unsized`` leaves out Content-Length)."""
 
     def __init__(self) -> None:
         self.requests: list[Received] = []
@@ -264,7 +280,12 @@ class Receiver:
                 body = self.rfile.read(length) if length else b""
                 with receiver._lock:
                     receiver.requests.append(
-                        Received(self.command, self.path, dict(self.headers.items()), body)
+                        Received(
+                            self.command,
+                            self.path,
+                            {k.lower(): v for k, v in self.headers.items()},
+                            body,
+                        )
                     )
 
             def do_POST(self) -> None:
@@ -282,7 +303,8 @@ class Receiver:
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
-                self.send_header("content-length", str(len(body)))
+                if "x-unsized" not in headers:  # else HTTP/1.0: the body ends at close
+                    self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 

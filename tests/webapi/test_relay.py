@@ -23,6 +23,7 @@ from sqlmodel import Session
 from flows.params import FuseFacesParams, idempotency_key, result_key
 from tests.webapi.conftest import make_settings
 from tests.webapi.relay_harness import (
+    FAST,
     SCRIPT,
     PrefectServer,
     body_json,
@@ -41,27 +42,12 @@ from webapi.config import Settings
 from webapi.models import JobStatus, Outbox
 from webapi.prefect_api import FlowRun, PrefectAPI, StateType
 from webapi.relay import dispatch, expire, reap, sync
-from webapi.relay.context import Relay, RelayTimings
+from webapi.relay.context import Relay
 from webapi.relay.metrics import METRICS
 from webapi.relay.runner import build_relay, reconcile_once, start_relay, stop_relay
 from webapi.storage import LocalObjectStore
 
 pytestmark = pytest.mark.prefect
-
-FAST = RelayTimings(
-    dispatch_interval_s=0.05,
-    sync_interval_s=0.2,
-    expire_interval_s=0.2,
-    reap_interval_s=0.2,
-    notify_interval_s=0.1,
-    dispatch_backoff_base_s=0.1,
-    dispatch_backoff_cap_s=0.5,
-    running_grace_s=0.5,
-    pending_timeout_s=2.0,
-    cancel_grace_s=2.0,
-    webhook_backoff_base_s=0.1,
-    webhook_backoff_cap_s=0.3,
-)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,105 @@
+"""URL inputs: ``fetch_url`` against a real loopback server (SSRF guard on every hop,
+redirect and size limits, typed transient/permanent failures)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.webapi.relay_harness import Receiver, free_port, receiver
+from webapi.relay.fetch import FetchRejected, FetchUnavailable, fetch_url
+
+BODY = b"\x89PNG\r\n\x1a\n" + b"x" * 5000
+SCHEMES = ("http", "https")
+
+
+@pytest.fixture
+def server() -> Iterator[Receiver]:
+    with receiver() as instance:
+        instance.files["/img"] = (200, {"content-type": "image/png"}, BODY)
+        yield instance
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client() as instance:
+        yield instance
+
+
+def fetch(client: httpx.Client, url: str, **kwargs: object) -> bytes:
+    options: dict[str, object] = {
+        "max_bytes": 10_000,
+        "allow_private": True,
+        "schemes": SCHEMES,
+        "timeout_s": 5.0,
+        **kwargs,
+    }
+    return fetch_url(client, url, **options)  # type: ignore[arg-type]
+
+
+def test_fetches_the_body_through_relative_and_absolute_redirects(
+    server: Receiver, client: httpx.Client
+) -> None:
+    server.files["/a"] = (301, {"location": "/b"}, b"")
+    server.files["/b"] = (308, {"location": f"{server.url}/img"}, b"")
+    assert fetch(client, f"{server.url}/a") == BODY
+    assert [r.path for r in server.requests] == ["/a", "/b", "/img"]
+
+
+def test_too_many_redirects_are_refused(server: Receiver, client: httpx.Client) -> None:
+    for hop in range(5):
+        server.files[f"/r{hop}"] = (302, {"location": f"/r{hop + 1}"}, b"")
+    with pytest.raises(FetchRejected, match="redirected more than 3"):
+        fetch(client, f"{server.url}/r0")
+    assert len(server.requests) == 4  # the first request and 3 redirects
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["http://169.254.169.254/latest/meta-data", "http://[fd00:ec2::254]/", "file:///etc/passwd"],
+)
+def test_a_redirect_to_a_blocked_address_is_not_followed(
+    server: Receiver, client: httpx.Client, target: str
+) -> None:
+    server.files["/evil"] = (302, {"location": target}, b"")
+    with pytest.raises(FetchRejected, match="not allowed"):
+        fetch(client, f"{server.url}/evil")
+    assert [r.path for r in server.requests] == ["/evil"]
+
+
+def test_private_addresses_are_refused_before_any_connection(
+    server: Receiver, client: httpx.Client
+) -> None:
+    for url in (f"{server.url}/img", "http://10.0.0.1/x", "http://[::1]/x", "http://localhost/x"):
+        with pytest.raises(FetchRejected):
+            fetch(client, url, allow_private=False)
+    assert server.requests == []
+
+
+def test_plain_http_is_refused_by_default(server: Receiver, client: httpx.Client) -> None:
+    with pytest.raises(FetchRejected):
+        fetch(client, f"{server.url}/img", schemes=("https",))
+    assert server.requests == []
+
+
+def test_size_limit_by_header_and_while_streaming(server: Receiver, client: httpx.Client) -> None:
+    with pytest.raises(FetchRejected, match="larger than"):
+        fetch(client, f"{server.url}/img", max_bytes=1000)
+    server.files["/unsized"] = (200, {"x-unsized": "1"}, BODY)
+    with pytest.raises(FetchRejected, match="larger than"):
+        fetch(client, f"{server.url}/unsized", max_bytes=1000)
+    assert fetch(client, f"{server.url}/unsized") == BODY
+
+
+def test_server_errors_are_transient_client_errors_permanent(
+    server: Receiver, client: httpx.Client
+) -> None:
+    server.files["/busy"] = (503, {}, b"")
+    with pytest.raises(FetchUnavailable):
+        fetch(client, f"{server.url}/busy")
+    with pytest.raises(FetchRejected, match="404"):
+        fetch(client, f"{server.url}/missing")
+    with pytest.raises(FetchUnavailable):
+        fetch(client, f"http://127.0.0.1:{free_port()}/img")  # nothing listens there
