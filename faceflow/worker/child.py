@@ -1,0 +1,235 @@
+"""A warm child: imports the pipeline, loads the models once, then runs flow runs.
+
+Started by the worker as ``python -m faceflow.worker.child --fd N`` in its own session,
+with ``CUDA_VISIBLE_DEVICES`` pinned in its environment. Fd ``N`` is one end of a socket
+pair wrapped as a ``multiprocessing`` connection; the first message is the ``ChildSpec``.
+
+The child runs each flow run through ``prefect.flow_engine.run_flow`` inside one
+long-lived Prefect client context, so the run is a normal Prefect flow run. Prefect's
+flow-run heartbeat thread is disabled here by default (the parent supervises liveness);
+it would otherwise add ≈ 0.8 s to every ``run_flow`` return.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import resource
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from faceflow.worker.protocol import (
+    ChildSpec,
+    Ready,
+    RunFinished,
+    RunRequest,
+    RunStarted,
+    Shutdown,
+    Telemetry,
+    WarmupFailed,
+)
+
+FlowCacheKey = tuple[str, str]
+
+
+def rss_mb() -> float:
+    """Resident set size of this process now (MiB); peak RSS where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as fh:
+            pages = int(fh.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def model_loads() -> dict[str, int]:
+    """Loads per model name so far in this process (``tasks.models.MODEL_CACHE``)."""
+    from tasks.models import MODEL_CACHE
+
+    loads: dict[str, int] = {}
+    for (name, _device, _providers), count in MODEL_CACHE.loads.items():
+        loads[name] = loads.get(name, 0) + count
+    return loads
+
+
+def gpu_info() -> dict[str, Any]:
+    """``tasks.gpu.gpu_stats()`` of the GPU this child is pinned to."""
+    from tasks.gpu import gpu_stats
+
+    return gpu_stats().as_dict()
+
+
+@contextlib.contextmanager
+def run_environment(env: dict[str, str], working_dir: str | None) -> Iterator[None]:
+    """Apply a run's environment variables and working directory, restored afterwards."""
+    saved = {key: os.environ.get(key) for key in env}
+    cwd = os.getcwd()
+    os.environ.update(env)
+    if working_dir:
+        os.chdir(working_dir)
+        if working_dir not in sys.path:
+            sys.path.insert(0, working_dir)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        os.chdir(cwd)
+
+
+class WarmChild:
+    """The child's state: its spec, loaded flows and run counter."""
+
+    def __init__(self, conn: Connection, spec: ChildSpec) -> None:
+        self.conn = conn
+        self.spec = spec
+        self.flows: dict[FlowCacheKey, Any] = {}
+        self.runs_done = 0
+
+    def telemetry(self) -> Telemetry:
+        return Telemetry(
+            pid=os.getpid(),
+            runs_done=self.runs_done,
+            model_loads=model_loads(),
+            rss_mb=rss_mb(),
+            gpu=gpu_info(),
+        )
+
+    def warm_up(self) -> tuple[str, float]:
+        """Load the models and run the tiny warm-up inference; returns (device, ms)."""
+        from tasks.pipeline import PipelineContext, warm_up
+
+        ctx = PipelineContext.for_this_machine(model_dir=self.spec.model_dir)
+        ms = warm_up(ctx, self.spec.detector, self.spec.fuser)  # type: ignore[arg-type]
+        return ctx.device, ms
+
+    def load_flow(self, entrypoint: str, working_dir: str | None) -> Any:
+        """The flow object of ``entrypoint`` (loaded once per entrypoint and directory)."""
+        key = (entrypoint, working_dir or os.getcwd())
+        if key not in self.flows:
+            from prefect.flows import load_flow_from_entrypoint
+
+            with run_environment({}, working_dir):
+                self.flows[key] = load_flow_from_entrypoint(entrypoint, use_placeholder_flow=False)
+        return self.flows[key]
+
+    def preload(self) -> None:
+        """Import the configured flows now so the first run does not pay for it."""
+        base = Path(self.spec.working_dir or os.getcwd())
+        for entrypoint in self.spec.preload:
+            if not (base / entrypoint.rsplit(":", 1)[0]).is_file():
+                continue  # not deployed here
+            try:
+                self.load_flow(entrypoint, self.spec.working_dir)
+            except Exception as exc:  # a broken flow fails its runs, not the child
+                msg = f"faceflow-gpu child: preload of {entrypoint} failed: {exc!r}"
+                print(msg, file=sys.stderr)
+
+    def run(self, request: RunRequest, client: Any) -> RunFinished:
+        """Run one flow run through Prefect's engine; never raises."""
+        from prefect.flow_engine import run_flow
+
+        start = time.perf_counter()
+        state_type = state_message = error = None
+        try:
+            working_dir = request.working_dir or self.spec.working_dir
+            flow = self.load_flow(request.entrypoint, working_dir)
+            flow_run = client.read_flow_run(UUID(request.flow_run_id))
+            self.conn.send(RunStarted(request.flow_run_id, (time.perf_counter() - start) * 1e3))
+            with run_environment(request.env, working_dir):
+                state = run_flow(flow, flow_run=flow_run, return_type="state")
+            state_type = str(state.type.value)  # type: ignore[union-attr]
+            state_message = state.message  # type: ignore[union-attr]
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        self.runs_done += 1
+        return RunFinished(
+            flow_run_id=request.flow_run_id,
+            state_type=state_type,
+            state_message=state_message,
+            run_ms=(time.perf_counter() - start) * 1e3,
+            telemetry=self.telemetry(),
+            error=error,
+        )
+
+    def serve(self, ready: Ready) -> None:
+        """Report ``ready``, then answer run requests until ``Shutdown`` or EOF."""
+        from prefect.context import SyncClientContext
+
+        with SyncClientContext.get_or_create() as client_ctx:
+            client_ctx.client.api_healthcheck()  # opens the connection before the first run
+            self.preload()
+            self.conn.send(ready)
+            while True:
+                try:
+                    message = self.conn.recv()
+                except EOFError:
+                    return
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, RunRequest):
+                    self.conn.send(self.run(message, client_ctx.client))
+
+    def start(self, started_at: float) -> None:
+        """Warm up, report ``Ready``, then serve."""
+        try:
+            device, warmup_ms = self.warm_up()
+        except Exception as exc:
+            self.conn.send(WarmupFailed(f"{type(exc).__name__}: {exc}"))
+            raise SystemExit(3) from exc
+        ready = Ready(
+            device=device,
+            warmup_ms=warmup_ms,
+            startup_ms=(time.perf_counter() - started_at) * 1e3,
+            telemetry=self.telemetry(),
+        )
+        if self.spec.flow_heartbeats:
+            self.serve(ready)
+            return
+        from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            self.serve(ready)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this child when the worker dies (no orphans after a kill -9)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m faceflow.worker.child``."""
+    started_at = time.perf_counter()
+    die_with_parent()
+    parser = argparse.ArgumentParser(description="faceflow-gpu warm child (started by the worker)")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket fd")
+    args = parser.parse_args(argv)
+    conn = Connection(args.fd)
+    spec = conn.recv()
+    if not isinstance(spec, ChildSpec):
+        raise SystemExit(2)
+    os.environ.update(spec.env)
+    if spec.working_dir:
+        os.chdir(spec.working_dir)
+        sys.path.insert(0, spec.working_dir)
+    WarmChild(conn, spec).start(started_at)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+"""The worker's warm children: start, warm, hand out, kill and replace them (by PID).
+
+Each ``Slot`` owns at most one child process at a time and a supervisor task that keeps a
+warm child in it: start → wait for ``Ready`` → idle → (busy → idle)* → replaced when it
+dies, is killed after a deadline or cancellation, or is recycled. Messages from a child
+arrive through ``loop.add_reader`` on its socket; run messages go to the slot's run queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from faceflow.worker.protocol import (
+    ChildSpec,
+    Ready,
+    RunFinished,
+    RunRequest,
+    RunStarted,
+    Shutdown,
+    Telemetry,
+    WarmupFailed,
+)
+
+log = logging.getLogger("prefect.faceflow_gpu")
+
+
+class SlotState(enum.StrEnum):
+    """Where a slot's child is in its life."""
+
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+    STOPPING = "stopping"
+    DOWN = "down"
+
+
+@dataclass(frozen=True)
+class ChildGone:
+    """The child's pipe closed: the process exited or was killed."""
+
+    pid: int
+    returncode: int | None
+
+
+RunMessage = RunStarted | RunFinished | ChildGone
+
+
+class NoChildReady(RuntimeError):
+    """No warm child became idle in time."""
+
+
+class ChildProcess:
+    """One ``python -m faceflow.worker.child`` process in its own session."""
+
+    def __init__(self, spec: ChildSpec, on_message: Any, log_path: Path | None = None) -> None:
+        self.spec = spec
+        self._on_message = on_message
+        self._log_path = log_path
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.conn: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.gone = False
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def start(self) -> None:
+        """Start the process and send it its spec; messages flow to ``on_message``."""
+        parent_sock, child_sock = socket.socketpair()
+        env = {**os.environ, **self.spec.env}
+        out = self._log_path.open("ab") if self._log_path else None
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "faceflow.worker.child", "--fd", str(child_sock.fileno())],
+                pass_fds=(child_sock.fileno(),),
+                env=env,
+                cwd=self.spec.working_dir,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
+                restore_signals=True,
+            )
+        finally:
+            child_sock.close()
+            if out:
+                out.close()
+        self.conn = Connection(parent_sock.detach())
+        self.conn.send(self.spec)
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.conn.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        assert self.conn is not None
+        try:
+            while self.conn.poll():
+                self._on_message(self.conn.recv())
+        except (EOFError, OSError):
+            self._closed()
+
+    def _closed(self) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        if self._loop is not None and self.conn is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self.conn.fileno())
+        returncode = self.popen.poll() if self.popen else None
+        self._on_message(ChildGone(self.pid, returncode))
+
+    def send(self, message: RunRequest | Shutdown) -> None:
+        assert self.conn is not None
+        self.conn.send(message)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    async def wait_exit(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` s for the process to exit; its return code or None."""
+        assert self.popen is not None
+        end = time.monotonic() + timeout
+        while self.popen.poll() is None and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        return self.popen.poll()
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the child's process group (falls back to the PID)."""
+        if not self.alive():
+            return
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    async def kill(self, grace: float, sigterm_first: bool = True) -> int | None:
+        """SIGTERM the group, SIGKILL after ``grace`` s (at once without ``sigterm_first``);
+        returns the exit code."""
+        if self.popen is None:
+            return None
+        code = None
+        if sigterm_first:
+            self.signal_group(signal.SIGTERM)
+            code = await self.wait_exit(grace)
+        if code is None:
+            self.signal_group(signal.SIGKILL)
+            code = await self.wait_exit(5.0)
+        self.close()
+        return code
+
+    async def stop(self, grace: float, kill_grace: float) -> int | None:
+        """Ask the child to exit (between runs); kill it if it does not within ``grace``."""
+        if self.alive():
+            with contextlib.suppress(OSError):
+                self.send(Shutdown())
+            code = await self.wait_exit(grace)
+            if code is not None:
+                self.close()
+                return code
+        return await self.kill(kill_grace)
+
+    def close(self) -> None:
+        """Drop the pipe (after the process is gone)."""
+        if self.conn is not None:
+            if self._loop is not None and not self.gone:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(self.conn.fileno())
+            self.gone = True
+            with contextlib.suppress(OSError):
+                self.conn.close()
+
+
+@dataclass
+class Slot:
+    """One place for a warm child (one per GPU by default)."""
+
+    spec: ChildSpec
+    state: SlotState = SlotState.DOWN
+    child: ChildProcess | None = None
+    ready: Ready | None = None
+    telemetry: Telemetry | None = None
+    runs_done: int = 0
+    starts: int = 0
+    last_error: str | None = None
+    flow_run_id: str | None = None
+    run_queue: asyncio.Queue[RunMessage] = field(default_factory=asyncio.Queue)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    replace_reason: str | None = None
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    def status(self) -> dict[str, Any]:
+        """Readiness, liveness and telemetry of this slot, for the health endpoint."""
+        alive = self.child is not None and self.child.alive()
+        tel = self.telemetry
+        return {
+            "index": self.index,
+            "state": self.state.value,
+            "ready": self.state in (SlotState.IDLE, SlotState.BUSY) and alive,
+            "alive": alive,
+            "pid": self.child.pid if self.child and self.child.popen else None,
+            "cuda_visible_devices": self.spec.env.get("CUDA_VISIBLE_DEVICES"),
+            "device": self.ready.device if self.ready else None,
+            "warmup_ms": round(self.ready.warmup_ms, 1) if self.ready else None,
+            "startup_ms": round(self.ready.startup_ms, 1) if self.ready else None,
+            "runs_done": self.runs_done,
+            "starts": self.starts,
+            "flow_run_id": self.flow_run_id,
+            "model_loads": tel.model_loads if tel else {},
+            "rss_mb": round(tel.rss_mb, 1) if tel else None,
+            "gpu": tel.gpu if tel else None,
+            "last_error": self.last_error,
+        }
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """Timing and recycling limits of the pool."""
+
+    ready_timeout: float = 300.0
+    max_runs: int = 500
+    max_rss_mb: float = 8192.0
+    stop_grace: float = 5.0
+    kill_grace: float = 0.5
+    restart_backoff_max: float = 30.0
+
+
+class ChildPool:
+    """Keeps one warm child per slot; hands idle ones to runs."""
+
+    def __init__(
+        self, specs: list[ChildSpec], limits: PoolLimits, log_dir: Path | None = None
+    ) -> None:
+        self.slots = [Slot(spec) for spec in specs]
+        self.limits = limits
+        self.log_dir = log_dir
+        self._supervisors: list[asyncio.Task[None]] = []
+        self._idle = asyncio.Condition()
+        self.closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start every slot's supervisor (children warm up in the background)."""
+        for slot in self.slots:
+            self._supervisors.append(asyncio.create_task(self._supervise(slot)))
+
+    async def wait_ready(self, count: int | None = None, timeout: float | None = None) -> None:
+        """Wait until ``count`` (default: all) slots are idle or busy."""
+        wanted = len(self.slots) if count is None else count
+        end = time.monotonic() + (self.limits.ready_timeout if timeout is None else timeout)
+        while sum(s.status()["ready"] for s in self.slots) < wanted:
+            if time.monotonic() > end:
+                errors = "; ".join(s.last_error or s.state.value for s in self.slots)
+                raise NoChildReady(f"{wanted} warm children not ready in time: {errors}")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        """Stop every child by PID (graceful when idle) and the supervisors."""
+        self.closing = True
+        for task in self._supervisors:
+            task.cancel()
+        for task in self._supervisors:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await asyncio.gather(*(self._stop_child(slot) for slot in self.slots))
+
+    async def _stop_child(self, slot: Slot) -> None:
+        child = slot.child
+        if child is None:
+            return
+        slot.state = SlotState.STOPPING
+        if slot.flow_run_id is None:
+            await child.stop(self.limits.stop_grace, self.limits.kill_grace)
+        else:
+            await child.kill(self.limits.kill_grace)
+        slot.state = SlotState.DOWN
+
+    # ------------------------------------------------------------------ supervision
+
+    def _message(self, slot: Slot, child: ChildProcess, message: Any) -> None:
+        if slot.child is not child:
+            return  # a message from a replaced child
+        if isinstance(message, Ready):
+            slot.ready, slot.telemetry = message, message.telemetry
+            slot.last_error = None
+        elif isinstance(message, WarmupFailed):
+            slot.last_error = f"warm-up failed: {message.error}"
+        elif isinstance(message, RunFinished):
+            slot.telemetry = message.telemetry
+            slot.run_queue.put_nowait(message)
+        elif isinstance(message, RunStarted | ChildGone):
+            slot.run_queue.put_nowait(message)
+        slot.changed.set()
+
+    async def _supervise(self, slot: Slot) -> None:
+        backoff = 1.0
+        while not self.closing:
+            healthy = await self._start_and_warm(slot)
+            if not healthy:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.limits.restart_backoff_max)
+                continue
+            backoff = 1.0
+            await self._serve_until_replaced(slot)
+
+    async def _start_and_warm(self, slot: Slot) -> bool:
+        log_path = self.log_dir / f"child-{slot.index}.log" if self.log_dir else None
+        child = ChildProcess(slot.spec, lambda m: None, log_path)
+        child._on_message = lambda m: self._message(slot, child, m)
+        slot.child, slot.ready, slot.replace_reason = child, None, None
+        slot.state = SlotState.STARTING
+        slot.starts += 1
+        slot.run_queue = asyncio.Queue()
+        slot.changed.clear()
+        child.start()
+        end = time.monotonic() + self.limits.ready_timeout
+        while slot.ready is None and not child.gone and time.monotonic() < end:
+            slot.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                left = max(0.0, end - time.monotonic())
+                await asyncio.wait_for(slot.changed.wait(), timeout=left)
+        if slot.ready is None:
+            slot.last_error = slot.last_error or (
+                "child exited during warm-up" if child.gone else "warm-up timed out"
+            )
+            log.error("child %s not ready: %s", slot.index, slot.last_error)
+            await child.kill(self.limits.kill_grace)
+            slot.state = SlotState.DOWN
+            return False
+        log.info(
+            "child %s ready (pid %s, %s, warm-up %.0f ms, start %.0f ms)",
+            slot.index,
+            child.pid,
+            slot.ready.device,
+            slot.ready.warmup_ms,
+            slot.ready.startup_ms,
+        )
+        slot.runs_done = 0
+        await self._set_idle(slot)
+        return True
+
+    async def _serve_until_replaced(self, slot: Slot) -> None:
+        """Wait while the child serves; return once it must be replaced."""
+        child = slot.child
+        assert child is not None
+        while slot.replace_reason is None:
+            if child.gone and slot.state is SlotState.IDLE:
+                slot.replace_reason = "child died while idle"
+                slot.last_error = slot.replace_reason
+                log.error("child %s (pid %s) died while idle", slot.index, child.pid)
+                break
+            slot.changed.clear()
+            await slot.changed.wait()
+        slot.state = SlotState.STOPPING
+        if child.alive():
+            await child.stop(self.limits.stop_grace, self.limits.kill_grace)
+        child.close()
+        log.info("child %s replaced: %s", slot.index, slot.replace_reason)
+
+    async def _set_idle(self, slot: Slot) -> None:
+        slot.state = SlotState.IDLE
+        slot.flow_run_id = None
+        async with self._idle:
+            self._idle.notify_all()
+
+    # ------------------------------------------------------------------ runs
+
+    def busy_count(self) -> int:
+        return sum(1 for s in self.slots if s.state is SlotState.BUSY)
+
+    def idle_count(self) -> int:
+        return sum(
+            1 for s in self.slots if s.state is SlotState.IDLE and s.child and not s.child.gone
+        )
+
+    async def acquire(self, flow_run_id: str, timeout: float) -> Slot:
+        """An idle warm slot, marked busy for ``flow_run_id``."""
+        end = time.monotonic() + timeout
+        async with self._idle:
+            while True:
+                for slot in self.slots:
+                    if slot.state is SlotState.IDLE and slot.child and not slot.child.gone:
+                        slot.state, slot.flow_run_id = SlotState.BUSY, flow_run_id
+                        slot.run_queue = asyncio.Queue()
+                        return slot
+                left = end - time.monotonic()
+                if left <= 0 or self.closing:
+                    raise NoChildReady("no warm child became idle in time")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._idle.wait(), timeout=min(left, 0.5))
+
+    async def release(self, slot: Slot) -> None:
+        """The run on ``slot`` is over and its child is healthy: recycle it or make it idle."""
+        slot.runs_done += 1
+        tel = slot.telemetry
+        if slot.runs_done >= self.limits.max_runs:
+            self.replace(slot, f"recycled after {slot.runs_done} runs")
+        elif tel is not None and tel.rss_mb > self.limits.max_rss_mb:
+            self.replace(slot, f"recycled: RSS {tel.rss_mb:.0f} MB > {self.limits.max_rss_mb:.0f}")
+        else:
+            await self._set_idle(slot)
+
+    def replace(self, slot: Slot, reason: str) -> None:
+        """Have the supervisor stop this slot's child and start a fresh one."""
+        slot.state = SlotState.STOPPING
+        slot.flow_run_id = None
+        slot.replace_reason = reason
+        slot.changed.set()
+
+    async def kill_child(self, slot: Slot, reason: str, sigterm_first: bool = True) -> int | None:
+        """Kill the slot's child now (SIGTERM, SIGKILL after the kill grace, or SIGKILL at
+        once without ``sigterm_first``); then replace it."""
+        child = slot.child
+        code = await child.kill(self.limits.kill_grace, sigterm_first) if child else None
+        slot.last_error = reason
+        self.replace(slot, reason)
+        return code
+
+    def status(self) -> list[dict[str, Any]]:
+        return [slot.status() for slot in self.slots]

@@ -1,0 +1,94 @@
+"""Messages between the worker (parent) and its warm children, sent over a
+``multiprocessing`` pipe. Plain picklable dataclasses; no Prefect or torch types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """How to start and warm one child."""
+
+    index: int
+    env: dict[str, str] = field(default_factory=dict)
+    detector: str = "mtcnn"
+    fuser: str = "classic"
+    model_dir: str | None = None
+    preload: tuple[str, ...] = ()
+    working_dir: str | None = None
+    flow_heartbeats: bool = False
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """What a child reports about itself after warm-up and after every run."""
+
+    pid: int
+    runs_done: int
+    model_loads: dict[str, int]
+    rss_mb: float
+    gpu: dict[str, Any]
+
+
+# ---------------------------------------------------------------- parent → child
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Run the existing flow run ``flow_run_id`` from ``entrypoint`` through Prefect's engine."""
+
+    flow_run_id: str
+    entrypoint: str
+    working_dir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Exit after the current message (the parent only sends it between runs)."""
+
+
+# ---------------------------------------------------------------- child → parent
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Models loaded and the warm-up inference passed."""
+
+    device: str
+    warmup_ms: float
+    startup_ms: float
+    telemetry: Telemetry
+
+
+@dataclass(frozen=True)
+class WarmupFailed:
+    """The child could not warm up; it exits after sending this."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    """The flow is loaded and ``run_flow`` is about to be called."""
+
+    flow_run_id: str
+    load_ms: float
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """``run_flow`` returned (or raised) for ``flow_run_id``."""
+
+    flow_run_id: str
+    state_type: str | None
+    state_message: str | None
+    run_ms: float
+    telemetry: Telemetry
+    error: str | None = None
+
+
+ToChild = RunRequest | Shutdown
+FromChild = Ready | WarmupFailed | RunStarted | RunFinished

@@ -1,0 +1,143 @@
+"""Worker-level settings of the ``faceflow-gpu`` worker (``FACEFLOW_WORKER_*``).
+
+``prefect worker start --type faceflow-gpu`` takes no custom options, so the pool of warm
+children is configured from the environment (or by ``faceflow worker``'s options, which
+set the same fields). Per-run settings (deadline grace, env, working dir) are job
+variables in the work pool's base job template instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from faceflow.worker.protocol import ChildSpec
+
+DEFAULT_ENTRYPOINT = "flows/fuse.py:fuse_faces"
+
+
+class WorkerSettings(BaseSettings):
+    """How many warm children, what they load, when they are recycled, where status goes."""
+
+    model_config = SettingsConfigDict(env_prefix="FACEFLOW_WORKER_", extra="ignore")
+
+    children: int | None = Field(
+        default=None,
+        ge=1,
+        description="Warm children; default one per visible GPU (1 without GPUs).",
+    )
+    gpus: str | None = Field(
+        default=None,
+        description="Comma-separated GPU indices to pin children to (default: every GPU seen).",
+    )
+    detector: str = Field(default="mtcnn", description="Detector the children warm up.")
+    fuser: str = Field(default="classic", description="Fuser the children warm up.")
+    model_dir: str | None = Field(
+        default=None, description="Directory with operator-provided models."
+    )
+    preload: list[str] = Field(
+        default_factory=lambda: [DEFAULT_ENTRYPOINT],
+        description="Flow entrypoints imported at warm-up (missing ones are skipped).",
+    )
+    working_dir: str | None = Field(
+        default=None, description="Directory flow entrypoints are relative to (default: the cwd)."
+    )
+    max_runs_per_child: int = Field(
+        default=500, ge=1, description="Recycle a child after this many runs."
+    )
+    max_rss_mb: float = Field(
+        default=8192.0, gt=0, description="Recycle a child above this RSS (MiB)."
+    )
+    ready_timeout_s: float = Field(default=300.0, gt=0, description="Warm-up time limit per child.")
+    acquire_timeout_s: float = Field(
+        default=60.0, gt=0, description="Wait for an idle child per run."
+    )
+    kill_grace_s: float = Field(
+        default=0.5, ge=0, description="SIGTERM → SIGKILL grace for a child."
+    )
+    stop_grace_s: float = Field(
+        default=5.0, ge=0, description="Wait for a child to exit when recycled."
+    )
+    drain_grace_s: float = Field(
+        default=30.0, ge=0, description="On SIGTERM, wait this long for runs."
+    )
+    watch_interval_s: float = Field(
+        default=0.5, gt=0, description="How often a running run's state is read (cancellation)."
+    )
+    query_seconds: float = Field(
+        default=1.0, gt=0, description="Polling interval for scheduled runs."
+    )
+    event_pickup: bool = Field(
+        default=True, description="Poll at once on a Scheduled event of the pool."
+    )
+    flow_heartbeats: bool = Field(
+        default=False,
+        description="Keep Prefect's flow-run heartbeat thread in children (+≈0.8 s/run).",
+    )
+    health_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Serve /health, /ready, /status on 127.0.0.1:PORT.",
+    )
+    status_file: Path | None = Field(
+        default=None, description="Write the status JSON here on changes."
+    )
+    log_dir: Path | None = Field(
+        default=None, description="Children's stdout/stderr logs (else inherit)."
+    )
+
+    def gpu_indices(self) -> list[str]:
+        """GPU indices to pin children to; empty without GPUs."""
+        if self.gpus is not None:
+            return [g.strip() for g in self.gpus.split(",") if g.strip()]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            return [g.strip() for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+        return [str(i) for i in range(_nvml_device_count())]
+
+    def child_specs(self, extra_env: dict[str, str] | None = None) -> list[ChildSpec]:
+        """One spec per child, each pinned to one GPU (round robin) when there are GPUs."""
+        gpus = self.gpu_indices()
+        count = self.children or max(1, len(gpus))
+        specs = []
+        for index in range(count):
+            env = dict(extra_env or {})
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+            specs.append(
+                ChildSpec(
+                    index=index,
+                    env=env,
+                    detector=self.detector,
+                    fuser=self.fuser,
+                    model_dir=self.model_dir,
+                    preload=tuple(self.preload),
+                    working_dir=self.working_dir,
+                    flow_heartbeats=self.flow_heartbeats,
+                )
+            )
+        return specs
+
+
+def _nvml_device_count() -> int:
+    """GPUs pynvml sees (0 without a driver or pynvml)."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()

@@ -1,0 +1,424 @@
+"""``faceflow-gpu``: a Prefect worker that runs flow runs inside warm, pre-started children.
+
+Start it as ``prefect worker start --pool gpu --type faceflow-gpu`` (discovered through the
+``prefect.collections`` entry point ``faceflow = "faceflow.worker"``) or ``faceflow worker``.
+
+For every scheduled run the worker does what Prefect's process worker does up to
+``Submitting`` (pending → submitting, job configuration from the pool's template), then
+hands the run to an idle child, which runs it through ``prefect.flow_engine.run_flow``
+(states, logs and the UI as usual). From outside the child the worker enforces the run's
+``deadline_at`` (+ grace) and cancellation by killing the child (SIGTERM, then SIGKILL),
+marks the run ``Crashed`` (``[deadline_exceeded] …``) or ``Cancelled``, and warms a fresh
+child. Deployment pull steps are not run: flow code is imported from the worker's working
+directory (``working_dir`` job variable, else ``FACEFLOW_WORKER_WORKING_DIR``, else cwd).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+from prefect.client.schemas.objects import StateType
+from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, get_current_settings, temporary_settings
+from prefect.states import Cancelled, Crashed
+from prefect.workers.base import BaseWorker, BaseWorkerResult
+
+from faceflow.worker.health import HealthServer, write_status_file
+from faceflow.worker.job import FaceFlowJobConfiguration, FaceFlowVariables
+from faceflow.worker.pool import ChildGone, ChildPool, NoChildReady, PoolLimits, Slot
+from faceflow.worker.protocol import RunFinished, RunRequest, RunStarted
+from faceflow.worker.settings import DEFAULT_ENTRYPOINT, WorkerSettings
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun, State
+
+WORKER_TYPE = "faceflow-gpu"
+DEADLINE_CODE = "deadline_exceeded"
+LOST_CODE = "worker_lost"
+_KEEP_ON_KILL = frozenset({StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED})
+
+
+class FaceFlowWorkerResult(BaseWorkerResult):
+    """Outcome of one run. ``status_code`` is 0 once the run's final state is recorded in
+    Prefect (by the engine or by the worker after a kill), so the base worker adds no
+    generic ``Crashed`` on top; ``outcome`` says what happened."""
+
+    outcome: str = "finished"
+
+
+class FaceFlowGpuWorker(
+    BaseWorker[FaceFlowJobConfiguration, FaceFlowVariables, FaceFlowWorkerResult]
+):
+    """Runs flow runs in warm children that keep their models loaded."""
+
+    type = WORKER_TYPE
+    job_configuration = FaceFlowJobConfiguration
+    job_configuration_variables = FaceFlowVariables
+    _description = (
+        "FaceFlow's GPU worker: flow runs execute in pre-started children that keep the "
+        "pipeline's models loaded; deadlines and cancellation are enforced by killing the child."
+    )
+    _display_name = "FaceFlow GPU"
+    _documentation_url = "https://github.com/faceflow/faceflow"
+    _logo_url = ""
+
+    def __init__(self, *args: Any, settings: WorkerSettings | None = None, **kwargs: Any) -> None:
+        self.settings = settings or WorkerSettings()
+        specs = self.settings.child_specs()
+        limit = kwargs.get("limit")
+        kwargs["limit"] = len(specs) if limit is None else min(int(limit), len(specs))
+        super().__init__(*args, **kwargs)
+        self._specs = specs
+        self._pool: ChildPool | None = None
+        self._draining = False
+        self._stop_scope: anyio.CancelScope | None = None
+        self._services: list[asyncio.Task[None]] = []
+        self._health: HealthServer | None = None
+        self._poll_now = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def pool(self) -> ChildPool:
+        if self._pool is None:
+            raise RuntimeError("the worker is not set up")
+        return self._pool
+
+    async def start(
+        self,
+        run_once: bool = False,
+        with_healthcheck: bool = False,
+        printer: Any = print,
+    ) -> None:
+        """Prefect's worker loop with a short poll interval, stoppable by SIGTERM (drain)."""
+        with (
+            temporary_settings({PREFECT_WORKER_QUERY_SECONDS: self.settings.query_seconds}),
+            anyio.CancelScope() as scope,
+        ):
+            self._stop_scope = scope
+            await super().start(
+                run_once=run_once, with_healthcheck=with_healthcheck, printer=printer
+            )
+
+    async def setup(self) -> None:
+        """Start the warm children, the health endpoint, event pickup and signal handling."""
+        env = get_current_settings().to_environment_variables(exclude_unset=True)
+        env = {k: v for k, v in env.items() if k.startswith("PREFECT_")}
+        specs = self.settings.child_specs(extra_env=env)
+        limits = PoolLimits(
+            ready_timeout=self.settings.ready_timeout_s,
+            max_runs=self.settings.max_runs_per_child,
+            max_rss_mb=self.settings.max_rss_mb,
+            stop_grace=self.settings.stop_grace_s,
+            kill_grace=self.settings.kill_grace_s,
+        )
+        if self.settings.log_dir:
+            self.settings.log_dir.mkdir(parents=True, exist_ok=True)
+        self._pool = ChildPool(specs, limits, self.settings.log_dir)
+        await self._pool.start()
+        if self.settings.health_port is not None:
+            self._health = HealthServer(self.status, port=self.settings.health_port)
+            self._health.start()
+        await super().setup()
+        self._install_signal_handlers()
+        if self.settings.status_file:
+            self._services.append(asyncio.create_task(self._write_status_loop()))
+        if self.settings.event_pickup:
+            self._services.append(asyncio.create_task(self._event_pickup_loop()))
+            self._services.append(asyncio.create_task(self._poll_now_loop()))
+
+    async def teardown(self, *exc_info: Any) -> None:
+        """Stop the services and every child (by PID), then Prefect's teardown."""
+        for task in self._services:
+            task.cancel()
+        for task in self._services:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._services.clear()
+        with anyio.CancelScope(shield=True):
+            if self._pool is not None:
+                await self._pool.close()
+        if self.settings.status_file:
+            write_status_file(self.settings.status_file, self.status())
+        if self._health is not None:
+            self._health.stop()
+        self._remove_signal_handlers()
+        await super().teardown(*exc_info)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signum, self.request_shutdown, signum)
+
+    def _remove_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        with contextlib.suppress(Exception):
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+
+    def request_shutdown(self, signum: int = signal.SIGTERM) -> None:
+        """First call: stop taking runs and drain; a second call stops at once."""
+        if self._draining:
+            self._logger.warning("Second %s: stopping now.", signal.Signals(signum).name)
+            self.settings.drain_grace_s = 0.0
+            return
+        self._draining = True
+        self._logger.info(
+            "Received %s: taking no new runs; waiting up to %.0f s for running ones.",
+            signal.Signals(signum).name,
+            self.settings.drain_grace_s,
+        )
+        self._services.append(asyncio.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        start = time.monotonic()
+        while self.pool.busy_count() and time.monotonic() - start < self.settings.drain_grace_s:
+            await asyncio.sleep(0.05)
+        if self._stop_scope is not None:
+            self._stop_scope.cancel()
+
+    # ------------------------------------------------------------------ pickup
+
+    async def get_and_submit_flow_runs(self) -> list[FlowRun]:
+        """Poll only while a warm child is idle (other workers take the rest)."""
+        if self._draining or self._pool is None or self._pool.idle_count() == 0:
+            self._last_polled_time = datetime.now(UTC)
+            return []
+        return await super().get_and_submit_flow_runs()
+
+    async def _event_pickup_loop(self) -> None:
+        """Poll at once when the pool gets a ``Scheduled`` flow run (websocket events)."""
+        from prefect.events.clients import get_events_subscriber
+        from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
+
+        while self._work_pool is None:
+            await asyncio.sleep(0.1)
+        event_filter = EventFilter(
+            event=EventNameFilter(name=["prefect.flow-run.Scheduled"]),
+            any_resource=EventAnyResourceFilter(id=[f"prefect.work-pool.{self._work_pool.id}"]),
+        )
+        while True:
+            try:
+                async with get_events_subscriber(filter=event_filter) as subscriber:
+                    async for _event in subscriber:
+                        self._poll_now.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._logger.debug("event pickup unavailable (%s); polling only", exc)
+                await asyncio.sleep(5)
+
+    async def _poll_now_loop(self) -> None:
+        while True:
+            await self._poll_now.wait()
+            self._poll_now.clear()
+            try:
+                await self.get_and_submit_flow_runs()
+            except Exception as exc:
+                self._logger.debug("event-triggered poll failed: %s", exc)
+
+    # ------------------------------------------------------------------ runs
+
+    async def run(
+        self,
+        flow_run: FlowRun,
+        configuration: FaceFlowJobConfiguration,
+        task_status: anyio.abc.TaskStatus[int] | None = None,
+    ) -> FaceFlowWorkerResult:
+        """Run ``flow_run`` in an idle warm child and supervise it until it ends."""
+        started = time.time()
+        try:
+            slot = await self.pool.acquire(str(flow_run.id), self.settings.acquire_timeout_s)
+        except NoChildReady as exc:
+            raise RuntimeError(f"no warm faceflow-gpu child available: {exc}") from exc
+        child = slot.child
+        assert child is not None
+        if task_status is not None:
+            task_status.started(child.pid)
+        request = RunRequest(
+            flow_run_id=str(flow_run.id),
+            entrypoint=configuration.entrypoint or DEFAULT_ENTRYPOINT,
+            working_dir=str(configuration.working_dir) if configuration.working_dir else None,
+            env={k: v for k, v in configuration.env.items() if v is not None},
+        )
+        done = False
+        try:
+            with contextlib.suppress(OSError):  # a dead child shows up as ChildGone
+                child.send(request)
+            outcome = await self._supervise_run(slot, flow_run, configuration, started)
+            done = True
+            return FaceFlowWorkerResult(identifier=str(child.pid), status_code=0, outcome=outcome)
+        finally:
+            if not done:  # cancelled (worker stopping) or an error while supervising
+                with anyio.CancelScope(shield=True):
+                    await self.pool.kill_child(slot, "worker stopped during the run")
+                    await self._finalize(
+                        flow_run,
+                        Crashed(
+                            message=f"[{LOST_CODE}] The faceflow-gpu worker stopped during the "
+                            f"run; child pid {child.pid} was killed."
+                        ),
+                    )
+
+    async def _supervise_run(
+        self, slot: Slot, flow_run: FlowRun, configuration: FaceFlowJobConfiguration, started: float
+    ) -> str:
+        """Wait for the child's report while enforcing the deadline and cancellation."""
+        child = slot.child
+        assert child is not None
+        kill_at = configuration.kill_at(flow_run, started)
+        next_check = time.time() + self.settings.watch_interval_s
+        while True:
+            now = time.time()
+            wait = next_check - now if kill_at is None else min(next_check, kill_at) - now
+            message = None
+            with contextlib.suppress(TimeoutError):
+                message = await asyncio.wait_for(slot.run_queue.get(), timeout=max(wait, 0.0))
+            if isinstance(message, RunStarted):
+                continue
+            if isinstance(message, RunFinished):
+                await self._finished(slot, flow_run, message)
+                return "finished"
+            if isinstance(message, ChildGone):
+                code = await child.wait_exit(0.5)
+                why = _describe_exit(code)
+                self.pool.replace(slot, f"child died during a run ({why})")
+                await self._finalize(
+                    flow_run,
+                    Crashed(
+                        message=f"[{LOST_CODE}] The faceflow-gpu child (pid {child.pid}) "
+                        f"{why} during the run."
+                    ),
+                )
+                return "child_died"
+            now = time.time()
+            if kill_at is not None and now >= kill_at:
+                await self.pool.kill_child(slot, f"deadline of {flow_run.id} passed")
+                deadline = datetime.fromtimestamp(
+                    kill_at - configuration.deadline_grace_seconds, UTC
+                )
+                await self._finalize(
+                    flow_run,
+                    Crashed(
+                        message=f"[{DEADLINE_CODE}] The run passed its deadline "
+                        f"({deadline.isoformat()} + {configuration.deadline_grace_seconds:g} s "
+                        f"grace); the faceflow-gpu worker killed child pid {child.pid}."
+                    ),
+                )
+                return "deadline_exceeded"
+            if now >= next_check:
+                next_check = now + self.settings.watch_interval_s
+                if await self._cancel_if_requested(slot, flow_run):
+                    return "cancelled"
+
+    async def _finished(self, slot: Slot, flow_run: FlowRun, message: RunFinished) -> None:
+        if message.error is not None:
+            self.get_flow_run_logger(flow_run).error(
+                "faceflow-gpu child could not run the flow: %s", message.error
+            )
+            await self._finalize(
+                flow_run, Crashed(message=f"The faceflow-gpu child failed: {message.error}")
+            )
+        await self.pool.release(slot)
+
+    async def _cancel_if_requested(self, slot: Slot, flow_run: FlowRun) -> bool:
+        """Kill the child when the run is CANCELLING (or was ended from outside)."""
+        try:
+            current = await self.client.read_flow_run(flow_run.id)
+        except Exception as exc:  # transient API trouble: check again next time
+            self._logger.debug("could not read flow run %s: %s", flow_run.id, exc)
+            return False
+        state = current.state
+        if state is None:
+            return False
+        ended_outside = state.type in (StateType.CANCELLED, StateType.CRASHED)
+        if not (state.is_cancelling() or ended_outside):
+            return False
+        child = slot.child
+        assert child is not None
+        # SIGKILL at once: on SIGTERM Prefect's engine in the child would record its own
+        # "Crashed: termination signal" state, which the relay reads as a lost worker.
+        reason = f"{flow_run.id} was {state.type.value.lower()}"
+        await self.pool.kill_child(slot, reason, sigterm_first=False)
+        if state.is_cancelling():
+            await self._finalize(
+                flow_run,
+                Cancelled(
+                    message=f"Cancelled: the faceflow-gpu worker stopped child pid {child.pid}."
+                ),
+            )
+        self.get_flow_run_logger(flow_run).info(
+            "Stopped child pid %s: the run is %s.", child.pid, state.type.value
+        )
+        return True
+
+    async def _finalize(self, flow_run: FlowRun, state: State[Any]) -> None:
+        """Record ``state`` unless the run already reached an outcome of its own."""
+        try:
+            current = await self.client.read_flow_run(flow_run.id)
+            if current.state is not None and current.state.type in _KEEP_ON_KILL:
+                return
+            await self.client.set_flow_run_state(flow_run.id, state, force=True)
+        except Exception:
+            self._logger.exception("could not set the final state of flow run %s", flow_run.id)
+
+    async def kill_infrastructure(
+        self,
+        infrastructure_pid: str,
+        configuration: FaceFlowJobConfiguration,
+        grace_seconds: int = 30,
+    ) -> None:
+        """Kill the child with PID ``infrastructure_pid`` (cancellation before start)."""
+        from prefect.exceptions import InfrastructureNotFound
+
+        for slot in self.pool.slots:
+            if slot.child is not None and str(slot.child.pid) == str(infrastructure_pid):
+                await self.pool.kill_child(slot, "cancelled by Prefect")
+                return
+        raise InfrastructureNotFound(f"no faceflow-gpu child with pid {infrastructure_pid}")
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """Readiness (any child warm), liveness (worker polling) and per-child telemetry."""
+        children = self._pool.status() if self._pool else []
+        since_poll = (datetime.now(UTC) - self._last_polled_time).total_seconds()
+        return {
+            "worker": self.name,
+            "type": self.type,
+            "work_pool": self._work_pool_name,
+            "alive": self.is_setup and since_poll < max(30.0, 10 * self.settings.query_seconds),
+            "draining": self._draining,
+            "ready": any(c["ready"] for c in children),
+            "idle": self._pool.idle_count() if self._pool else 0,
+            "last_polled": self._last_polled_time.isoformat(),
+            "children": children,
+        }
+
+    async def _write_status_loop(self) -> None:
+        assert self.settings.status_file is not None
+        while True:
+            write_status_file(self.settings.status_file, self.status())
+            await asyncio.sleep(1.0)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"

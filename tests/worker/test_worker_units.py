@@ -1,0 +1,86 @@
+"""The worker's pieces without a server: registration, template, deadlines, child specs."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from faceflow.worker import WORKER_TYPE, FaceFlowGpuWorker, FaceFlowJobConfiguration
+from faceflow.worker.job import deployment_directory
+from faceflow.worker.settings import WorkerSettings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_prefect_finds_the_worker_type_through_the_entry_point() -> None:
+    from prefect.workers.base import BaseWorker
+
+    assert BaseWorker.get_worker_class_from_type(WORKER_TYPE) is FaceFlowGpuWorker
+    assert WORKER_TYPE in BaseWorker.get_all_available_worker_types()
+
+
+def test_the_pool_template_file_is_the_workers_default() -> None:
+    on_disk = json.loads((REPO / "work_pools" / "faceflow-gpu.json").read_text())
+    assert on_disk == FaceFlowGpuWorker.get_default_base_job_template()
+    assert on_disk["variables"]["properties"]["deadline_grace_seconds"]["default"] == 2.0
+
+
+def _run(**parameters: Any) -> Any:
+    return SimpleNamespace(parameters=parameters)
+
+
+def test_kill_time_is_the_deadline_plus_grace() -> None:
+    config = FaceFlowJobConfiguration(deadline_grace_seconds=1.5)
+    deadline = datetime(2030, 1, 1, tzinfo=UTC)
+    expected = deadline.timestamp() + 1.5
+    assert config.kill_at(_run(deadline_at=deadline.isoformat()), started=0) == expected
+    assert config.kill_at(_run(deadline_at="2030-01-01T00:00:00Z"), started=0) == expected
+    assert config.kill_at(_run(deadline_at=deadline), started=0) == expected
+    naive = deadline.replace(tzinfo=None)  # naive deadlines are UTC
+    assert config.kill_at(_run(deadline_at=naive.isoformat()), started=0) == expected
+
+
+def test_kill_time_without_a_deadline() -> None:
+    assert FaceFlowJobConfiguration().kill_at(_run(), started=100.0) is None
+    assert FaceFlowJobConfiguration().kill_at(_run(deadline_at="soon"), started=1.0) is None
+    capped = FaceFlowJobConfiguration(max_run_seconds=30)
+    assert capped.kill_at(_run(), started=100.0) == 130.0
+    other = FaceFlowJobConfiguration(deadline_parameter="due")
+    due = datetime.now(UTC) + timedelta(seconds=5)
+    assert other.kill_at(_run(due=due.isoformat()), started=0) == due.timestamp() + 2.0
+
+
+def test_deployment_directory_from_path_or_pull_step(tmp_path: Path) -> None:
+    step = {"prefect.deployments.steps.set_working_directory": {"directory": str(tmp_path)}}
+    assert deployment_directory(SimpleNamespace(path=None, pull_steps=[step])) == tmp_path  # type: ignore[arg-type]
+    assert deployment_directory(SimpleNamespace(path=str(tmp_path), pull_steps=None)) == tmp_path  # type: ignore[arg-type]
+    relative = SimpleNamespace(path=".", pull_steps=[{"prefect.deployments.steps.git_clone": {}}])
+    assert deployment_directory(relative) is None  # type: ignore[arg-type]
+
+
+def test_children_are_pinned_one_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    specs = WorkerSettings(gpus="0,1").child_specs(extra_env={"PREFECT_API_URL": "http://x/api"})
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1"]
+    assert all(s.env["PREFECT_API_URL"] == "http://x/api" for s in specs)
+    three = WorkerSettings(gpus="2,3", children=3).child_specs()
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in three] == ["2", "3", "2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in WorkerSettings().child_specs()] == ["5"]
+
+
+def test_without_gpus_one_unpinned_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    specs = WorkerSettings().child_specs()
+    assert len(specs) == 1 and "CUDA_VISIBLE_DEVICES" not in specs[0].env
+
+
+def test_worker_limit_never_exceeds_its_children() -> None:
+    worker = FaceFlowGpuWorker(work_pool_name="p", settings=WorkerSettings(children=2), limit=8)
+    assert worker._limit == 2
+    assert FaceFlowGpuWorker(work_pool_name="p", settings=WorkerSettings(children=3))._limit == 3
