@@ -296,15 +296,18 @@ def service_seconds(session: Session, *, settings: Settings) -> float:
 def _check_capacity(
     session: Session, *, owner: User, queue_timeout_s: int, settings: Settings
 ) -> None:
-    active = session.exec(
-        select(sa.func.count())
-        .select_from(Job)
+    # Bounded by the quota: counting stops at ``quota`` rows however many there are.
+    unfinished = (
+        select(Job.id)
         .where(col(Job.owner_id) == owner.id, col(Job.status).in_(list(ACTIVE_STATUSES)))
-    ).one()
+        .limit(owner.quota + 1)
+        .subquery()
+    )
+    active = session.exec(select(sa.func.count()).select_from(unfinished)).one()
     load = backlog(session, settings=settings)
     if active >= owner.quota:
         raise QuotaExceeded(
-            f"{active} unfinished jobs: the quota of this API key is {owner.quota}.",
+            f"Too many unfinished jobs: the quota of this API key is {owner.quota}.",
             retry_after=load.expected_wait_s + load.service_s,
         )
     over_cap = settings.max_backlog is not None and load.queued >= settings.max_backlog

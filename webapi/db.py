@@ -93,9 +93,65 @@ def _sqlite_engine(database_url: str) -> Engine:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
+    writers = _WriterQueue()
+
     @sa.event.listens_for(engine, "begin")
     def _on_begin(connection: sa.Connection) -> None:
         mode = connection.get_execution_options().get(_BEGIN_OPTION, "IMMEDIATE")
-        connection.exec_driver_sql(f"BEGIN {mode}")
+        dbapi_connection = connection.connection.dbapi_connection
+        if mode == "IMMEDIATE":
+            writers.enter(dbapi_connection)
+        try:
+            connection.exec_driver_sql(f"BEGIN {mode}")
+        except BaseException:
+            writers.leave(dbapi_connection)
+            raise
 
+    dialect = engine.dialect
+    do_commit, do_rollback = dialect.do_commit, dialect.do_rollback
+
+    def _commit(dbapi_connection: Any) -> None:
+        try:
+            do_commit(dbapi_connection)
+        finally:
+            writers.leave(dbapi_connection)
+
+    def _rollback(dbapi_connection: Any) -> None:
+        try:
+            do_rollback(dbapi_connection)
+        finally:
+            writers.leave(dbapi_connection)
+
+    dialect.do_commit = _commit  # type: ignore[method-assign]
+    dialect.do_rollback = _rollback  # type: ignore[method-assign]
     return engine
+
+
+class _WriterQueue:
+    """One in-process writer at a time, queued on a lock.
+
+    SQLite's own busy handler polls with growing sleeps (up to a whole second where it is
+    built without ``usleep``), which turns write contention into latency spikes; waiting
+    on a Python lock instead hands the write lock over at once. Other processes (a
+    standalone relay) still meet the busy timeout. A holder that vanishes without commit
+    or rollback only costs the next writer the busy timeout, after which it proceeds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: set[int] = set()
+
+    def enter(self, dbapi_connection: Any) -> None:
+        if self._lock.acquire(timeout=SQLITE_BUSY_TIMEOUT_MS / 1000):
+            self._holders.add(_key(dbapi_connection))
+
+    def leave(self, dbapi_connection: Any) -> None:
+        key = _key(dbapi_connection)
+        if key in self._holders:
+            self._holders.discard(key)
+            self._lock.release()
+
+
+def _key(connection: Any) -> int:
+    """Identity of the raw DBAPI connection behind a pool proxy (or the raw one)."""
+    return id(getattr(connection, "dbapi_connection", None) or connection)
