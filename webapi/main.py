@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from webapi import errors
 from webapi.config import Settings, get_settings
 from webapi.db import get_engine, read_only
+from webapi.logs import RequestIdMiddleware, configure_logging
 from webapi.metrics import ApiMetrics
 from webapi.migrations import check_migrated
 from webapi.routes import health, jobs
@@ -45,6 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = ApiMetrics(app.state.engine)
     app.state.relay = None
     errors.install(app)
+    app.add_middleware(RequestIdMiddleware)
     app.include_router(jobs.router)
     app.include_router(health.router)
     app.openapi = _openapi(app)  # type: ignore[method-assign]
@@ -96,8 +98,9 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
 
 
 def __getattr__(name: str) -> Any:
-    """``webapi.main:app`` for uvicorn, built from the environment on first access."""
+    """``webapi.main:app`` for uvicorn: JSON logs, settings from the environment."""
     if name == "app":
+        configure_logging()
         globals()["app"] = value = create_app()
         return value
     raise AttributeError(name)

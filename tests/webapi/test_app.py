@@ -226,3 +226,25 @@ def test_webapi_never_imports_torch_or_prefect(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "HEAVY []" in result.stdout, result.stdout
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def test_request_ids_and_json_logs(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    import logging
+
+    from webapi.logs import JsonFormatter, log_context, redact_url
+
+    given = client.get("/healthz", headers={"X-Request-ID": "abc-123"})
+    assert given.headers["x-request-id"] == "abc-123"
+    made = client.get("/healthz", headers={"X-Request-ID": "bad id\\n"})
+    assert len(made.headers["x-request-id"]) == 32
+
+    record = logging.LogRecord("webapi.test", logging.INFO, __file__, 1, "hello %s", ("x",), None)
+    with log_context(job="j-1", attempt_no=2):
+        line = json.loads(JsonFormatter().format(record))
+    assert line["msg"] == "hello x" and line["job_id"] == "j-1" and line["attempt"] == 2
+    assert "job_id" not in json.loads(JsonFormatter().format(record))
+    assert redact_url("https://u:pw@h.example:8443/p?token=s#f") == "https://h.example:8443/p"

@@ -32,6 +32,7 @@ from webapi.errors import (
     describe_validation,
 )
 from webapi.inputs import accept_input
+from webapi.logs import log_context
 from webapi.metrics import ApiMetrics
 from webapi.models import (
     Job,
@@ -391,7 +392,8 @@ def read_result(
     try:
         data = store.get(job.result_key)
     except ObjectNotFound as exc:
-        log.error("result object missing for job %s: %s", job.id, job.result_key)
+        with log_context(job=job.id, attempt_no=job.attempts):
+            log.error("result object missing: %s", job.result_key)
         raise NotFound("The result is no longer available.") from exc
     filename = f"{job.id}.{job.result_key.rsplit('.', 1)[-1]}"
     return Response(
