@@ -1,15 +1,19 @@
-"""Helpers of the orchestration tests: job parameters, task-run counts over the Prefect API."""
+"""Helpers of the orchestration tests: job parameters, the prefect CLI, the REST API."""
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+import httpx
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import TaskRun
+
+from tests.orchestration.conftest import BIN, REPO_ROOT, PrefectServer
 
 
 def job_params(
@@ -26,10 +30,30 @@ def job_params(
     }
 
 
-def task_runs(flow_run_id: UUID) -> dict[str, TaskRun]:
+def task_runs(flow_run_id: UUID | None) -> dict[str, TaskRun]:
     """The task runs of a flow run by name (stage tasks are named after their stage)."""
+    assert flow_run_id is not None
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
         )
     return {run.name: run for run in runs}
+
+
+def prefect_cli(server: PrefectServer, *args: str, timeout: float = 180) -> str:
+    """Run the prefect CLI against ``server``; its output (``AssertionError`` on failure)."""
+    proc = subprocess.run(
+        [str(BIN / "prefect"), *args],
+        cwd=REPO_ROOT,
+        env=server.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, f"prefect {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def api(server: PrefectServer, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    return httpx.request(method, f"{server.api_url}{path}", timeout=30.0, **kwargs)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import pytest
 from PIL import Image
@@ -27,28 +25,10 @@ from flows.params import (
 )
 from tasks.options import FusionOptions
 from tests.orchestration.conftest import BIN, REPO_ROOT, Home, PrefectServer
+from tests.orchestration.helpers import api, prefect_cli
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes, grace_hopper_rgb
 
 POOLS = REPO_ROOT / "work_pools"
-
-
-def prefect_cli(server: PrefectServer, *args: str, timeout: float = 180) -> str:
-    """Run the prefect CLI against ``server``; its output (``AssertionError`` on failure)."""
-    proc = subprocess.run(
-        [str(BIN / "prefect"), *args],
-        cwd=REPO_ROOT,
-        env=server.env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert proc.returncode == 0, f"prefect {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
-def api(server: PrefectServer, method: str, path: str, **kwargs: Any) -> httpx.Response:
-    return httpx.request(method, f"{server.api_url}{path}", timeout=30.0, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import io
 import json
 import time
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import numpy as np
 import pytest
@@ -55,6 +56,7 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
 
     run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
+        assert run_id is not None
         run = client.read_flow_run(run_id)
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
@@ -65,7 +67,7 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     assert set(by_type) >= {"table", "markdown", "progress"}
     assert ref.key in str(by_type["markdown"].data)
     table = by_type["table"].data
-    rows = json.loads(table) if isinstance(table, str) else table
+    rows = cast(list[dict[str, str]], json.loads(table) if isinstance(table, str) else table)
     items = {row["item"]: row for row in rows}
     assert {"load", "detect", "align", "fuse", "postprocess", "store", "device"} <= set(items)
     assert items["faces replaced"]["value"] == "1"
@@ -101,10 +103,12 @@ def test_past_deadline_fails_fast_without_models(prefect_harness: Home) -> None:
     assert state.is_failed()
     assert state.message is not None and state.message.startswith("[deadline_exceeded] ")
     assert MODEL_CACHE.total_loads() == loads
-    assert task_runs(state.state_details.flow_run_id) == {}
+    run_id = state.state_details.flow_run_id
+    assert run_id is not None
+    assert task_runs(run_id) == {}
     assert elapsed < 5.0
     with get_client(sync_client=True) as client:
-        run = client.read_flow_run(state.state_details.flow_run_id)
+        run = client.read_flow_run(run_id)
     assert run.state is not None and run.state.message == state.message
 
 

@@ -1,0 +1,100 @@
+"""Blocks: registration, save/load round trips (secrets included), defaults, local storage."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prefect.blocks.core import Block
+from pydantic import SecretStr
+
+from blocks import ALL_BLOCKS, FusionSettings, WebhookSettings, init_default_blocks
+from blocks.settings import DEFAULT_BUDGETS_S, STAGES, load_settings
+from blocks.storage import (
+    LOCAL_STORAGE_NAME,
+    load_storage,
+    location_of,
+    read_bytes,
+    write_bytes,
+)
+from flows.params import DEFAULT_SETTINGS_BLOCK, DEFAULT_STORAGE_BLOCK
+from tasks.errors import InvalidInput
+from tasks.options import FusionOptions
+from tests.orchestration.conftest import Home, PrefectServer
+from tests.orchestration.helpers import prefect_cli
+
+
+def test_every_field_is_described_in_a_sentence() -> None:
+    for block in ALL_BLOCKS:
+        assert block._block_type_name and block._description
+        for name, info in block.model_fields.items():
+            assert info.description and info.description.endswith("."), (block, name)
+
+
+def test_block_register_module(prefect_server: PrefectServer) -> None:
+    prefect_cli(prefect_server, "block", "register", "-m", "blocks")
+    for slug in ("fusion-settings", "webhook-settings"):
+        response = httpx.get(f"{prefect_server.api_url}/block_types/slug/{slug}", timeout=10)
+        assert response.status_code == 200, slug
+
+
+def test_fusion_settings_round_trip_and_partial_stage_overrides(prefect_harness: Home) -> None:
+    FusionSettings(
+        fuser="inswapper", stage_budgets_s={"fuse": 5.0}, stage_retries={"detect": 0}
+    ).save("round-trip", overwrite=True)
+    loaded = load_settings("fusion-settings/round-trip")
+    assert loaded.fuser == "inswapper"
+    fuse = loaded.policy("fuse")
+    assert (fuse.budget_s, fuse.retries) == (5.0, 1)
+    assert loaded.policy("detect").retries == 0
+    assert loaded.policy("load").budget_s == DEFAULT_BUDGETS_S["load"]
+    assert {loaded.policy(s).stage for s in STAGES} == set(STAGES)
+    with pytest.raises(TypeError):
+        load_settings(DEFAULT_STORAGE_BLOCK)
+
+
+def test_invalid_stage_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        FusionSettings(stage_budgets_s={"detect": 0.0})
+    with pytest.raises(ValueError):
+        FusionSettings.model_validate({"stage_retries": {"paint": 1}})
+
+
+def test_settings_fill_only_what_the_job_did_not_choose() -> None:
+    settings = FusionSettings(fuser="inswapper", identity_weight=0.5)
+    unset = settings.apply_defaults(FusionOptions.model_validate({}))
+    assert (unset.fuser, unset.identity_weight) == ("inswapper", 0.5)
+    chosen = settings.apply_defaults(FusionOptions.model_validate({"fuser": "classic"}))
+    assert (chosen.fuser, chosen.identity_weight) == ("classic", 0.5)
+
+
+def test_webhook_secret_round_trips_and_is_hidden_from_the_api(prefect_harness: Home) -> None:
+    WebhookSettings(signing_secret=SecretStr("whsec_c2VjcmV0"), retry_schedule_s=[1.0, 5.0]).save(
+        "secret-test", overwrite=True
+    )
+    loaded = Block.load("webhook-settings/secret-test")
+    assert isinstance(loaded, WebhookSettings)
+    assert loaded.signing_secret.get_secret_value() == "whsec_c2VjcmV0"
+    assert "whsec" not in repr(loaded)
+    assert (loaded.max_attempts, loaded.delay_before(2), loaded.delay_before(4)) == (3, 1.0, None)
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        document = client.read_block_document_by_name(
+            "secret-test", "webhook-settings", include_secrets=False
+        )
+    assert "whsec" not in str(document.data)
+
+
+def test_default_blocks_and_local_storage(prefect_harness: Home) -> None:
+    saved = init_default_blocks(prefect_harness.path, webhook_secret="whsec_again")
+    assert (saved.storage, saved.settings) == (DEFAULT_STORAGE_BLOCK, DEFAULT_SETTINGS_BLOCK)
+    assert saved.storage.endswith(LOCAL_STORAGE_NAME)
+    assert saved.storage_path == prefect_harness.storage.resolve()
+    write_bytes(DEFAULT_STORAGE_BLOCK, "results/x/attempt-1.png", b"\x89PNG-ish")
+    assert (prefect_harness.storage / "results/x/attempt-1.png").read_bytes() == b"\x89PNG-ish"
+    assert read_bytes(DEFAULT_STORAGE_BLOCK, "results/x/attempt-1.png") == b"\x89PNG-ish"
+    store = load_storage(DEFAULT_STORAGE_BLOCK)
+    uri = location_of(store, "results/x/attempt-1.png")
+    assert uri == (prefect_harness.storage.resolve() / "results/x/attempt-1.png").as_uri()
+    with pytest.raises(InvalidInput):
+        read_bytes(DEFAULT_STORAGE_BLOCK, "inputs/zz/none.jpg")

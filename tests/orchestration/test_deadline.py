@@ -1,0 +1,146 @@
+"""Retries share the job deadline: StageGuard under a real (test-harness) Prefect server."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import pytest
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Failed, State
+
+from blocks.settings import StagePolicy
+from flows.deadline import Deadline, StageGuard
+from tasks.errors import DeadlineExceeded, NoFaceFound, TransientError
+from tests.orchestration.conftest import Home
+from tests.orchestration.helpers import task_runs
+
+
+@task(name="flaky", task_run_name="flaky", persist_result=False, cache_policy=NO_CACHE)
+def flaky(calls: list[float], work_s: float, stuck_after: int | None = None) -> str:
+    """Fails transiently after ``work_s``; from call ``stuck_after`` on, blocks instead."""
+    calls.append(time.monotonic())
+    if stuck_after is not None and len(calls) >= stuck_after:
+        time.sleep(120)
+    time.sleep(work_s)
+    raise TransientError("A flaky stage failed.")
+
+
+@task(name="no-face", task_run_name="no-face", persist_result=False, cache_policy=NO_CACHE)
+def no_face(calls: list[float]) -> str:
+    calls.append(time.monotonic())
+    raise NoFaceFound()
+
+
+@flow(name="deadline-probe", persist_result=False)
+def probe(
+    which: str,
+    deadline_at: datetime,
+    policy: dict[str, Any],
+    work_s: float = 0.0,
+    stuck_after: int | None = None,
+) -> Any:
+    """Run one stage under a StageGuard; returns what the test inspects."""
+    guard = StageGuard(Deadline.of(deadline_at), StagePolicy(**policy))
+    calls: list[float] = []
+    try:
+        if which == "flaky":
+            guard.run(flaky, calls, work_s, stuck_after)
+        else:
+            guard.run(no_face, calls)
+    except Exception as exc:
+        info = {
+            "error": str(exc),
+            "calls": len(calls),
+            "timeouts": guard.timeouts,
+            "ended_at": datetime.now(UTC).isoformat(),
+        }
+        return Failed(message=str(exc), data=info)
+    return {"calls": len(calls)}
+
+
+def run_probe(*args: Any, **kwargs: Any) -> State[Any]:
+    """``probe(...)``'s final state."""
+    return cast(State[Any], probe(*args, **kwargs, return_state=True))
+
+
+def _policy(**overrides: Any) -> dict[str, Any]:
+    base = {
+        "stage": "detect",
+        "budget_s": 30.0,
+        "expected_s": 1.2,
+        "retries": 5,
+        "retry_delay_s": 0.0,
+    }
+    return {**base, **overrides}
+
+
+def test_transient_failures_with_one_second_left_are_not_retried_a_third_time(
+    prefect_harness: Home,
+) -> None:
+    deadline_at = datetime.now(UTC) + timedelta(seconds=3.0)
+    state = run_probe("flaky", deadline_at, _policy(), work_s=0.8)
+    info = state.result(raise_on_failure=False)
+    assert state.is_failed() and isinstance(info, dict)
+    # attempt 1 ends with ~2 s left (retry), attempt 2 with ~1 s < 1.2 s expected (stop)
+    assert info["calls"] == 2, info
+    assert info["error"].startswith("[deadline_exceeded] ")
+    assert "transient_error" in info["error"]
+    assert datetime.fromisoformat(info["ended_at"]) <= deadline_at
+    run = task_runs(state.state_details.flow_run_id)["flaky"]
+    assert run.run_count == 2
+    # the retry's timeout was recomputed from the time left, not the 30 s budget
+    assert info["timeouts"][1] < 2.5
+
+
+def test_retry_timeout_is_reset_to_the_time_left(prefect_harness: Home) -> None:
+    seconds = 4.0
+    deadline_at = datetime.now(UTC) + timedelta(seconds=seconds)
+    state = run_probe(
+        "flaky",
+        deadline_at,
+        _policy(expected_s=0.5),
+        work_s=1.0,
+        stuck_after=2,
+    )
+    info = state.result(raise_on_failure=False)
+    assert isinstance(info, dict) and info["calls"] == 2, info
+    assert info["error"].startswith("[deadline_exceeded] ")
+    overshoot = (datetime.fromisoformat(info["ended_at"]) - deadline_at).total_seconds()
+    # the stuck second attempt was interrupted at the deadline (its first timeout was ~4 s)
+    assert -0.4 < overshoot < 0.4, overshoot
+    assert run_state_name(state) == "TimedOut"
+
+
+def run_state_name(state: Any) -> str | None:
+    run = task_runs(state.state_details.flow_run_id)["flaky"]
+    return run.state.name if run.state is not None else None
+
+
+def test_permanent_error_is_not_retried(prefect_harness: Home) -> None:
+    deadline_at = datetime.now(UTC) + timedelta(seconds=60)
+    state = run_probe("no-face", deadline_at, _policy(retries=3))
+    info = state.result(raise_on_failure=False)
+    assert isinstance(info, dict) and info["calls"] == 1
+    assert info["error"].startswith("[no_face_found] ")
+    assert task_runs(state.state_details.flow_run_id)["no-face"].run_count == 1
+
+
+def test_no_first_attempt_without_the_expected_time() -> None:
+    guard = StageGuard(
+        Deadline.of(datetime.now(UTC) + timedelta(seconds=0.5)),
+        StagePolicy(**_policy(expected_s=2.0)),
+    )
+    with pytest.raises(DeadlineExceeded):
+        guard.first_timeout()
+    roomy = StageGuard(
+        Deadline.of(datetime.now(UTC) + timedelta(seconds=100)), StagePolicy(**_policy())
+    )
+    assert roomy.first_timeout() == 30.0
+
+
+def test_naive_deadline_is_utc() -> None:
+    naive = datetime.now(UTC).replace(tzinfo=None) + timedelta(seconds=10)
+    assert 9.0 < Deadline.of(naive).left() <= 10.0
