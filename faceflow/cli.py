@@ -282,6 +282,10 @@ def submit(
                     raise typer.Exit(1)
         except FaceFlowAPIError as exc:
             raise _fail(exc.code, exc.message) from None
+        except OSError as exc:
+            raise _fail(
+                "invalid_input", f"cannot read input: {exc.strerror}: {exc.filename}"
+            ) from None
 
 
 @app.command()

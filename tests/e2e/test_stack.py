@@ -1,0 +1,279 @@
+"""End to end: ``faceflow up`` as a subprocess, real HTTP, real Prefect, real worker.
+
+One stack for the module (free loopback ports, a temporary home); each test drives it the
+way an app would. Stopping the stack must leave no process behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from tests import samples
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BIN = Path(sys.executable).parent
+TERMINAL = {"succeeded", "failed", "expired", "cancelled"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _pids_with_home(home: Path) -> list[int]:
+    """Every live process whose environment names this stack's home."""
+    marker = f"FACEFLOW_HOME={home}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                status = (entry / "status").read_text()
+                if "State:\tZ" not in status:
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@dataclass
+class Receiver:
+    """A webhook receiver on loopback that records every delivery."""
+
+    server: ThreadingHTTPServer
+    deliveries: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+
+
+def _receiver() -> Receiver:
+    holder: list[Receiver] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            holder[0].deliveries.append(({k.lower(): v for k, v in self.headers.items()}, body))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    holder.append(Receiver(server))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return holder[0]
+
+
+def verify_signature(secret: str, headers: dict[str, str], body: bytes) -> bool:
+    """Standard Webhooks verification, written here independently of webapi.webhooks."""
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
+    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    offered = [s.split(",", 1)[1] for s in headers["webhook-signature"].split() if "," in s]
+    return any(hmac.compare_digest(expected, sig) for sig in offered)
+
+
+@dataclass
+class RunningStack:
+    home: Path
+    api: str
+    prefect_api: str
+    api_key: str
+    webhook_secret: str
+    process: subprocess.Popen[bytes]
+    receiver: Receiver
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.api, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=30
+        )
+
+
+def _data_uri(data: bytes, mime: str = "image/jpeg") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    home = tmp_path_factory.mktemp("stack") / "home"
+    api_port, prefect_port = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "FACEFLOW_HOME": str(home),
+        "FACEFLOW_ALLOW_PRIVATE_URLS": "true",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("PREFECT_API_URL", None)
+    log = (home.parent / "up.log").open("wb")
+    proc = subprocess.Popen(
+        [str(BIN / "faceflow"), "up", "--home", str(home), "--api-port", str(api_port),
+         "--prefect-port", str(prefect_port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    api = f"http://127.0.0.1:{api_port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (home.parent / "up.log").read_text()
+        try:
+            if (
+                httpx.get(f"{api}/readyz", timeout=2).status_code == 200
+                and b"ready:" in (home.parent / "up.log").read_bytes()
+            ):
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail("stack not ready: " + (home.parent / "up.log").read_text()[-3000:])
+    created = subprocess.run(
+        [str(BIN / "faceflow"), "users", "create", "e2e"],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    fields = dict(line.split(":", 1) for line in created.stdout.splitlines() if ":" in line)
+    receiver = _receiver()
+    running = RunningStack(
+        home=home,
+        api=api,
+        prefect_api=f"http://127.0.0.1:{prefect_port}/api",
+        api_key=fields["api key"].strip(),
+        webhook_secret=fields["webhook secret"].strip(),
+        process=proc,
+        receiver=receiver,
+    )
+    try:
+        yield running
+    finally:
+        receiver.server.shutdown()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _watch(client: httpx.Client, job_id: str, timeout: float = 180) -> tuple[dict, list[str]]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if not seen or seen[-1] != job["status"]:
+            seen.append(job["status"])
+        if job["status"] in TERMINAL:
+            return job, seen
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} not terminal after {timeout} s: {seen}")
+
+
+def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: RunningStack) -> None:
+    with stack.client() as client:
+        response = client.post(
+            "/v1/jobs",
+            json={
+                "source": _data_uri(samples.astronaut_jpeg_bytes()),
+                "target": _data_uri(samples.grace_hopper_jpeg_bytes()),
+                "callback_url": stack.receiver.url,
+                "callback_events": ["job.running", "job.succeeded", "job.failed"],
+            },
+        )
+        assert response.status_code == 202, response.text
+        assert response.headers["Location"].endswith(response.json()["id"])
+        job_id = response.json()["id"]
+        job, seen = _watch(client, job_id)
+        assert job["status"] == "succeeded", job
+        assert seen[0] == "queued" and "running" in seen and seen[-1] == "succeeded", seen
+        result = client.get(f"/v1/jobs/{job_id}/result")
+        assert result.status_code == 200
+        image = Image.open(io.BytesIO(result.content))
+        assert image.size == (512, 600)
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        events = {json.loads(b)["type"] for _, b in stack.receiver.deliveries}
+        if "job.succeeded" in events:
+            break
+        time.sleep(0.5)
+    mine = [(h, b) for h, b in stack.receiver.deliveries if job_id in b.decode()]
+    assert any(json.loads(b)["type"] == "job.succeeded" for _, b in mine), mine
+    for headers, body in mine:
+        assert verify_signature(stack.webhook_secret, headers, body)
+        assert not verify_signature("whsec_" + base64.b64encode(b"x" * 32).decode(), headers, body)
+
+    runs = httpx.post(
+        f"{stack.prefect_api}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [job_id]}}}
+    ).json()
+    assert len(runs) == 1 and runs[0]["state_type"] == "COMPLETED"
+    artifacts = httpx.post(
+        f"{stack.prefect_api}/artifacts/filter",
+        json={"artifacts": {"flow_run_id": {"any_": [runs[0]["id"]]}}},
+    ).json()
+    assert {a["type"] for a in artifacts} >= {"table", "markdown"}, artifacts
+
+
+def test_no_face_fails_without_retry(stack: RunningStack) -> None:
+    with stack.client() as client:
+        response = client.post(
+            "/v1/jobs",
+            json={
+                "source": _data_uri(samples.astronaut_jpeg_bytes()),
+                "target": _data_uri(samples.no_face_jpeg_bytes()),
+            },
+        )
+        assert response.status_code == 202, response.text
+        job, _ = _watch(client, response.json()["id"])
+    assert job["status"] == "failed"
+    assert job["error"]["code"] == "no_face_found"
+    assert job["attempts"] == 1
+
+
+def test_cancel_of_a_queued_job(stack: RunningStack) -> None:
+    with stack.client() as client:
+        response = client.post(
+            "/v1/jobs",
+            json={
+                "source": _data_uri(samples.astronaut_jpeg_bytes()),
+                "target": _data_uri(samples.grace_hopper_jpeg_bytes()),
+            },
+        )
+        job_id = response.json()["id"]
+        cancel = client.post(f"/v1/jobs/{job_id}/cancel")
+        assert cancel.status_code in (200, 202), cancel.text
+        job, _ = _watch(client, job_id, timeout=90)
+    assert job["status"] == "cancelled"
+
+
+def test_stopping_the_stack_leaves_no_process(stack: RunningStack) -> None:
+    assert _pids_with_home(stack.home), "the stack's processes should be visible while it runs"
+    stack.process.send_signal(signal.SIGTERM)
+    stack.process.wait(timeout=90)
+    deadline = time.monotonic() + 15
+    while _pids_with_home(stack.home) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _pids_with_home(stack.home) == []
