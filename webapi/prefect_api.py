@@ -238,6 +238,24 @@ class PrefectAPI:
                 found[run.id] = run
         return found
 
+    def read_progress(self, flow_run_ids: Iterable[str]) -> dict[str, str]:
+        """The description of each run's newest progress artifact (the fuse-faces flow
+        writes ``Stage i/n: <stage> (attempt k).``), by flow-run id."""
+        wanted = sorted(set(flow_run_ids))
+        found: dict[str, str] = {}
+        for start in range(0, len(wanted), FILTER_BATCH):
+            batch = wanted[start : start + FILTER_BATCH]
+            body = {
+                "artifacts": {"flow_run_id": {"any_": batch}, "type": {"any_": ["progress"]}},
+                "sort": "UPDATED_DESC",
+                "limit": FILTER_BATCH,
+            }
+            for item in self._request("POST", "artifacts/filter", json=body).json():
+                run_id = str(item.get("flow_run_id") or "")
+                if run_id and run_id not in found and item.get("description"):
+                    found[run_id] = str(item["description"])
+        return found
+
     def read_flow_run(self, flow_run_id: str) -> FlowRun | None:
         """One flow run, or None when Prefect does not know the id."""
         return self.read_flow_runs([flow_run_id]).get(flow_run_id)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -36,9 +37,10 @@ from tests.webapi.relay_harness import (
     submit,
     write_result,
 )
-from tests.webapi.utils import make_user, outbox_of, source_jpeg
+from tests.webapi.utils import auth, job_body, make_user, outbox_of, source_jpeg
 from webapi import crud
 from webapi.config import Settings
+from webapi.main import create_app
 from webapi.models import JobStatus, Outbox
 from webapi.prefect_api import FlowRun, PrefectAPI, StateType
 from webapi.relay import dispatch, expire, reap, sync
@@ -241,14 +243,17 @@ def test_url_input_is_fetched_through_redirects_then_dispatched(
 def test_sync_maps_completed_failed_cancelled_and_running(
     relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
 ) -> None:
-    ok, bad, stopped, busy = (dispatched(relay, owner) for _ in range(4))
+    ok, bad, stopped, busy, staged = (dispatched(relay, owner) for _ in range(5))
     SCRIPT.behaviours[str(bad)] = "fail"
     assert execute_run(str(job(relay.engine, ok).flow_run_id)) == "COMPLETED"
     assert execute_run(str(job(relay.engine, bad).flow_run_id)) == "FAILED"
     prefect_server.set_state(str(job(relay.engine, stopped).flow_run_id), "CANCELLED")
     prefect_server.set_state(str(job(relay.engine, busy).flow_run_id), "RUNNING", "stage: detect")
+    staged_run = str(job(relay.engine, staged).flow_run_id)
+    prefect_server.set_state(staged_run, "RUNNING")
+    prefect_server.report_progress(staged_run, "Stage 4/6: fuse (attempt 1).")
 
-    assert sync.run_once(relay) == 4
+    assert sync.run_once(relay) == 5
     done = job(relay.engine, ok)
     assert done.status is JobStatus.succeeded and done.started_at and done.finished_at
     assert (done.result_key, done.result_content_type) == (
@@ -262,6 +267,9 @@ def test_sync_maps_completed_failed_cancelled_and_running(
     assert job(relay.engine, stopped).status is JobStatus.cancelled
     running = job(relay.engine, busy)
     assert running.status is JobStatus.running and running.stage == "detect"
+    assert job(relay.engine, staged).stage == "fuse"
+    prefect_server.report_progress(staged_run, "Stage 5/6: postprocess (attempt 1).")
+    assert sync.run_once(relay) == 1 and job(relay.engine, staged).stage == "postprocess"
     assert sync.run_once(relay) == 0  # nothing new
 
 
@@ -513,3 +521,28 @@ def test_reconcile_once_runs_every_step(relay: Relay, owner: crud.NewUser) -> No
     counts = reconcile_once(relay=relay)
     assert set(counts) == {"dispatch", "sync", "expire", "reap", "notify"}
     assert counts["dispatch"] == 1 and job(relay.engine, new.id).flow_run_id is not None
+
+
+def test_app_lifespan_runs_the_relay_in_process(
+    engine: Engine, settings: Settings, owner: crud.NewUser
+) -> None:
+    """The API with ``run_relay``: submit over HTTP, the in-process relay dispatches at once
+    (woken by the submit), a worker runs the flow, and GET shows the result."""
+    app_settings = settings.model_copy(update={"run_relay": True})
+    SCRIPT.storage_dir = Path(app_settings.storage_url.removeprefix("file://"))
+    with TestClient(create_app(app_settings)) as client:
+        response = client.post("/v1/jobs", json=job_body(), headers=auth(owner))
+        assert response.status_code == 202, response.text
+        job_id = uuid.UUID(response.json()["id"])
+        waited = wait_for(lambda: job(engine, job_id).flow_run_id is not None)
+        assert waited < 2.0  # woken, not waiting for a poll interval
+        run_id = str(job(engine, job_id).flow_run_id)
+        in_thread(partial(execute_run, run_id), "worker").join(60)
+
+        def shown() -> dict[str, Any]:
+            return dict(client.get(f"/v1/jobs/{job_id}", headers=auth(owner)).json())
+
+        wait_for(lambda: shown()["status"] == "succeeded", timeout_s=5)
+        assert shown()["result"]["content_type"] == "image/png" and shown()["attempts"] == 1
+        metrics = client.get("/metrics").text
+        assert "faceflow_dispatch_lag_seconds_count" in metrics

@@ -3,8 +3,9 @@
 Polls the flow runs of every non-terminal job that has one (one batched filter call per
 pass, every ``sync_interval_s``). Mapping:
 
-- PENDING / RUNNING → ``running`` (``started_at``; ``stage`` from a state message
-  ``stage: <name>`` when the flow reports one);
+- PENDING / RUNNING → ``running`` (``started_at``; ``stage`` from the run's progress
+  artifact ``Stage i/n: <name> ...``, as fuse-faces writes it, or a state message
+  ``stage: <name>``; one batched artifact query per pass);
 - COMPLETED → the ``ResultRef`` sidecar (``flows.params.result_meta_key``) is read from
   storage → ``succeeded`` with the result;
 - FAILED → ``failed`` with the code of the flow's ``[code] message`` (``tasks.errors``);
@@ -31,7 +32,7 @@ from flows.params import ResultRef, result_meta_key
 from tasks import errors as pipeline_errors
 from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, UTCDateTime, utcnow
-from webapi.prefect_api import FlowRun, PrefectUnavailable, StateType
+from webapi.prefect_api import FlowRun, PrefectError, PrefectUnavailable, StateType
 from webapi.relay.context import Relay
 from webapi.storage import ObjectNotFound, StorageError
 
@@ -41,6 +42,7 @@ WATCH_LIMIT = 5000
 COUNTER = "faceflow_relay_transitions_total"
 _CODE = re.compile(r"\[([a-z][a-z0-9_]{1,63})\]")
 _STAGE = re.compile(r"^\s*stage\s*[:=]\s*([A-Za-z][\w-]{0,31})")
+_PROGRESS = re.compile(r"^\s*Stage \d+/\d+:\s*([A-Za-z][\w-]{0,31})")
 ENDED_FROM = frozenset({JobStatus.queued, JobStatus.running, JobStatus.cancel_requested})
 
 
@@ -103,15 +105,28 @@ def observe(relay: Relay) -> list[tuple[Watched, FlowRun | None]] | None:
 
 def run_once(relay: Relay) -> int:
     """One sync pass; returns how many jobs changed."""
-    observed = observe(relay) or []
-    return sum(apply_run_state(relay, job, run) for job, run in observed if run is not None)
+    observed = [(job, run) for job, run in observe(relay) or [] if run is not None]
+    progress = _progress(relay, [run for _job, run in observed])
+    return sum(apply_run_state(relay, job, run, progress.get(run.id)) for job, run in observed)
 
 
-def apply_run_state(relay: Relay, job: Watched, run: FlowRun) -> bool:
-    """Write what ``run``'s state means for ``job``; returns whether the job changed."""
+def _progress(relay: Relay, runs: list[FlowRun]) -> dict[str, str]:
+    """Progress descriptions of the running runs (one call; empty if it fails)."""
+    running = [run.id for run in runs if run.state_type is StateType.RUNNING]
+    if not running:
+        return {}
+    try:
+        return relay.prefect.read_progress(running)
+    except PrefectError:
+        return {}
+
+
+def apply_run_state(relay: Relay, job: Watched, run: FlowRun, progress: str | None = None) -> bool:
+    """Write what ``run``'s state means for ``job``; returns whether the job changed.
+    ``progress`` is the run's progress-artifact description, if any."""
     state = run.state_type
     if state in (StateType.PENDING, StateType.RUNNING):
-        return _started(relay, job, run)
+        return _started(relay, job, stage_of(run, progress))
     if state is StateType.COMPLETED:
         return _completed(relay, job, run)
     if state is StateType.FAILED:
@@ -122,9 +137,10 @@ def apply_run_state(relay: Relay, job: Watched, run: FlowRun) -> bool:
     return False  # SCHEDULED, PAUSED, CANCELLING: wait; CRASHED: the reaper's
 
 
-def stage_of(run: FlowRun) -> str | None:
-    """The stage a running flow reports in its state message (``stage: detect``)."""
-    match = _STAGE.match(run.state_message or "")
+def stage_of(run: FlowRun, progress: str | None = None) -> str | None:
+    """The stage a running flow reports: its state message (``stage: detect``) or its
+    progress artifact (``Stage 2/6: detect (attempt 1).``)."""
+    match = _STAGE.match(run.state_message or "") or _PROGRESS.match(progress or "")
     return match.group(1).lower() if match else None
 
 
@@ -154,8 +170,7 @@ PUBLIC_MESSAGES: dict[str, str] = {
 }
 
 
-def _started(relay: Relay, job: Watched, run: FlowRun) -> bool:
-    stage = stage_of(run)
+def _started(relay: Relay, job: Watched, stage: str | None) -> bool:
     if job.status is JobStatus.queued:
         changed = _write(relay, job, JobStatus.running, JobStatus.queued, stage=stage or "started")
         if changed:
