@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.faceflow-installed
 
-.PHONY: setup run test lint typecheck pytest bench clean
+.PHONY: setup run demo test lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ pytest: setup
 test: lint typecheck pytest
 
 run: setup
+	$(BIN)/faceflow up --demo
+
+demo: setup
 	$(BIN)/faceflow demo
 
 bench: setup

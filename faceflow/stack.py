@@ -25,6 +25,7 @@ from faceflow.supervisor import Service, ServiceFailed, Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POOL_NAME = "gpu"
+CONTROL_POOL = "control"
 
 
 @dataclass
@@ -69,6 +70,7 @@ class StackConfig:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+            "FACEFLOW_WORKER_SLOTS": str(self.workers),
             "PYTHONUNBUFFERED": "1",
         }
 
@@ -171,6 +173,10 @@ class Stack:
             "work-pool-limit",
             [prefect, "work-pool", "set-concurrency-limit", POOL_NAME, str(cfg.workers)],
         )
+        self._run_step(
+            "control-pool",
+            [prefect, "work-pool", "create", CONTROL_POOL, "--type", "process", "--overwrite"],
+        )
         self._run_step("blocks", [faceflow, "blocks", "init"])
         self._run_step("deploy", [prefect, "--no-prompt", "deploy", "--all"])
         self.progress("job store: migrations")
@@ -197,6 +203,27 @@ class Stack:
                     {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(index))},
                 )
             )
+        self.progress(
+            f"worker: starting the control worker (reconcile schedule) on {CONTROL_POOL!r}"
+        )
+        self.supervisor.start(
+            self._service(
+                "worker-control",
+                [
+                    prefect,
+                    "worker",
+                    "start",
+                    "--pool",
+                    CONTROL_POOL,
+                    "--type",
+                    "process",
+                    "--name",
+                    "local-control",
+                    "--limit",
+                    "1",
+                ],
+            )
+        )
         self.progress(f"webapi: starting on {cfg.api_url}")
         api = self.supervisor.start(
             self._service(
