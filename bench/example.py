@@ -11,12 +11,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
+import numpy as np
+from PIL import Image
 
-from faceflow import samples  # noqa: E402
-from tasks.options import FusionOptions  # noqa: E402
-from tasks.pipeline import PipelineContext, fuse_images  # noqa: E402
+from faceflow import samples
+from tasks.options import FusionOptions
+from tasks.pipeline import PipelineContext, fuse_images
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "example.png"
 
