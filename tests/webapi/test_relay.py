@@ -546,3 +546,24 @@ def test_app_lifespan_runs_the_relay_in_process(
         assert shown()["result"]["content_type"] == "image/png" and shown()["attempts"] == 1
         metrics = client.get("/metrics").text
         assert "faceflow_dispatch_lag_seconds_count" in metrics
+
+
+def test_the_real_fuse_faces_flow_accepts_the_relays_parameters(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """Contract check: a deployment of ``flows.fuse.fuse_faces`` (parameter schema
+    enforced) takes what dispatch sends; the run is cancelled, never executed."""
+    from flows.fuse import fuse_faces
+
+    fuse_faces.to_deployment(name="relay-contract").apply()
+    real = PrefectAPI(relay.settings.prefect_api_url, deployment_name="relay-contract")
+    try:
+        new = submit(relay.engine, relay.settings, relay.store, owner)
+        dispatch.run_once(replace(relay, prefect=real))
+        stored = job(relay.engine, new.id)
+        assert stored.status is JobStatus.queued and stored.flow_run_id is not None
+        run = real.read_flow_run(str(stored.flow_run_id))
+        assert run is not None and run.parameters["job_id"] == str(new.id)
+        assert real.cancel_flow_run(run, message="contract test") is StateType.CANCELLED
+    finally:
+        real.close()
