@@ -1,0 +1,227 @@
+"""Orchestration overhead of fuse-faces on one process worker (issue 3's benchmark).
+
+Starts a Prefect server (SQLite, temporary PREFECT_HOME; or uses ``--api-url``), creates
+the ``gpu`` pool from work_pools/gpu-process.json, deploys fuse-faces from prefect.yaml,
+saves the default blocks, starts one process worker (``PREFECT_WORKER_QUERY_SECONDS``),
+then runs ``--jobs`` sequential jobs astronaut → grace_hopper, each created over REST and
+waited for. Reports, as JSON, the median flow-run creation → flow start (the run's
+RUNNING time, just before the flow's first line), the median end-to-end (creation →
+COMPLETED), the same fusions through ``tasks.pipeline.fuse_images`` in one process, and
+the ratio end-to-end / bare. Every process it starts is stopped by PID.
+
+    .venv/bin/python bench/orchestration.py --jobs 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from faceflow.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes  # noqa: E402
+from faceflow.supervisor import Service  # noqa: E402
+from flows.params import FuseFacesParams, idempotency_key, input_key  # noqa: E402
+
+BIN = Path(sys.executable).parent
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def parse_time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def run_cli(env: dict[str, str], *args: str) -> None:
+    subprocess.run(
+        [str(BIN / "prefect"), *args], cwd=REPO, env=env, check=True, capture_output=True
+    )
+
+
+def setup(env: dict[str, str], home: Path) -> None:
+    """Pool, deployment and blocks on the server named by ``env``."""
+    template = REPO / "work_pools" / "gpu-process.json"
+    run_cli(
+        env,
+        "work-pool",
+        "create",
+        "gpu",
+        "--type",
+        "process",
+        "--overwrite",
+        "--base-job-template",
+        str(template),
+    )
+    run_cli(env, "work-pool", "set-concurrency-limit", "gpu", "1")
+    run_cli(env, "--no-prompt", "deploy", "--name", "fuse-faces")
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from blocks import init_default_blocks
+
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        init_default_blocks(home)
+
+
+def store_inputs(home: Path) -> tuple[str, str]:
+    keys = []
+    for data in (astronaut_jpeg_bytes(), grace_hopper_jpeg_bytes()):
+        key = input_key(hashlib.sha256(data).hexdigest(), "jpg")
+        path = home / "storage" / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        keys.append(key)
+    return keys[0], keys[1]
+
+
+def run_job(api: httpx.Client, deployment_id: str, source: str, target: str) -> dict[str, float]:
+    """Create one flow run, wait until it is final; its timings in seconds."""
+    job_id = str(uuid.uuid4())
+    params = FuseFacesParams(
+        job_id=job_id,
+        owner_id="bench",
+        source_key=source,
+        target_key=target,
+        deadline_at=datetime.now(UTC) + timedelta(minutes=5),
+    ).model_dump(mode="json")
+    created = api.post(
+        f"/deployments/{deployment_id}/create_flow_run",
+        json={"parameters": params, "idempotency_key": idempotency_key(job_id, 1), "name": job_id},
+    )
+    created.raise_for_status()
+    run_id = created.json()["id"]
+    while True:
+        run = api.get(f"/flow_runs/{run_id}").json()
+        if run["state"]["type"] in TERMINAL:
+            break
+        time.sleep(0.1)
+    if run["state"]["type"] != "COMPLETED":
+        raise RuntimeError(f"job {job_id} ended {run['state']['type']}: {run['state']['message']}")
+    created_at = parse_time(run["created"])
+    return {
+        "to_first_line_s": (parse_time(run["start_time"]) - created_at).total_seconds(),
+        "end_to_end_s": (parse_time(run["end_time"]) - created_at).total_seconds(),
+    }
+
+
+def bare_pipeline(jobs: int) -> list[float]:
+    """The same fusions in this process (models loaded once, first call included)."""
+    from tasks.pipeline import PipelineContext, fuse_images
+
+    ctx = PipelineContext.for_this_machine()
+    source, target = astronaut_jpeg_bytes(), grace_hopper_jpeg_bytes()
+    times = []
+    for _ in range(jobs):
+        start = time.perf_counter()
+        fuse_images(source, target, ctx=ctx)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=10)
+    parser.add_argument("--api-url", help="use this Prefect server instead of starting one")
+    parser.add_argument("--query-seconds", type=float, default=1.0)
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="faceflow-bench-"))
+    home = root / "faceflow"
+    port = free_port()
+    api_url = args.api_url or f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(root / "prefect"),
+        "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": str(args.query_seconds),
+        "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+        "FACEFLOW_HOME": str(home),
+    }
+    services: list[Service] = []
+    try:
+        if not args.api_url:
+            server = Service(
+                "prefect-server",
+                [
+                    str(BIN / "prefect"),
+                    "server",
+                    "start",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                log=root / "server.log",
+                env={k: v for k, v in env.items() if k != "PREFECT_API_URL"},
+            )
+            services.append(server)
+            server.start()
+            server.wait_ready(
+                lambda: httpx.get(f"{api_url}/health", timeout=2).status_code == 200, 120
+            )
+        setup(env, home)
+        source, target = store_inputs(home)
+        worker = Service(
+            "worker",
+            [
+                str(BIN / "prefect"),
+                "worker",
+                "start",
+                "--pool",
+                "gpu",
+                "--type",
+                "process",
+                "--limit",
+                "1",
+            ],
+            log=root / "worker.log",
+            env=env,
+            cwd=REPO,
+        )
+        services.append(worker)
+        worker.start()
+        with httpx.Client(base_url=api_url, timeout=30) as api:
+            deployment_id = api.get("/deployments/name/fuse-faces/fuse-faces").json()["id"]
+            runs = [run_job(api, deployment_id, source, target) for _ in range(args.jobs)]
+    finally:
+        for service in reversed(services):
+            service.stop(grace=10)
+    bare = bare_pipeline(args.jobs)
+    e2e = statistics.median(r["end_to_end_s"] for r in runs)
+    report: dict[str, Any] = {
+        "jobs": args.jobs,
+        "worker_query_seconds": args.query_seconds,
+        "median_creation_to_first_line_s": round(
+            statistics.median(r["to_first_line_s"] for r in runs), 3
+        ),
+        "median_end_to_end_s": round(e2e, 3),
+        "median_bare_pipeline_s": round(statistics.median(bare), 3),
+        "ratio_end_to_end_over_bare": round(e2e / statistics.median(bare), 1),
+        "runs": runs,
+        "logs": str(root),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
