@@ -555,7 +555,8 @@ def test_the_real_fuse_faces_flow_accepts_the_relays_parameters(
     enforced) takes what dispatch sends; the run is cancelled, never executed."""
     from flows.fuse import fuse_faces
 
-    fuse_faces.to_deployment(name="relay-contract").apply()
+    deployment: Any = fuse_faces.to_deployment(name="relay-contract")  # sync in a sync test
+    deployment.apply()
     real = PrefectAPI(relay.settings.prefect_api_url, deployment_name="relay-contract")
     try:
         new = submit(relay.engine, relay.settings, relay.store, owner)
