@@ -25,7 +25,7 @@ from flows.params import (
 )
 from tasks.options import FusionOptions
 from tests.orchestration.conftest import BIN, REPO_ROOT, Home, PrefectServer
-from tests.orchestration.helpers import api, prefect_cli
+from tests.orchestration.helpers import api, prefect_cli_concurrently
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes, grace_hopper_rgb
 
 POOLS = REPO_ROOT / "work_pools"
@@ -34,14 +34,24 @@ POOLS = REPO_ROOT / "work_pools"
 @pytest.fixture(scope="module")
 def deployed(prefect_server: PrefectServer) -> dict[str, dict[str, Any]]:
     """Pools created from work_pools/, then ``prefect --no-prompt deploy --all``."""
-    prefect_cli(
+    prefect_cli_concurrently(
         prefect_server,
-        *("work-pool", "create", "gpu", "--type", "process"),
-        *("--base-job-template", str(POOLS / "gpu-process.json")),
+        [
+            "work-pool",
+            "create",
+            "gpu",
+            "--type",
+            "process",
+            "--base-job-template",
+            str(POOLS / "gpu-process.json"),
+        ],
+        ["work-pool", "create", "control", "--type", "process"],
     )
-    prefect_cli(prefect_server, "work-pool", "set-concurrency-limit", "gpu", "1")
-    prefect_cli(prefect_server, "work-pool", "create", "control", "--type", "process")
-    prefect_cli(prefect_server, "--no-prompt", "deploy", "--all")
+    prefect_cli_concurrently(
+        prefect_server,
+        ["work-pool", "set-concurrency-limit", "gpu", "1"],
+        ["--no-prompt", "deploy", "--all"],
+    )
     return {
         name: api(prefect_server, "GET", f"/deployments/name/{name}").json()
         for name in (f"{FLOW_NAME}/{DEPLOYMENT_NAME}", "reconcile/reconcile")
@@ -119,28 +129,37 @@ def test_parameter_schema_accepts_what_the_webapi_sends(
     assert refused.status_code == 409
 
 
-@pytest.mark.parametrize(
-    ("name", "pool_type"),
-    [
-        ("gpu-process", "process"),
-        ("gpu-ecs", "ecs"),
-        ("gpu-docker", "docker"),
-        ("gpu-kubernetes", "kubernetes"),
-    ],
-)
-def test_work_pool_template_is_accepted(
-    prefect_server: PrefectServer, name: str, pool_type: str
+def test_work_pool_templates_are_accepted(
+    prefect_server: PrefectServer, deployed: dict[str, dict[str, Any]]
 ) -> None:
-    template = POOLS / f"{name}.json"
-    pool = f"check-{name}"
-    prefect_cli(
+    """gpu-process was created by ``deployed``; the image-based types are created here."""
+    kinds = {
+        "gpu-process": "process",
+        "gpu-ecs": "ecs",
+        "gpu-docker": "docker",
+        "gpu-kubernetes": "kubernetes",
+    }
+    prefect_cli_concurrently(
         prefect_server,
-        *("work-pool", "create", pool, "--type", pool_type),
-        *("--base-job-template", str(template)),
+        *[
+            [
+                "work-pool",
+                "create",
+                f"check-{name}",
+                "--type",
+                kind,
+                "--base-job-template",
+                str(POOLS / f"{name}.json"),
+            ]
+            for name, kind in kinds.items()
+            if kind != "process"
+        ],
     )
-    stored = api(prefect_server, "GET", f"/work_pools/{pool}").json()
-    assert stored["type"] == pool_type
-    assert stored["base_job_template"] == json.loads(template.read_text())
+    for name, kind in kinds.items():
+        pool = "gpu" if kind == "process" else f"check-{name}"
+        stored = api(prefect_server, "GET", f"/work_pools/{pool}").json()
+        assert stored["type"] == kind
+        assert stored["base_job_template"] == json.loads((POOLS / f"{name}.json").read_text())
 
 
 @pytest.mark.slow

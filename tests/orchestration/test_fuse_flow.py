@@ -120,7 +120,7 @@ def test_slow_stage_ends_at_the_deadline(
         raise AssertionError("not interrupted")
 
     monkeypatch.setattr(pipeline, "fuse_stage", stuck)
-    seconds = 12.0
+    seconds = 8.0
     params = job_params(
         prefect_harness.put_input(astronaut_jpeg_bytes()),
         prefect_harness.put_input(grace_hopper_jpeg_bytes()),
