@@ -95,6 +95,22 @@ class Service:
         except subprocess.TimeoutExpired:
             pass
 
+    def kill(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole process group at once (fault injection); reap the leader."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            return
+        if sig == signal.SIGKILL:
+            self.process.wait(timeout=10)
+
+    def restart(self, grace: float = 10.0) -> None:
+        """Stop the process (if it still runs) and start it again with the same command."""
+        self.stop(grace)
+        self.start()
+
 
 @dataclass
 class Supervisor:
@@ -106,6 +122,13 @@ class Supervisor:
         self.services.append(service)
         service.start()
         return service
+
+    def get(self, name: str) -> Service:
+        """The service called ``name``; ``KeyError`` if there is none."""
+        for service in self.services:
+            if service.name == name:
+                return service
+        raise KeyError(name)
 
     def check_alive(self) -> None:
         """``ServiceFailed`` for the first service that has exited."""

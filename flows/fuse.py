@@ -29,6 +29,7 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from blocks.settings import STAGES, FusionSettings, StageName, load_settings
+from flows import faults
 from flows.artifacts import OperatorView
 from flows.deadline import Deadline, StageGuard, alarm_timeouts_available
 from flows.params import (
@@ -82,6 +83,7 @@ class _Run:
         start = time.perf_counter()
         ok = False
         try:
+            faults.inject(name)  # no-op unless FACEFLOW_ENABLE_FAULTS=true (reliability suite)
             yield guard
             ok = True
         finally:

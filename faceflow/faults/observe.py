@@ -1,0 +1,165 @@
+"""Watching a scenario's jobs to their end, and finding who wrote results.
+
+``settle`` polls every accepted job through the API (as its owner) until all are terminal
+and the expected webhooks have arrived, or until the last deadline + grace + a margin.
+``result_writers`` counts, per job, the flow runs whose ``store`` task completed (Prefect)
+and the attempts whose ``ResultRef`` sidecar exists (storage), and keeps the larger.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+
+from faceflow.faults.load import Client, User
+from faceflow.faults.report import TERMINAL, Observation, Submission
+from flows.params import result_meta_key
+from webapi.storage import ObjectStore
+
+POLL_S = 1.0
+MARGIN_S = 15.0
+
+
+def _parse(value: str | None) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def settle(
+    client: Client,
+    users: Mapping[str, User],
+    submissions: Sequence[Submission],
+    *,
+    grace_s: float,
+    webhooks_done: Callable[[Mapping[str, Mapping[str, Any]]], bool] | None = None,
+    webhook_wait_s: float = 0.0,
+) -> dict[str, Observation]:
+    """Poll the accepted jobs to their end; returns each job's ``Observation``."""
+    owner = {s.job_id: users[s.user] for s in submissions if s.accepted and s.job_id}
+    latest: dict[str, dict[str, Any] | None] = {}
+    late: set[str] = set()
+    started = datetime.now(UTC)
+    give_up = started + timedelta(hours=1)
+    terminal_at: datetime | None = None
+    while True:
+        now = datetime.now(UTC)
+        for job_id, user in owner.items():
+            job = latest.get(job_id)
+            if job is not None and job.get("status") in TERMINAL:
+                continue
+            try:
+                latest[job_id] = client.get_job(user, job_id)
+            except httpx.HTTPError:
+                continue  # the API is down or busy: keep the last view
+        for job_id in owner:
+            job = latest.get(job_id)
+            if job is None:
+                continue
+            deadline = _parse(job.get("deadline_at"))
+            if deadline is None:
+                continue
+            limit = deadline + timedelta(seconds=grace_s)
+            finished = _parse(job.get("finished_at"))
+            if (job.get("status") not in TERMINAL and now > limit) or (
+                finished is not None and finished > limit
+            ):
+                late.add(job_id)
+        deadlines = [_parse((j or {}).get("deadline_at")) for j in latest.values()]
+        last_deadline = max((d for d in deadlines if d is not None), default=started)
+        give_up = min(give_up, last_deadline + timedelta(seconds=grace_s + MARGIN_S))
+        all_ended = len(latest) == len(owner) and all(
+            j is not None and j.get("status") in TERMINAL for j in latest.values()
+        )
+        if all_ended and terminal_at is None:
+            terminal_at = now
+        if all_ended:
+            ended = {k: v for k, v in latest.items() if v is not None}
+            waited = (now - (terminal_at or now)).total_seconds()
+            if webhooks_done is None or webhooks_done(ended) or waited > webhook_wait_s:
+                break
+        elif now > give_up:
+            break
+        time.sleep(POLL_S)
+    return {job_id: Observation(latest.get(job_id), job_id in late) for job_id in owner}
+
+
+def _post(prefect_api: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    for attempt in range(5):
+        try:
+            response = httpx.post(f"{prefect_api}{path}", json=body, timeout=30)
+            response.raise_for_status()
+            return list(response.json())
+        except httpx.HTTPError:
+            if attempt == 4:
+                raise
+            time.sleep(2)
+    return []
+
+
+def prefect_writers(prefect_api: str, job_ids: Iterable[str]) -> dict[str, int]:
+    """Per job: flow runs (named by the job id) whose ``store`` task completed."""
+    ids = sorted(set(job_ids))
+    runs: list[dict[str, Any]] = []
+    for start in range(0, len(ids), 100):
+        chunk = ids[start : start + 100]
+        runs += _post(
+            prefect_api,
+            "/flow_runs/filter",
+            {"flow_runs": {"name": {"any_": chunk}}, "limit": 200},
+        )
+    job_of = {run["id"]: run["name"] for run in runs}
+    found: dict[str, int] = dict.fromkeys(ids, 0)
+    run_ids = sorted(job_of)
+    for start in range(0, len(run_ids), 100):
+        chunk = run_ids[start : start + 100]
+        stores = _post(
+            prefect_api,
+            "/task_runs/filter",
+            {
+                "flow_runs": {"id": {"any_": chunk}},
+                "task_runs": {
+                    "name": {"any_": ["store"]},
+                    "state": {"type": {"any_": ["COMPLETED"]}},
+                },
+                "limit": 200,
+            },
+        )
+        writers_per_run = {task["flow_run_id"] for task in stores}
+        for run_id in writers_per_run:
+            found[job_of[run_id]] = found.get(job_of[run_id], 0) + 1
+    return found
+
+
+def storage_writers(
+    store: ObjectStore, jobs: Mapping[str, Mapping[str, Any] | None], max_attempts: int = 4
+) -> dict[str, int]:
+    """Per job: attempts whose ``ResultRef`` sidecar exists in storage."""
+    found = {}
+    for job_id, job in jobs.items():
+        attempts = max(int((job or {}).get("attempts") or 0), 1) + max_attempts
+        found[job_id] = sum(
+            1 for n in range(1, attempts + 1) if store.exists(result_meta_key(job_id, n))
+        )
+    return found
+
+
+def result_writers(
+    prefect_api: str, store: ObjectStore, observations: Mapping[str, Observation]
+) -> tuple[dict[str, int], list[str]]:
+    """Writers per job (the larger of Prefect's and storage's count) and any notes."""
+    notes: list[str] = []
+    jobs = {job_id: seen.job for job_id, seen in observations.items()}
+    stored = storage_writers(store, jobs)
+    try:
+        ran = prefect_writers(prefect_api, jobs)
+    except httpx.HTTPError as exc:
+        ran = {}
+        notes.append(f"Prefect not readable for dup-exec ({type(exc).__name__}): storage only")
+    writers = {job_id: max(stored.get(job_id, 0), ran.get(job_id, 0)) for job_id in jobs}
+    dups = sorted(job_id for job_id, n in writers.items() if n > 1)
+    if dups:
+        notes.append("jobs with >1 result writer: " + ", ".join(dups[:3]))
+    return writers, notes

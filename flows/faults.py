@@ -1,0 +1,73 @@
+"""Fault injection for the reliability suite (``faceflow selftest faults``); inert by default.
+
+Only when the flow run's environment has ``FACEFLOW_ENABLE_FAULTS=true`` does
+``inject(stage)`` read a JSON plan from ``FACEFLOW_FAULTS_FILE`` (default
+``$FACEFLOW_HOME/faults.json``) at the start of every stage::
+
+    {"hang": [{"stage": "detect", "owner_ids": ["<user uuid>"], "seconds": 600}]}
+
+A matching entry (same stage, the run's ``owner_id`` parameter listed) blocks the flow's
+main thread in a plain sleep *outside* the stage's task, so no stage timeout can end it:
+the worker's deadline kill and the relay's reaper must. Nothing here runs in production
+unless an operator sets the variable on a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+ENABLE_VAR = "FACEFLOW_ENABLE_FAULTS"
+FILE_VAR = "FACEFLOW_FAULTS_FILE"
+PLAN_NAME = "faults.json"
+
+log = logging.getLogger("faceflow.flows.faults")
+
+
+def enabled() -> bool:
+    """Whether fault injection is switched on in this process's environment."""
+    return os.environ.get(ENABLE_VAR, "").strip().lower() in ("1", "true", "yes")
+
+
+def plan_path() -> Path:
+    """Where the fault plan is read from."""
+    explicit = os.environ.get(FILE_VAR)
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("FACEFLOW_HOME", ".faceflow")) / PLAN_NAME
+
+
+def read_plan(path: Path) -> dict[str, Any]:
+    """The plan at ``path``; empty when it is missing or not a JSON object."""
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return plan if isinstance(plan, dict) else {}
+
+
+def hang_seconds(plan: dict[str, Any], *, stage: str, owner_id: str | None) -> float:
+    """Seconds the plan makes ``stage`` of a run owned by ``owner_id`` hang (0: none)."""
+    for entry in plan.get("hang") or []:
+        if not isinstance(entry, dict) or entry.get("stage") != stage:
+            continue
+        if owner_id is not None and owner_id in (entry.get("owner_ids") or []):
+            return float(entry.get("seconds", 0.0))
+    return 0.0
+
+
+def inject(stage: str) -> None:
+    """Apply the fault plan to the current flow run's ``stage`` (no-op unless enabled)."""
+    if not enabled():
+        return
+    from prefect.runtime import flow_run
+
+    owner_id = (flow_run.parameters or {}).get("owner_id")
+    seconds = hang_seconds(read_plan(plan_path()), stage=stage, owner_id=owner_id)
+    if seconds > 0:
+        log.warning("fault injection: stage %s hangs for %.0f s", stage, seconds)
+        time.sleep(seconds)

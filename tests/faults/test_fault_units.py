@@ -1,0 +1,166 @@
+"""The fault suite's own parts, without a stack: the row arithmetic, the receiver's modes,
+and the flow's fault-injection hook."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from faceflow.faults.receiver import Receiver, verify_signature
+from faceflow.faults.report import Delivery, Observation, Submission, tally
+from flows import faults
+from webapi.webhooks import encode_body, new_secret, signed_headers
+
+
+def _job(status: str, *, code: str | None = None, over_s: float = -10.0, events=None) -> dict:
+    deadline = "2026-01-01T00:01:00+00:00"
+    finished = (
+        f"2026-01-01T00:01:{int(max(0, over_s)):02d}+00:00"
+        if over_s >= 0
+        else (f"2026-01-01T00:00:{int(60 + over_s):02d}+00:00")
+    )
+    return {
+        "status": status,
+        "error": {"code": code, "message": code} if code else None,
+        "deadline_at": deadline,
+        "finished_at": finished,
+        "callback_url": "http://127.0.0.1/hook" if events else None,
+        "callback_events": events or [],
+        "attempts": 1,
+    }
+
+
+def test_tally_counts_outcomes_rejections_and_the_must_be_zero_columns() -> None:
+    subs = [
+        Submission("good", "a", "k1", status_code=202, job_id="j1"),
+        Submission("callback", "a", "k2", status_code=202, job_id="j2", callback=True),
+        Submission("dup", "a", "k2", replay_of="k2", status_code=200, job_id="j2", callback=True),
+        Submission("dup", "a", "k1", replay_of="k1", status_code=200, job_id="jX"),  # wrong
+        Submission("bad", "b", "k3", status_code=422, reason="422 invalid_input"),
+        Submission("good", "b", "k4", status_code=503, reason="503 overloaded", retry_after="3"),
+        Submission("good", "b", "k5", status_code=429, reason="429 quota_exceeded"),
+        Submission("good", "b", "k6", status_code=202, job_id="j3"),
+        Submission("good", "b", "k7", status_code=202, job_id="j4"),
+    ]
+    observations = {
+        "j1": Observation(_job("succeeded"), late=False),
+        "j2": Observation(_job("failed", code="no_face_found", events=["job.failed"]), False),
+        "jX": Observation(_job("succeeded"), late=False),
+        "j3": Observation(_job("failed", code="deadline_exceeded", over_s=50), late=True),
+        "j4": Observation(None, late=False),  # 404 at the end
+    }
+    deliveries = [
+        Delivery("msg_1", "job.failed", "j2", signature_ok=True),
+        Delivery("msg_1", "job.failed", "j2", signature_ok=True),  # an at-least-once repeat
+        Delivery("msg_2", "job.succeeded", "j2", signature_ok=False),  # wrong event, bad sig
+        Delivery("msg_9", "job.failed", "other-scenario", signature_ok=True),
+    ]
+    row = tally(
+        number="0",
+        name="unit",
+        submissions=subs,
+        observations=observations,
+        deliveries=deliveries,
+        writers={"j1": 1, "j2": 0, "j3": 2},
+    )
+    assert (row.submitted, row.accepted, row.replays) == (9, 6, 2)
+    assert row.rejected == Counter(
+        {"422 invalid_input": 1, "503 overloaded": 1, "429 quota_exceeded": 1}
+    )
+    assert row.no_retry_after == 1
+    assert row.idem_violations == 1
+    assert (row.succeeded, row.expired, row.cancelled) == (2, 0, 0)
+    assert row.failed == Counter({"no_face_found": 1, "deadline_exceeded": 1})
+    assert (row.late, row.lost, row.dup_exec) == (2, 1, 1)
+    assert (row.webhooks_expected, row.webhooks_delivered, row.webhooks_duplicates) == (1, 1, 1)
+    assert (row.webhooks_wrong, row.bad_signatures) == (1, 1)
+    assert row.max_over_deadline_s == pytest.approx(50.0)
+    assert not row.ok
+    cells = row.cells()
+    assert cells[4] == "3 (422 invalid_input 1, 429 quota_exceeded 1, 503 overloaded 1)"
+    assert "idempotency violations: 1" in cells[-1]
+    assert row.line().startswith("| 0 | unit | 9 | 6 (2 replays) |")
+
+
+def test_a_clean_scenario_is_ok_and_a_skipped_one_says_why() -> None:
+    row = tally(
+        number="1",
+        name="clean",
+        submissions=[Submission("good", "a", "k", status_code=202, job_id="j")],
+        observations={"j": Observation(_job("succeeded"), late=False)},
+        deliveries=[],
+        writers={"j": 1},
+    )
+    assert row.ok and row.max_over_deadline_s == pytest.approx(-10.0)
+    assert "-10.0 s" in row.line()
+    skipped = tally(
+        number="5", name="pg", submissions=[], observations={}, deliveries=[], writers={}
+    )
+    skipped.skipped = "shared database"
+    assert skipped.ok and skipped.line().endswith("skipped: shared database |")
+
+
+def test_receiver_refuses_then_answers_500_then_accepts_and_checks_signatures() -> None:
+    receiver = Receiver()
+    secret = new_secret()
+    body = encode_body({"type": "job.succeeded", "data": {"id": "job-1"}})
+    headers = signed_headers(secret, "msg_abc", body)
+    try:
+        with httpx.Client(timeout=5) as http:
+            receiver.set_mode("down")
+            with pytest.raises(httpx.ConnectError):
+                http.post(receiver.url, content=body, headers=headers)
+            receiver.set_mode("error")
+            assert http.post(receiver.url, content=body, headers=headers).status_code == 500
+            receiver.set_mode("up")
+            assert http.post(receiver.url, content=body, headers=headers).status_code == 204
+    finally:
+        receiver.close()
+    assert receiver.count(lambda code: code == 500) == 1
+    [delivery] = receiver.deliveries({"alice": secret}, {"job-1": "alice"})
+    assert (delivery.webhook_id, delivery.event, delivery.job_id) == (
+        "msg_abc",
+        "job.succeeded",
+        "job-1",
+    )
+    assert delivery.signature_ok
+    assert not verify_signature(new_secret(), {k.lower(): v for k, v in headers.items()}, body)
+
+
+def test_fault_hook_is_inert_unless_enabled(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    plan = tmp_path / "faults.json"
+    plan.write_text(json.dumps({"hang": [{"stage": "detect", "owner_ids": ["u1"], "seconds": 5}]}))
+    monkeypatch.setenv(faults.FILE_VAR, str(plan))
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    from prefect.runtime import flow_run
+
+    monkeypatch.setattr(flow_run, "parameters", {"owner_id": "u1"}, raising=False)
+    monkeypatch.delenv(faults.ENABLE_VAR, raising=False)
+    faults.inject("detect")
+    assert slept == []
+    monkeypatch.setenv(faults.ENABLE_VAR, "true")
+    faults.inject("load")
+    faults.inject("detect")
+    assert slept == [5.0]
+    monkeypatch.setattr(flow_run, "parameters", {"owner_id": "someone-else"}, raising=False)
+    faults.inject("detect")
+    assert slept == [5.0]
+
+
+def test_fault_plan_reading_tolerates_missing_and_malformed_files(tmp_path: Path) -> None:
+    assert faults.read_plan(tmp_path / "missing.json") == {}
+    (tmp_path / "bad.json").write_text("{not json")
+    assert faults.read_plan(tmp_path / "bad.json") == {}
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert faults.read_plan(tmp_path / "list.json") == {}
+    plan = {"hang": [{"stage": "fuse", "owner_ids": ["u"], "seconds": 2}, "junk"]}
+    assert faults.hang_seconds(plan, stage="fuse", owner_id="u") == 2.0
+    assert faults.hang_seconds(plan, stage="fuse", owner_id=None) == 0.0
+    assert faults.hang_seconds(plan, stage="detect", owner_id="u") == 0.0
