@@ -84,9 +84,10 @@ def test_deploy_all_creates_both_deployments(deployed: dict[str, dict[str, Any]]
         {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO_ROOT)}}
     ]
     assert fuse["parameters"]["storage_block"] == "local-file-system/faceflow-storage"
-    assert fuse["global_concurrency_limit"]["limit"] == 1
-    assert fuse["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+    assert fuse["global_concurrency_limit"] is None  # sized per GPU on the pool instead
     assert [s["schedule"]["interval"] for s in reconcile["schedules"]] == [60.0]
+    assert reconcile["global_concurrency_limit"]["limit"] == 1
+    assert reconcile["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
     assert fuse["schedules"] == []
 
 
