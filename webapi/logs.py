@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +28,25 @@ request_id: ContextVar[str | None] = ContextVar("faceflow_request_id", default=N
 job_id: ContextVar[str | None] = ContextVar("faceflow_job_id", default=None)
 attempt: ContextVar[int | None] = ContextVar("faceflow_attempt", default=None)
 
+_access = logging.getLogger("webapi.access")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+_CONTEXT = (("request_id", request_id), ("job_id", job_id), ("attempt", attempt))
+_base_factory = logging.getLogRecordFactory()
+
+
+def _record_with_context(*args: Any, **kwargs: Any) -> logging.LogRecord:
+    """Stamp the correlation ids on each record when it is created (so handlers that format
+    later, in another thread or after the request, still see them)."""
+    record = _base_factory(*args, **kwargs)
+    for name, var in _CONTEXT:
+        if not hasattr(record, name):
+            setattr(record, name, var.get())
+    return record
+
+
+logging.setLogRecordFactory(_record_with_context)
 
 
 class JsonFormatter(logging.Formatter):
@@ -40,8 +59,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for name, var in (("request_id", request_id), ("job_id", job_id), ("attempt", attempt)):
-            value = var.get()
+        for name, var in _CONTEXT:
+            value = getattr(record, name, None) or var.get()
             if value is not None:
                 entry[name] = value
         if record.exc_info:
@@ -100,12 +119,23 @@ class RequestIdMiddleware:
         value = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
         token = request_id.set(value)
 
+        started = time.perf_counter()
+        status: list[int] = []
+
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message).append("X-Request-ID", value)
+                status.append(int(message["status"]))
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            _access.info(
+                "%s %s %s %.1f ms",
+                scope.get("method", "-"),
+                scope.get("path", "-"),  # the path only: query strings are never logged
+                status[0] if status else "-",
+                (time.perf_counter() - started) * 1000.0,
+            )
             request_id.reset(token)

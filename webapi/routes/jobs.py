@@ -141,6 +141,8 @@ async def create_job(
         )
         raise
     status_code = 202 if created else 200
+    with log_context(job=public.id, attempt_no=public.attempts):
+        log.info("job %s (owner %s)", "accepted" if created else "replayed", user.id)
     if created:
         _wake_relay(request)
     metrics.submit_latency.labels(outcome=str(status_code)).observe(time.perf_counter() - started)
