@@ -98,8 +98,11 @@ def _tag_flow_run(job_id: str, owner_id: str) -> None:
     if run_id is None:
         return
     wanted = sorted(set(flow_run.get_tags()) | set(run_tags(job_id, owner_id)))
-    with get_client(sync_client=True) as client:
-        client.update_flow_run(UUID(run_id), tags=wanted)
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(UUID(run_id), tags=wanted)
+    except Exception as exc:  # tags help operators; a failed update must not fail the job
+        get_run_logger().warning("Could not tag flow run %s: %r", run_id, exc)
 
 
 @flow(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -69,4 +70,17 @@ def prefect_cli_concurrently(
 
 
 def api(server: PrefectServer, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """One REST call; 503 and dropped connections (a busy SQLite server) are retried.
+
+    Only send non-idempotent POSTs with an idempotency key.
+    """
+    for delay in (0.5, 1.0, 2.0, 4.0):
+        try:
+            response = httpx.request(method, f"{server.api_url}{path}", timeout=30.0, **kwargs)
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError):
+            time.sleep(delay)
+            continue
+        if response.status_code != 503:
+            return response
+        time.sleep(delay)
     return httpx.request(method, f"{server.api_url}{path}", timeout=30.0, **kwargs)

@@ -112,6 +112,7 @@ def test_parameter_schema_accepts_what_the_webapi_sends(
         f"/deployments/{fuse['id']}/create_flow_run",
         json={
             "parameters": sent,
+            "idempotency_key": f"schema-check-{uuid.uuid4()}",
             "state": {
                 "type": "SCHEDULED",
                 "name": "Scheduled",
@@ -119,7 +120,7 @@ def test_parameter_schema_accepts_what_the_webapi_sends(
             },
         },
     )
-    assert created.status_code == 201, created.text
+    assert created.status_code in (200, 201), created.text  # 200: a retried repeat
     assert api(prefect_server, "DELETE", f"/flow_runs/{created.json()['id']}").status_code == 204
     refused = api(
         prefect_server,
@@ -213,7 +214,7 @@ def test_process_worker_runs_a_triggered_deployment(
                 "tags": [f"job:{job_id}", "owner:owner-7"],
             },
         )
-        assert created.status_code == 201, created.text
+        assert created.status_code in (200, 201), created.text  # 200: a retried repeat
         run_id = created.json()["id"]
         deadline = time.monotonic() + 240
         state: dict[str, Any] = {}
