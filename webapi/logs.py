@@ -33,16 +33,20 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 _CONTEXT = (("request_id", request_id), ("job_id", job_id), ("attempt", attempt))
+_STAMP = "faceflow_context"
 _base_factory = logging.getLogRecordFactory()
 
 
 def _record_with_context(*args: Any, **kwargs: Any) -> logging.LogRecord:
     """Stamp the correlation ids on each record when it is created (so handlers that format
-    later, in another thread or after the request, still see them)."""
+    later, in another thread or after the request, still see them).
+
+    They go under one private attribute, not as ``record.job_id``: ``Logger.makeRecord``
+    refuses ``extra`` keys that the record already has, so stamping ``job_id`` itself made
+    every ``log.info(..., extra={"job_id": ...})`` (the relay's) raise ``KeyError``.
+    """
     record = _base_factory(*args, **kwargs)
-    for name, var in _CONTEXT:
-        if not hasattr(record, name):
-            setattr(record, name, var.get())
+    setattr(record, _STAMP, {name: var.get() for name, var in _CONTEXT})
     return record
 
 
@@ -59,8 +63,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        stamped = getattr(record, _STAMP, None) or {}
         for name, var in _CONTEXT:
-            value = getattr(record, name, None) or var.get()
+            value = getattr(record, name, None) or stamped.get(name) or var.get()
             if value is not None:
                 entry[name] = value
         if record.exc_info:
