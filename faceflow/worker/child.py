@@ -170,6 +170,10 @@ class WarmChild:
 
         with SyncClientContext.get_or_create() as client_ctx:
             client_ctx.client.api_healthcheck()  # opens the connection before the first run
+            if self.spec.shared_suspension_observer:
+                from faceflow.worker.suspension import install_shared_observer
+
+                install_shared_observer()
             self.preload()
             self.conn.send(ready)
             while True:
@@ -204,6 +208,21 @@ class WarmChild:
             self.serve(ready)
 
 
+def flush_and_exit(code: int = 0) -> None:
+    """Send the logs and events still queued, then exit without Prefect's slow teardown."""
+    with contextlib.suppress(Exception):
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=2)
+    with contextlib.suppress(Exception):
+        from prefect.events.worker import EventsWorker
+
+        EventsWorker.drain_all(timeout=2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this child when the worker dies (no orphans after a kill -9)."""
     with contextlib.suppress(Exception):
@@ -229,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         os.chdir(spec.working_dir)
         sys.path.insert(0, spec.working_dir)
     WarmChild(conn, spec).start(started_at)
+    flush_and_exit(0)
 
 
 if __name__ == "__main__":

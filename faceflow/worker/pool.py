@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -252,8 +253,11 @@ class ChildPool:
         self.limits = limits
         self.log_dir = log_dir
         self._supervisors: list[asyncio.Task[None]] = []
+        self._stopping: set[asyncio.Task[int | None]] = set()
         self._idle = asyncio.Condition()
         self.closing = False
+        self.on_idle: Callable[[], None] | None = None
+        """Called whenever a child becomes idle (the worker polls for runs at once)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -281,6 +285,7 @@ class ChildPool:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await asyncio.gather(*(self._stop_child(slot) for slot in self.slots))
+        await asyncio.gather(*self._stopping, return_exceptions=True)
 
     async def _stop_child(self, slot: Slot) -> None:
         child = slot.child
@@ -370,16 +375,19 @@ class ChildPool:
             slot.changed.clear()
             await slot.changed.wait()
         slot.state = SlotState.STOPPING
-        if child.alive():
-            await child.stop(self.limits.stop_grace, self.limits.kill_grace)
-        child.close()
         log.info("child %s replaced: %s", slot.index, slot.replace_reason)
+        # The old child exits while the new one starts (its models load meanwhile).
+        stopping = asyncio.create_task(child.stop(self.limits.stop_grace, self.limits.kill_grace))
+        self._stopping.add(stopping)
+        stopping.add_done_callback(self._stopping.discard)
 
     async def _set_idle(self, slot: Slot) -> None:
         slot.state = SlotState.IDLE
         slot.flow_run_id = None
         async with self._idle:
             self._idle.notify_all()
+        if self.on_idle is not None:
+            self.on_idle()
 
     # ------------------------------------------------------------------ runs
 

@@ -19,6 +19,7 @@ class ChildSpec:
     preload: tuple[str, ...] = ()
     working_dir: str | None = None
     flow_heartbeats: bool = False
+    shared_suspension_observer: bool = True
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,10 @@ class WorkerSettings(BaseSettings):
         default=False,
         description="Keep Prefect's flow-run heartbeat thread in children (+≈0.8 s/run).",
     )
+    shared_suspension_observer: bool = Field(
+        default=True,
+        description="One suspension observer per child instead of one per run (-0.2 s/run).",
+    )
     health_port: int | None = Field(
         default=None,
         ge=0,
@@ -119,6 +123,7 @@ class WorkerSettings(BaseSettings):
                     preload=tuple(self.preload),
                     working_dir=self.working_dir,
                     flow_heartbeats=self.flow_heartbeats,
+                    shared_suspension_observer=self.shared_suspension_observer,
                 )
             )
         return specs

@@ -122,6 +122,7 @@ class FaceFlowGpuWorker(
         if self.settings.log_dir:
             self.settings.log_dir.mkdir(parents=True, exist_ok=True)
         self._pool = ChildPool(specs, limits, self.settings.log_dir)
+        self._pool.on_idle = self._poll_now.set
         await self._pool.start()
         if self.settings.health_port is not None:
             self._health = HealthServer(self.status, port=self.settings.health_port)
@@ -130,9 +131,9 @@ class FaceFlowGpuWorker(
         self._install_signal_handlers()
         if self.settings.status_file:
             self._services.append(asyncio.create_task(self._write_status_loop()))
+        self._services.append(asyncio.create_task(self._poll_now_loop()))
         if self.settings.event_pickup:
             self._services.append(asyncio.create_task(self._event_pickup_loop()))
-            self._services.append(asyncio.create_task(self._poll_now_loop()))
 
     async def teardown(self, *exc_info: Any) -> None:
         """Stop the services and every child (by PID), then Prefect's teardown."""
@@ -221,6 +222,7 @@ class FaceFlowGpuWorker(
                 await asyncio.sleep(5)
 
     async def _poll_now_loop(self) -> None:
+        """Poll as soon as a child turns idle or a run is scheduled in the pool."""
         while True:
             await self._poll_now.wait()
             self._poll_now.clear()

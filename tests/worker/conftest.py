@@ -5,104 +5,45 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from bench.warm_worker import FINAL, PrefectRest
 from faceflow.supervisor import Service
+from tests.orchestration.conftest import Home, PrefectServer, free_port, prefect_server
+
+__all__ = ["prefect_server"]  # the orchestration tests' server fixture, shared here
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "work_pools" / "faceflow-gpu.json"
 PREFECT_BIN = str(Path(sys.executable).with_name("prefect"))
 PROBE_ENTRYPOINT = "tests/worker/probe_flow.py:warm_probe"
-FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+FUSE_ENTRYPOINT = "flows/fuse.py:fuse_faces"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+class Api(PrefectRest):
+    """The test Prefect server's REST API and its FaceFlow home."""
 
+    def __init__(self, server: PrefectServer) -> None:
+        super().__init__(server.api_url)
+        self.server = server
 
-@dataclass
-class Api:
-    """The test Prefect server's REST API (plain httpx: no client state to share)."""
-
-    url: str
-    home: Path
-
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        """One request; 503s and dropped connections (SQLite under load) are retried."""
-        for attempt in range(8):
-            try:
-                response = httpx.request(method, f"{self.url}{path}", json=body, timeout=30)
-                if response.status_code != 503:
-                    response.raise_for_status()
-                    return response.json() if response.content else None
-            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError):
-                if attempt == 7:
-                    raise
-            time.sleep(0.1 * 2**attempt)
-        response.raise_for_status()
-        return None
-
-    def get(self, path: str) -> Any:
-        return self._request("GET", path)
-
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        return self._request("POST", path, body)
-
-    def create_pool(self, name: str, worker_type: str, template: dict[str, Any] | None) -> None:
-        body: dict[str, Any] = {"name": name, "type": worker_type}
-        if template is not None:
-            body["base_job_template"] = template
-        self.post("/work_pools/", body)
-
-    def deploy(self, name: str, pool: str, job_variables: dict[str, Any] | None = None) -> str:
-        flow = self.post("/flows/", {"name": "warm-probe"})
-        body = {
-            "name": name,
-            "flow_id": flow["id"],
-            "entrypoint": PROBE_ENTRYPOINT,
-            "work_pool_name": pool,
-            "job_variables": job_variables or {},
-            "enforce_parameter_schema": False,
-        }
-        return str(self.post("/deployments/", body)["id"])
-
-    def create_run(
-        self,
-        deployment_id: str,
-        parameters: dict[str, Any],
-        job_variables: dict[str, Any] | None = None,
-    ) -> str:
-        body = {"parameters": parameters, "job_variables": job_variables or {}}
-        run = self.post(f"/deployments/{deployment_id}/create_flow_run", body)
-        return str(run["id"])
-
-    def run(self, run_id: str) -> dict[str, Any]:
-        return dict(self.get(f"/flow_runs/{run_id}"))
+    @property
+    def home(self) -> Home:
+        """FaceFlow's home of the server: storage of inputs and results."""
+        return Home(self.server.home)
 
     def state(self, run_id: str) -> str:
         return str(self.run(run_id)["state_type"])
-
-    def wait_state(self, run_id: str, states: set[str], timeout: float) -> dict[str, Any]:
-        end = time.monotonic() + timeout
-        while True:
-            run = self.run(run_id)
-            if run["state_type"] in states:
-                return run
-            if time.monotonic() > end:
-                raise AssertionError(f"run {run_id} still {run['state_type']} after {timeout} s")
-            time.sleep(0.05)
 
     def wait_message(self, run_id: str, prefix: str, timeout: float) -> dict[str, Any]:
         """Wait until the run is final with a state message starting with ``prefix``."""
@@ -116,37 +57,44 @@ class Api:
                 raise AssertionError(f"run {run_id}: {run['state_type']} {message!r}")
             time.sleep(0.05)
 
-    def wait_final(self, run_id: str, timeout: float = 60) -> dict[str, Any]:
-        return self.wait_state(run_id, FINAL, timeout)
-
     def set_state(self, run_id: str, state_type: str, force: bool = False) -> None:
-        self.post(f"/flow_runs/{run_id}/set_state", {"state": {"type": state_type}, "force": force})
+        body = {"state": {"type": state_type}, "force": force}
+        self.call("POST", f"/flow_runs/{run_id}/set_state", body)
 
 
 @pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
-    """``prefect server start`` on 127.0.0.1 (own home, SQLite), stopped by PID."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    server = Service(
-        name="prefect-server",
-        argv=[PREFECT_BIN, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        log=home / "server.log",
-        env={
-            "PREFECT_HOME": str(home),
-            "PREFECT_API_URL": url,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_UI_ENABLED": "false",
-            "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
-        },
-    )
-    server.start()
-    try:
-        server.wait_ready(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 120)
-        yield Api(url=url, home=home)
-    finally:
-        server.stop(grace=10)
+def prefect_api(prefect_server: PrefectServer) -> Api:
+    """The orchestration tests' ``prefect server start`` (session), with FaceFlow's default
+    blocks saved (local storage under the server's FaceFlow home)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from blocks import init_default_blocks
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
+        init_default_blocks(prefect_server.home, webhook_secret="whsec_worker-tests")
+    return Api(prefect_server)
+
+
+def fuse_params(source_key: str, target_key: str, **extra: Any) -> dict[str, Any]:
+    """``fuse-faces`` parameters of a fresh job (deadline ten minutes away: 2 busy cores)."""
+    deadline = datetime.now(UTC) + timedelta(minutes=10)
+    return {
+        "job_id": str(uuid.uuid4()),
+        "owner_id": "owner-1",
+        "source_key": source_key,
+        "target_key": target_key,
+        "deadline_at": deadline.isoformat(),
+        **extra,
+    }
+
+
+@pytest.fixture(scope="session")
+def inputs(prefect_api: Api) -> tuple[str, str]:
+    """Storage keys of the sample source (astronaut) and target (Grace Hopper) photos."""
+    from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
+
+    home = prefect_api.home
+    return home.put_input(astronaut_jpeg_bytes()), home.put_input(grace_hopper_jpeg_bytes())
 
 
 def pool_template() -> dict[str, Any]:
@@ -160,6 +108,7 @@ class WarmWorker:
     api: Api
     pool: str
     deployment_id: str
+    fuse_deployment_id: str
     out_dir: Path
     service: Service
     health_port: int
@@ -193,6 +142,11 @@ class WarmWorker:
         params = {"out_dir": str(self.out_dir), **parameters}
         return self.api.create_run(self.deployment_id, params, job_variables)
 
+    def submit_fuse(self, source_key: str, target_key: str, **extra: Any) -> tuple[str, str]:
+        """One ``fuse-faces`` job run; returns (flow run id, job id)."""
+        params = fuse_params(source_key, target_key, **extra)
+        return self.api.create_run(self.fuse_deployment_id, params), params["job_id"]
+
     def report(self, run_id: str, suffix: str = ".json") -> dict[str, Any]:
         return dict(json.loads((self.out_dir / f"{run_id}{suffix}").read_text()))
 
@@ -212,18 +166,14 @@ def start_warm_worker(
 ) -> WarmWorker:
     """Create ``pool`` (faceflow-gpu), deploy the probe into it and start a worker on it."""
     api.create_pool(pool, "faceflow-gpu", pool_template())
-    deployment_id = api.deploy(f"probe-{pool}", pool)
+    deployment_id = api.deploy("warm-probe", PROBE_ENTRYPOINT, pool)
+    fuse_id = api.deploy("fuse-faces", FUSE_ENTRYPOINT, pool)
     health_port = free_port()
     env = {
-        "PREFECT_API_URL": api.url,
-        "PREFECT_HOME": str(api.home),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_LOGGING_LEVEL": "INFO",
+        **api.server.env,
         "FACEFLOW_WORKER_HEALTH_PORT": str(health_port),
-        "FACEFLOW_WORKER_PRELOAD": json.dumps([PROBE_ENTRYPOINT]),
-        "FACEFLOW_WORKER_WORKING_DIR": str(REPO),
+        "FACEFLOW_WORKER_PRELOAD": json.dumps([PROBE_ENTRYPOINT, FUSE_ENTRYPOINT]),
         "FACEFLOW_WORKER_KILL_GRACE_S": "0.3",
-        "PYTHONUNBUFFERED": "1",
         **(extra_env or {}),
     }
     service = Service(
@@ -234,7 +184,7 @@ def start_warm_worker(
         cwd=REPO,
     )
     service.start()
-    worker = WarmWorker(api, pool, deployment_id, tmp / "out", service, health_port, env)
+    worker = WarmWorker(api, pool, deployment_id, fuse_id, tmp / "out", service, health_port, env)
     worker.wait_idle()
     return worker
 

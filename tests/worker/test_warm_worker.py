@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 
-from tests.worker.conftest import WarmWorker, pid_alive
+from flows.params import result_key
+from tests.worker.conftest import Api, WarmWorker, pid_alive, start_warm_worker
 
 pytestmark = pytest.mark.prefect
 
@@ -29,18 +32,20 @@ def test_a_run_completes_in_the_warm_child(warm_worker: WarmWorker) -> None:
     assert after["children"][0]["runs_done"] == before["children"][0]["runs_done"] + 1
 
 
-def test_twenty_runs_load_each_model_once(warm_worker: WarmWorker) -> None:
-    warm_worker.wait_idle()
-    run_ids = [warm_worker.submit() for _ in range(20)]
-    runs = [warm_worker.api.wait_final(run_id, timeout=120) for run_id in run_ids]
-    assert [r["state_type"] for r in runs] == ["COMPLETED"] * 20
-    reports = [warm_worker.report(run_id) for run_id in run_ids]
-    assert len({r["pid"] for r in reports}) == 1
-    for report in reports:
-        assert report["model_loads"], report
-        assert set(report["model_loads"].values()) == {1}, report["model_loads"]
-    child = warm_worker.wait_idle()["children"][0]
-    assert child["model_loads"] == reports[-1]["model_loads"]
+def test_twenty_fuse_faces_runs_load_each_model_once(
+    warm_worker: WarmWorker, inputs: tuple[str, str]
+) -> None:
+    before = warm_worker.wait_idle()["children"][0]
+    runs = [warm_worker.submit_fuse(*inputs) for _ in range(20)]
+    finals = [warm_worker.api.wait_final(run_id, timeout=180) for run_id, _ in runs]
+    assert [r["state_type"] for r in finals] == ["COMPLETED"] * 20, [r["state"] for r in finals]
+    for _, job_id in runs:
+        assert (warm_worker.api.home.storage / result_key(job_id, 1, "png")).is_file()
+    after = warm_worker.wait_idle()["children"][0]
+    assert after["pid"] == before["pid"] and after["starts"] == before["starts"]
+    assert after["runs_done"] == before["runs_done"] + 20
+    assert after["model_loads"], after
+    assert set(after["model_loads"].values()) == {1}, after["model_loads"]  # once per child
 
 
 @pytest.mark.parametrize("block_sigterm", [True, False], ids=["sigkill-needed", "sigterm-enough"])
@@ -106,3 +111,44 @@ def test_health_reports_readiness_and_telemetry(warm_worker: WarmWorker) -> None
     assert child["model_loads"]
     assert child["gpu"]["available"] in (True, False)
     assert "memory_used_mb" in child["gpu"]
+
+
+@pytest.fixture(scope="module")
+def recycling_worker(
+    prefect_api: Api, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WarmWorker]:
+    """A second worker whose child is recycled after two runs; stopped by the test."""
+    tmp = tmp_path_factory.mktemp("recycling")
+    extra = {"FACEFLOW_WORKER_MAX_RUNS_PER_CHILD": "2", "FACEFLOW_WORKER_DRAIN_GRACE_S": "20"}
+    worker = start_warm_worker(prefect_api, tmp, f"recycle-{uuid.uuid4().hex[:6]}", extra)
+    try:
+        yield worker
+    finally:
+        worker.service.stop(grace=15)
+
+
+@pytest.mark.slow
+def test_child_is_recycled_after_max_runs(recycling_worker: WarmWorker) -> None:
+    pids = []
+    for _ in range(3):
+        run_id = recycling_worker.submit(fuse=False)
+        assert recycling_worker.api.wait_final(run_id, timeout=120)["state_type"] == "COMPLETED"
+        pids.append(recycling_worker.report(run_id)["pid"])
+    assert pids[0] == pids[1] != pids[2]
+    assert not pid_alive(pids[0])
+    assert recycling_worker.wait_idle()["children"][0]["starts"] == 2
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_running_run_then_exits(recycling_worker: WarmWorker) -> None:
+    child_pid = recycling_worker.wait_idle()["children"][0]["pid"]
+    running = recycling_worker.submit(c_sleep_s=3, fuse=False)
+    recycling_worker.wait_started(running)
+    queued = recycling_worker.submit(fuse=False)
+    process = recycling_worker.service.process
+    assert process is not None
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0  # exits on its own once the run is done
+    assert recycling_worker.api.run(running)["state_type"] == "COMPLETED"
+    assert recycling_worker.api.state(queued) == "SCHEDULED"  # not taken while draining
+    assert not pid_alive(child_pid)

@@ -1,0 +1,363 @@
+"""Prefect's process worker vs the warm ``faceflow-gpu`` worker on the same jobs (issue 6).
+
+Starts ``prefect server start`` (own PREFECT_HOME, SQLite, 127.0.0.1), saves the default
+blocks, stores the sample inputs, deploys ``fuse-faces`` into one pool per worker type and
+starts each worker in turn (subprocesses, stopped by PID). Per worker type:
+
+- sequential: ``--jobs`` runs one after another → median dispatch latency (flow-run
+  creation → the run's ``start_time``, set as the engine enters the flow function),
+  median end-to-end (creation → ``end_time``), overhead = end-to-end - bare pipeline time;
+- burst: ``--jobs`` runs created at once → throughput (jobs/min, first creation → last end).
+
+The bare loop runs ``tasks.pipeline.fuse_images`` on the same inputs in this process.
+Prints figures (``--json`` for JSON); asserts nothing.
+
+    .venv/bin/python bench/warm_worker.py --jobs 20
+    .venv/bin/python bench/warm_worker.py --jobs 5 --modes warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from faceflow.supervisor import Service  # noqa: E402
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+TEMPLATES = {"process": "gpu-process.json", "warm": "faceflow-gpu.json"}
+TYPES = {"process": "process", "warm": "faceflow-gpu"}
+TARGETS = {"dispatch_s": 0.5, "overhead_ms": 300.0, "throughput_share": 0.8}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ts(value: str) -> float:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+class PrefectRest:
+    """A Prefect server's REST API over httpx; 503s and dropped connections (SQLite under
+    load) are retried with backoff. Shared by this bench and ``tests/worker``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=30)
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        for attempt in range(8):
+            try:
+                response = self.http.request(method, path, json=body)
+                if response.status_code != 503:
+                    response.raise_for_status()
+                    return response.json() if response.content else None
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError):
+                if attempt == 7:
+                    raise
+            time.sleep(0.05 * 2**attempt)
+        raise RuntimeError(f"{method} {path}: still 503")
+
+    def create_pool(self, name: str, worker_type: str, template: dict[str, Any]) -> None:
+        body = {"name": name, "type": worker_type, "base_job_template": template}
+        self.call("POST", "/work_pools/", body)
+
+    def deploy(self, flow_name: str, entrypoint: str, pool: str) -> str:
+        """A deployment of ``entrypoint`` in ``pool`` whose runs start in this checkout."""
+        flow = self.call("POST", "/flows/", {"name": flow_name})
+        body = {
+            "name": f"{flow_name}-{pool}",
+            "flow_id": flow["id"],
+            "entrypoint": entrypoint,
+            "work_pool_name": pool,
+            "pull_steps": [{SET_WORKING_DIRECTORY: {"directory": str(REPO)}}],
+            "enforce_parameter_schema": False,
+        }
+        return str(self.call("POST", "/deployments/", body)["id"])
+
+    def create_run(
+        self,
+        deployment_id: str,
+        parameters: dict[str, Any],
+        job_variables: dict[str, Any] | None = None,
+    ) -> str:
+        body = {"parameters": parameters, "job_variables": job_variables or {}}
+        return str(self.call("POST", f"/deployments/{deployment_id}/create_flow_run", body)["id"])
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        return dict(self.call("GET", f"/flow_runs/{run_id}"))
+
+    def wait_final(self, run_id: str, timeout: float = 600) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while True:
+            run = self.run(run_id)
+            if run["state_type"] in FINAL:
+                return run
+            if time.monotonic() > end:
+                raise AssertionError(f"run {run_id} still {run['state_type']} after {timeout} s")
+            time.sleep(0.05)  # latencies come from server timestamps, not from this poll
+
+
+def start_server(home: Path) -> tuple[Service, str, dict[str, str]]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_API_URL": url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+        "FACEFLOW_HOME": str(home / "faceflow"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    argv = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    server = Service("prefect-server", argv, log=home / "server.log", env=env)
+    server.start()
+    server.wait_ready(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 180)
+    return server, url, env
+
+
+def prepare_inputs(url: str, home: Path) -> tuple[str, str, bytes, bytes]:
+    """Default blocks saved; the sample photos stored as the webapi would."""
+    import hashlib
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from blocks import init_default_blocks
+    from faceflow import samples
+    from flows.params import input_key
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        saved = init_default_blocks(home, webhook_secret="whsec_bench")
+    keys = []
+    source, target = samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes()
+    for data in (source, target):
+        key = input_key(hashlib.sha256(data).hexdigest(), "jpg")
+        path = saved.storage_path / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        keys.append(key)
+    return keys[0], keys[1], source, target
+
+
+def bare_loop(source: bytes, target: bytes, jobs: int) -> dict[str, float]:
+    """``fuse_images`` in this process, warm: median ms and jobs/min."""
+    from tasks.pipeline import PipelineContext, fuse_images, warm_up
+
+    ctx = PipelineContext.for_this_machine()
+    warm_up(ctx)
+    fuse_images(source, target, ctx=ctx)
+    times = []
+    start = time.perf_counter()
+    for _ in range(jobs):
+        t0 = time.perf_counter()
+        fuse_images(source, target, ctx=ctx)
+        times.append((time.perf_counter() - t0) * 1e3)
+    wall = time.perf_counter() - start
+    return {"median_ms": statistics.median(times), "jobs_per_min": jobs / wall * 60.0}
+
+
+def job_parameters(source_key: str, target_key: str) -> dict[str, Any]:
+    return {
+        "job_id": str(uuid.uuid4()),
+        "owner_id": "bench",
+        "source_key": source_key,
+        "target_key": target_key,
+        "deadline_at": (datetime.now(UTC) + timedelta(minutes=30)).isoformat(),
+    }
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def stage_ms(storage: Path, run: dict[str, Any]) -> float | None:
+    """Sum of the run's stage timings (load … store) from its ``ResultRef`` sidecar."""
+    from flows.params import result_meta_key
+
+    sidecar = storage / result_meta_key(run["parameters"]["job_id"], 1)
+    if not sidecar.is_file():
+        return None
+    return float(sum(json.loads(sidecar.read_text())["timings_ms"].values()))
+
+
+def bench_mode(
+    mode: str, api: PrefectRest, env: dict[str, str], home: Path, keys: tuple[str, str], jobs: int
+) -> dict[str, Any]:
+    """Create the pool and deployment, start the worker, run the jobs, stop the worker."""
+    pool = f"bench-{mode}"
+    template = json.loads((REPO / "work_pools" / TEMPLATES[mode]).read_text())
+    api.create_pool(pool, TYPES[mode], template)
+    deployment_id = api.deploy("fuse-faces", "flows/fuse.py:fuse_faces", pool)
+    health_port = free_port()
+    worker_env = {
+        **env,
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "FACEFLOW_WORKER_HEALTH_PORT": str(health_port),
+    }
+    argv = [PREFECT, "worker", "start", "--pool", pool, "--type", TYPES[mode], "--limit", "1"]
+    worker = Service(
+        f"worker-{mode}", argv, log=home / f"worker-{mode}.log", env=worker_env, cwd=REPO
+    )
+    started = time.monotonic()
+    worker.start()
+    try:
+        if mode == "warm":
+            ready = f"http://127.0.0.1:{health_port}/ready"
+            wait_until(lambda: httpx.get(ready, timeout=2).status_code == 200, 300, "warm worker")
+        else:
+            workers = f"/work_pools/{pool}/workers/filter"
+            wait_until(lambda: bool(api.call("POST", workers, {})), 120, "process worker")
+        ready_s = time.monotonic() - started
+
+        def run_one() -> dict[str, Any]:
+            return api.wait_final(api.create_run(deployment_id, job_parameters(*keys)))
+
+        run_one()  # untimed first job (first block load, first process start)
+        sequential = [run_one() for _ in range(jobs)]
+        created = [api.create_run(deployment_id, job_parameters(*keys)) for _ in range(jobs)]
+        burst = [api.wait_final(run_id) for run_id in created]
+    finally:
+        worker.stop(grace=30)
+    failed = [r["state"]["message"] for r in sequential + burst if r["state_type"] != "COMPLETED"]
+    dispatch = [ts(r["start_time"]) - ts(r["created"]) for r in sequential if r["start_time"]]
+    e2e = [ts(r["end_time"]) - ts(r["created"]) for r in sequential if r["end_time"]]
+    burst_wall = max(ts(r["end_time"]) for r in burst) - min(ts(r["created"]) for r in burst)
+    ordered = sorted(burst, key=lambda r: ts(r["start_time"]))
+    gaps = [ts(b["start_time"]) - ts(a["end_time"]) for a, b in itertools.pairwise(ordered)]
+    storage = home / "faceflow" / "storage"
+    in_flow = [
+        (ts(r["end_time"]) - ts(r["start_time"])) * 1e3 - (stage_ms(storage, r) or 0.0)
+        for r in sequential
+    ]
+    return {
+        "worker_ready_s": ready_s,
+        "failed": failed,
+        "dispatch_median_s": statistics.median(dispatch),
+        "dispatch_p90_s": sorted(dispatch)[int(0.9 * (len(dispatch) - 1))],
+        "e2e_median_s": statistics.median(e2e),
+        "burst_jobs_per_min": len(burst) / burst_wall * 60.0,
+        "burst_gap_median_ms": statistics.median(gaps) * 1e3 if gaps else 0.0,
+        "flow_bookkeeping_median_ms": statistics.median(in_flow),
+        "state_gaps_ms": state_gaps(api, sequential),
+    }
+
+
+def state_gaps(api: PrefectRest, runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Median time between consecutive states (Scheduled → Pending → … → Completed)."""
+    gaps: dict[str, list[float]] = {}
+    for run in runs:
+        states = api.call("GET", f"/flow_run_states/?flow_run_id={run['id']}")
+        states.sort(key=lambda s: ts(s["timestamp"]))
+        for before, after in itertools.pairwise(states):
+            name = f"{before['type']}→{after['type']}"
+            gaps.setdefault(name, []).append(
+                (ts(after["timestamp"]) - ts(before["timestamp"])) * 1e3
+            )
+    return {name: round(statistics.median(values), 1) for name, values in gaps.items()}
+
+
+def report(bare: dict[str, float], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"bare": bare, "modes": {}}
+    for mode, r in results.items():
+        overhead_ms = r["e2e_median_s"] * 1e3 - bare["median_ms"]
+        share = r["burst_jobs_per_min"] / bare["jobs_per_min"]
+        out["modes"][mode] = {
+            **r,
+            "overhead_median_ms": overhead_ms,
+            "throughput_share_of_bare": share,
+            "meets_targets": {
+                "dispatch": r["dispatch_median_s"] <= TARGETS["dispatch_s"],
+                "overhead": overhead_ms <= TARGETS["overhead_ms"],
+                "throughput": share >= TARGETS["throughput_share"],
+            },
+        }
+    return out
+
+
+def print_table(out: dict[str, Any]) -> None:
+    bare = out["bare"]
+    print(f"bare pipeline: median {bare['median_ms']:.0f} ms, {bare['jobs_per_min']:.1f} jobs/min")
+    rows = [
+        ("dispatch median (s)", "dispatch_median_s", "{:.2f}"),
+        ("dispatch p90 (s)", "dispatch_p90_s", "{:.2f}"),
+        ("end-to-end median (s)", "e2e_median_s", "{:.2f}"),
+        ("overhead median (ms)", "overhead_median_ms", "{:.0f}"),
+        ("throughput, burst (jobs/min)", "burst_jobs_per_min", "{:.1f}"),
+        ("throughput / bare", "throughput_share_of_bare", "{:.0%}"),
+        ("burst: end → next start (ms)", "burst_gap_median_ms", "{:.0f}"),
+        ("in flow, outside stages (ms)", "flow_bookkeeping_median_ms", "{:.0f}"),
+        ("worker ready (s)", "worker_ready_s", "{:.1f}"),
+    ]
+    modes = list(out["modes"])
+    print(f"{'':32}" + "".join(f"{m:>12}" for m in modes))
+    for label, key, fmt in rows:
+        print(f"{label:32}" + "".join(f"{fmt.format(out['modes'][m][key]):>12}" for m in modes))
+    for mode in modes:
+        print(f"{mode} state gaps (median ms): {out['modes'][mode]['state_gaps_ms']}")
+        if out["modes"][mode]["failed"]:
+            print(f"{mode} FAILED runs: {out['modes'][mode]['failed']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--jobs", type=int, default=20)
+    parser.add_argument("--modes", default="process,warm", help="comma-separated: process,warm")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    with tempfile.TemporaryDirectory(prefix="faceflow-bench-") as tmp:
+        home = Path(tmp)
+        server, url, env = start_server(home)
+        try:
+            api = PrefectRest(url)
+            *keys, source, target = prepare_inputs(url, home / "faceflow")
+            bare = bare_loop(source, target, args.jobs)
+            results = {
+                m: bench_mode(m, api, env, home, (keys[0], keys[1]), args.jobs) for m in modes
+            }
+        finally:
+            server.stop(grace=10)
+    out = report(bare, results)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print_table(out)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    main()
