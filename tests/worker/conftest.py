@@ -162,9 +162,14 @@ class WarmWorker:
 
 
 def start_warm_worker(
-    api: Api, tmp: Path, pool: str, extra_env: dict[str, str] | None = None
+    api: Api,
+    tmp: Path,
+    pool: str,
+    extra_env: dict[str, str] | None = None,
+    via_faceflow_cli: bool = False,
 ) -> WarmWorker:
-    """Create ``pool`` (faceflow-gpu), deploy the probe into it and start a worker on it."""
+    """Create ``pool`` (faceflow-gpu), deploy the probe and ``fuse-faces`` into it and start
+    a worker on it: ``prefect worker start --type faceflow-gpu`` or ``faceflow worker start``."""
     api.create_pool(pool, "faceflow-gpu", pool_template())
     deployment_id = api.deploy("warm-probe", PROBE_ENTRYPOINT, pool)
     fuse_id = api.deploy("fuse-faces", FUSE_ENTRYPOINT, pool)
@@ -176,9 +181,14 @@ def start_warm_worker(
         "FACEFLOW_WORKER_KILL_GRACE_S": "0.3",
         **(extra_env or {}),
     }
+    argv = (
+        [sys.executable, "-m", "faceflow.worker.cli", "start", "--pool", pool]
+        if via_faceflow_cli
+        else [PREFECT_BIN, "worker", "start", "--pool", pool, "--type", "faceflow-gpu"]
+    )
     service = Service(
         name=f"worker-{pool}",
-        argv=[PREFECT_BIN, "worker", "start", "--pool", pool, "--type", "faceflow-gpu"],
+        argv=argv,
         log=tmp / f"worker-{pool}.log",
         env=env,
         cwd=REPO,

@@ -3,8 +3,10 @@ cancellation, dead children. The runs execute the real pipeline in warm children
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,7 +16,14 @@ import httpx
 import pytest
 
 from flows.params import result_key
-from tests.worker.conftest import Api, WarmWorker, pid_alive, start_warm_worker
+from tests.worker.conftest import (
+    PREFECT_BIN,
+    REPO,
+    Api,
+    WarmWorker,
+    pid_alive,
+    start_warm_worker,
+)
 
 pytestmark = pytest.mark.prefect
 
@@ -100,6 +109,17 @@ def test_a_sigkilled_child_crashes_its_run_within_2_s(warm_worker: WarmWorker) -
     assert warm_worker.api.wait_final(next_id, timeout=120)["state_type"] == "COMPLETED"
 
 
+def test_faceflow_worker_status_command(warm_worker: WarmWorker) -> None:
+    from typer.testing import CliRunner
+
+    from faceflow.worker.cli import app
+
+    warm_worker.wait_idle()
+    result = CliRunner().invoke(app, ["status", "--port", str(warm_worker.health_port)])
+    assert result.exit_code == 0, result.output
+    assert "ready=True" in result.output and "child 0: idle" in result.output
+
+
 def test_health_reports_readiness_and_telemetry(warm_worker: WarmWorker) -> None:
     status = warm_worker.wait_idle()
     base = f"http://127.0.0.1:{warm_worker.health_port}"
@@ -117,10 +137,12 @@ def test_health_reports_readiness_and_telemetry(warm_worker: WarmWorker) -> None
 def recycling_worker(
     prefect_api: Api, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WarmWorker]:
-    """A second worker whose child is recycled after two runs; stopped by the test."""
+    """A second worker, started by ``faceflow worker start``, whose child is recycled after
+    two runs; the drain test stops it."""
     tmp = tmp_path_factory.mktemp("recycling")
     extra = {"FACEFLOW_WORKER_MAX_RUNS_PER_CHILD": "2", "FACEFLOW_WORKER_DRAIN_GRACE_S": "20"}
-    worker = start_warm_worker(prefect_api, tmp, f"recycle-{uuid.uuid4().hex[:6]}", extra)
+    pool = f"recycle-{uuid.uuid4().hex[:6]}"
+    worker = start_warm_worker(prefect_api, tmp, pool, extra, via_faceflow_cli=True)
     try:
         yield worker
     finally:
@@ -152,3 +174,17 @@ def test_sigterm_drains_the_running_run_then_exits(recycling_worker: WarmWorker)
     assert recycling_worker.api.run(running)["state_type"] == "COMPLETED"
     assert recycling_worker.api.state(queued) == "SCHEDULED"  # not taken while draining
     assert not pid_alive(child_pid)
+
+
+def test_prefect_cli_creates_a_faceflow_gpu_pool_from_the_template(prefect_api: Api) -> None:
+    pool = f"cli-{uuid.uuid4().hex[:6]}"
+    template = REPO / "work_pools" / "faceflow-gpu.json"
+    argv = [PREFECT_BIN, "work-pool", "create", pool, "--type", "faceflow-gpu"]
+    argv += ["--base-job-template", str(template)]
+    done = subprocess.run(
+        argv, env=prefect_api.server.env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    stored = prefect_api.call("GET", f"/work_pools/{pool}")
+    assert stored["type"] == "faceflow-gpu"
+    assert stored["base_job_template"] == json.loads(template.read_text())
