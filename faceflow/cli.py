@@ -40,6 +40,17 @@ def _mount_webapi() -> None:
 _mount_webapi()
 
 
+def _mount_operations() -> None:
+    from faceflow import selftest
+    from faceflow.worker import cli as worker_cli
+
+    app.add_typer(worker_cli.app, name="worker")
+    app.add_typer(selftest.app, name="selftest")
+
+
+_mount_operations()
+
+
 def _fail(code: str, message: str, exit_code: int = 1) -> typer.Exit:
     typer.echo(f"error[{code}]: {message}", err=True)
     return typer.Exit(exit_code)
