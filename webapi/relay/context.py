@@ -37,6 +37,10 @@ class RelayTimings:
     notify_interval_s: float = 0.5
     batch: int = 50
     lease_s: float = DEFAULT_LEASE_S
+    # Dispatch rows are leased briefly: a relay that dies mid-dispatch holds its rows this
+    # long, and a job must still start within its queue timeout (default 60 s). Taking a
+    # row over is safe: flow-run creation is idempotent and recording the run conditional.
+    dispatch_lease_s: float = 15.0
     dispatch_backoff_base_s: float = 0.5
     dispatch_backoff_cap_s: float = 30.0
     running_grace_s: float = 30.0  # Running past deadline_at + this → reaped

@@ -60,10 +60,15 @@ class _Plan:
 
 def run_once(relay: Relay) -> int:
     """Lease due dispatch rows and process each; returns how many rows were handled."""
-    rows = relay.claim("dispatch")
+    rows = claim_due(relay)
     for row in rows:
         dispatch_row(relay, row)
     return len(rows)
+
+
+def claim_due(relay: Relay) -> list[Outbox]:
+    """Lease due dispatch rows for ``timings.dispatch_lease_s`` (short: see RelayTimings)."""
+    return relay.claim("dispatch", lease_s=relay.timings.dispatch_lease_s)
 
 
 def dispatch_row(relay: Relay, row: Outbox) -> None:
