@@ -103,6 +103,7 @@ class Harness:
     client: Client
     store: ObjectStore
     held: set[str] = field(default_factory=set)
+    known_jobs: set[str] = field(default_factory=set)
     restarts: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

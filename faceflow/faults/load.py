@@ -140,6 +140,20 @@ class Client:
         response.raise_for_status()
         return dict(response.json())
 
+    def job_ids(self, user: User) -> set[str]:
+        """Every job id the API lists for ``user`` (all pages)."""
+        found: set[str] = set()
+        cursor: str | None = None
+        while True:
+            params: dict[str, Any] = {"limit": 100, **({"cursor": cursor} if cursor else {})}
+            response = self._http.get("/v1/jobs", params=params, headers=self._auth(user))
+            response.raise_for_status()
+            page = response.json()
+            found |= {str(job["id"]) for job in page["data"]}
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return found
+
     def cancel(self, user: User, job_id: str, *, retry_for_s: float = 30.0) -> int | None:
         """POST cancel (retrying transport errors); the status code, None if unreachable."""
         give_up = time.monotonic() + retry_for_s

@@ -15,6 +15,8 @@ Definitions (the must-be-zero columns):
   Both are counted and the larger number per job is used, so a zombie attempt that wrote
   its result after being fenced off is caught even if Prefect never saw it complete;
 - **idem**: a replay (same user, same ``Idempotency-Key``) answered with another job;
+- **untracked**: jobs the API lists that no answer ever named (a submit committed while
+  its response was lost, and not found again by retrying with its key);
 - **no-retry-after**: a 429/503 answered without ``Retry-After``.
 """
 
@@ -108,6 +110,7 @@ class Tally:
     lost: int = 0
     dup_exec: int = 0
     idem_violations: int = 0
+    untracked: int = 0
     no_retry_after: int = 0
     webhooks_expected: int = 0
     webhooks_delivered: int = 0
@@ -117,6 +120,7 @@ class Tally:
     max_over_deadline_s: float | None = None
     notes: list[str] = field(default_factory=list)
     skipped: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def must_be_zero(self) -> dict[str, int]:
@@ -126,6 +130,7 @@ class Tally:
             "lost": self.lost,
             "dup_exec": self.dup_exec,
             "idem_violations": self.idem_violations,
+            "untracked": self.untracked,
             "no_retry_after": self.no_retry_after,
             "webhooks_missing": max(0, self.webhooks_expected - self.webhooks_delivered),
             "webhooks_wrong": self.webhooks_wrong,
@@ -151,6 +156,7 @@ class Tally:
         notes = list(self.notes)
         for name, value in (
             ("idempotency violations", self.idem_violations),
+            ("jobs the client never heard of", self.untracked),
             ("429/503 without Retry-After", self.no_retry_after),
             ("webhooks for the wrong event", self.webhooks_wrong),
             ("bad webhook signatures", self.bad_signatures),
@@ -272,4 +278,10 @@ def tally(
         elif d.event != "job.running":
             row.webhooks_wrong += 1
     row.webhooks_delivered = len(delivered)
+    row.detail = {
+        "submissions": [vars(sub) for sub in submissions],
+        "jobs": {job_id: seen.job for job_id, seen in observations.items()},
+        "late": sorted(job_id for job_id, seen in observations.items() if seen.late),
+        "writers": dict(writers),
+    }
     return row

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import tempfile
 import time
@@ -56,7 +57,20 @@ def warm_up(h: Harness, profile: Profile) -> float:
     job = next(iter(seen.values())).job
     if job is None or job["status"] != "succeeded":
         raise FaultSuiteError(f"warm-up job did not succeed: {job}")
+    h.known_jobs.add(str(job["id"]))
     return time.monotonic() - started
+
+
+def _save(path: Path, result: Run) -> None:
+    """Every row with its jobs and submissions, for looking into a run afterwards."""
+    document = {
+        "profile": result.profile,
+        "database": result.database,
+        "worker_type": result.worker_type,
+        "started_at": result.started_at.isoformat(),
+        "rows": [{"line": row.line(), **row.detail} for row in result.rows],
+    }
+    path.write_text(json.dumps(document, indent=1, default=str))
 
 
 def run(
@@ -97,6 +111,7 @@ def run(
                 h.receiver.set_mode("up")
                 result.rows.append(row)
                 out(row.line())
+                _save(where / "faults-report.json", result)
     result.seconds = time.monotonic() - started
     out(f"faults: {'OK' if result.ok else 'FAILED'} in {result.seconds:.0f} s")
     return result

@@ -144,6 +144,11 @@ def finish(
         webhook_wait_s=p.webhook_wait_s if webhook_wait_s is None else webhook_wait_s,
     )
     writers, writer_notes = result_writers(h.prefect_api, h.store, observations)
+    listed: set[str] = set()
+    for user in h.users_by_name.values():
+        listed |= h.client.job_ids(user)
+    untracked = listed - h.known_jobs - set(observations)
+    h.known_jobs |= listed | set(observations)
     row = tally(
         number=number,
         name=name,
@@ -153,6 +158,7 @@ def finish(
         writers=writers,
         notes=[*notes, *writer_notes, *h.take_restarts()],
     )
+    row.untracked = len(untracked)
     return row
 
 
@@ -293,14 +299,14 @@ def webhook_receiver(h: Harness, p: Profile) -> Tally:
 
 def postgres_restart(h: Harness, p: Profile) -> Tally:
     """5: restart PostgreSQL (the job store) under load."""
-    if h.database != "postgres":
-        return Tally("5", "PostgreSQL restart", skipped="job store is SQLite in this run")
     if not p.postgres_restart:
         return Tally(
             "5",
             "PostgreSQL restart",
             skipped="this machine's PostgreSQL is shared with other tests: full run only",
         )
+    if h.database != "postgres":
+        return Tally("5", "PostgreSQL restart", skipped="job store is SQLite (--database postgres)")
     load = _load(h, p.spec(), "s5").start()
     wait_until(_answered(load, max(1, p.jobs // 3)), timeout_s=120)
     took = restart_postgres()
