@@ -83,11 +83,11 @@ class PrefectRest:
         body = {"name": name, "type": worker_type, "base_job_template": template}
         self.call("POST", "/work_pools/", body)
 
-    def deploy(self, flow_name: str, entrypoint: str, pool: str) -> str:
+    def deploy(self, flow_name: str, entrypoint: str, pool: str, name: str | None = None) -> str:
         """A deployment of ``entrypoint`` in ``pool`` whose runs start in this checkout."""
         flow = self.call("POST", "/flows/", {"name": flow_name})
         body = {
-            "name": f"{flow_name}-{pool}",
+            "name": name or f"{flow_name}-{pool}",
             "flow_id": flow["id"],
             "entrypoint": entrypoint,
             "work_pool_name": pool,
@@ -116,7 +116,7 @@ class PrefectRest:
                 return run
             if time.monotonic() > end:
                 raise AssertionError(f"run {run_id} still {run['state_type']} after {timeout} s")
-            time.sleep(0.05)  # latencies come from server timestamps, not from this poll
+            time.sleep(0.25)  # latencies come from server timestamps, not from this poll
 
 
 def start_server(home: Path) -> tuple[Service, str, dict[str, str]]:
@@ -200,14 +200,14 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     raise TimeoutError(what)
 
 
-def stage_ms(storage: Path, run: dict[str, Any]) -> float | None:
-    """Sum of the run's stage timings (load … store) from its ``ResultRef`` sidecar."""
+def stage_timings(storage: Path, run: dict[str, Any]) -> dict[str, float]:
+    """The run's stage timings in ms (load … store) from its ``ResultRef`` sidecar."""
     from flows.params import result_meta_key
 
     sidecar = storage / result_meta_key(run["parameters"]["job_id"], 1)
     if not sidecar.is_file():
-        return None
-    return float(sum(json.loads(sidecar.read_text())["timings_ms"].values()))
+        return {}
+    return dict(json.loads(sidecar.read_text())["timings_ms"])
 
 
 def bench_mode(
@@ -223,7 +223,7 @@ def bench_mode(
         **env,
         "PREFECT_WORKER_QUERY_SECONDS": "1",
         "PREFECT_WORKER_PREFETCH_SECONDS": "1",
-        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PREFECT_LOGGING_LEVEL": os.environ.get("BENCH_WORKER_LOG_LEVEL", "WARNING"),
         "FACEFLOW_WORKER_HEALTH_PORT": str(health_port),
     }
     argv = [PREFECT, "worker", "start", "--pool", pool, "--type", TYPES[mode], "--limit", "1"]
@@ -257,10 +257,15 @@ def bench_mode(
     ordered = sorted(burst, key=lambda r: ts(r["start_time"]))
     gaps = [ts(b["start_time"]) - ts(a["end_time"]) for a, b in itertools.pairwise(ordered)]
     storage = home / "faceflow" / "storage"
+    stages = [stage_timings(storage, r) for r in sequential]
     in_flow = [
-        (ts(r["end_time"]) - ts(r["start_time"])) * 1e3 - (stage_ms(storage, r) or 0.0)
-        for r in sequential
+        (ts(r["end_time"]) - ts(r["start_time"])) * 1e3 - sum(t.values())
+        for r, t in zip(sequential, stages, strict=True)
     ]
+    stage_medians = {
+        name: round(statistics.median(t.get(name, 0.0) for t in stages), 1)
+        for name in (stages[0] if stages else {})
+    }
     return {
         "worker_ready_s": ready_s,
         "failed": failed,
@@ -270,6 +275,7 @@ def bench_mode(
         "burst_jobs_per_min": len(burst) / burst_wall * 60.0,
         "burst_gap_median_ms": statistics.median(gaps) * 1e3 if gaps else 0.0,
         "flow_bookkeeping_median_ms": statistics.median(in_flow),
+        "stage_median_ms": stage_medians,
         "state_gaps_ms": state_gaps(api, sequential),
     }
 
@@ -326,6 +332,7 @@ def print_table(out: dict[str, Any]) -> None:
         print(f"{label:32}" + "".join(f"{fmt.format(out['modes'][m][key]):>12}" for m in modes))
     for mode in modes:
         print(f"{mode} state gaps (median ms): {out['modes'][mode]['state_gaps_ms']}")
+        print(f"{mode} stages in the flow (median ms): {out['modes'][mode]['stage_median_ms']}")
         if out["modes"][mode]["failed"]:
             print(f"{mode} FAILED runs: {out['modes'][mode]['failed']}")
 
@@ -340,7 +347,8 @@ def main() -> None:
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="faceflow-bench-") as tmp:
-        home = Path(tmp)
+        home = Path(os.environ.get("BENCH_KEEP_DIR") or tmp)
+        home.mkdir(parents=True, exist_ok=True)
         server, url, env = start_server(home)
         try:
             api = PrefectRest(url)

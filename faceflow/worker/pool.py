@@ -256,6 +256,8 @@ class ChildPool:
         self._stopping: set[asyncio.Task[int | None]] = set()
         self._idle = asyncio.Condition()
         self.closing = False
+        self.waiting = 0
+        """Runs claimed ahead, waiting in ``acquire`` for a child."""
         self.on_idle: Callable[[], None] | None = None
         """Called whenever a child becomes idle (the worker polls for runs at once)."""
 
@@ -402,6 +404,13 @@ class ChildPool:
     async def acquire(self, flow_run_id: str, timeout: float) -> Slot:
         """An idle warm slot, marked busy for ``flow_run_id``."""
         end = time.monotonic() + timeout
+        self.waiting += 1
+        try:
+            return await self._acquire(flow_run_id, end)
+        finally:
+            self.waiting -= 1
+
+    async def _acquire(self, flow_run_id: str, end: float) -> Slot:
         async with self._idle:
             while True:
                 for slot in self.slots:

@@ -68,6 +68,12 @@ class WorkerSettings(BaseSettings):
     watch_interval_s: float = Field(
         default=0.5, gt=0, description="How often a running run's state is read (cancellation)."
     )
+    prefetch_runs: int = Field(
+        default=1,
+        ge=0,
+        description="Runs claimed ahead while every child is busy (started the moment one "
+        "is free); 0 leaves queued runs to other workers.",
+    )
     query_seconds: float = Field(
         default=1.0, gt=0, description="Polling interval for scheduled runs."
     )

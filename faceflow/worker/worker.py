@@ -71,11 +71,12 @@ class FaceFlowGpuWorker(
 
     def __init__(self, *args: Any, settings: WorkerSettings | None = None, **kwargs: Any) -> None:
         self.settings = settings or WorkerSettings()
-        specs = self.settings.child_specs()
-        limit = kwargs.get("limit")
-        kwargs["limit"] = len(specs) if limit is None else min(int(limit), len(specs))
+        children = len(self.settings.child_specs())
+        if kwargs.get("limit") is not None:  # --limit caps the runs executing at once
+            children = max(1, min(int(kwargs["limit"]), children))
+        self._children = children
+        kwargs["limit"] = children + self.settings.prefetch_runs
         super().__init__(*args, **kwargs)
-        self._specs = specs
         self._pool: ChildPool | None = None
         self._draining = False
         self._stop_scope: anyio.CancelScope | None = None
@@ -111,7 +112,7 @@ class FaceFlowGpuWorker(
         """Start the warm children, the health endpoint, event pickup and signal handling."""
         env = get_current_settings().to_environment_variables(exclude_unset=True)
         env = {k: v for k, v in env.items() if k.startswith("PREFECT_")}
-        specs = self.settings.child_specs(extra_env=env)
+        specs = self.settings.child_specs(extra_env=env)[: self._children]
         limits = PoolLimits(
             ready_timeout=self.settings.ready_timeout_s,
             max_runs=self.settings.max_runs_per_child,
@@ -185,7 +186,11 @@ class FaceFlowGpuWorker(
 
     async def _drain(self) -> None:
         start = time.monotonic()
-        while self.pool.busy_count() and time.monotonic() - start < self.settings.drain_grace_s:
+
+        def active() -> int:
+            return self.pool.busy_count() + self.pool.waiting
+
+        while active() and time.monotonic() - start < self.settings.drain_grace_s:
             await asyncio.sleep(0.05)
         if self._stop_scope is not None:
             self._stop_scope.cancel()
@@ -193,8 +198,14 @@ class FaceFlowGpuWorker(
     # ------------------------------------------------------------------ pickup
 
     async def get_and_submit_flow_runs(self) -> list[FlowRun]:
-        """Poll only while a warm child is idle (other workers take the rest)."""
-        if self._draining or self._pool is None or self._pool.idle_count() == 0:
+        """Poll only while a warm child is idle, or all are running and a prefetch place is
+        free (other workers take the rest; nothing is claimed while no child is warm)."""
+        pool = self._pool
+        free = pool is not None and (
+            pool.idle_count() > 0
+            or (pool.busy_count() > 0 and pool.waiting < self.settings.prefetch_runs)
+        )
+        if self._draining or not free:
             self._last_polled_time = datetime.now(UTC)
             return []
         return await super().get_and_submit_flow_runs()
@@ -405,6 +416,7 @@ class FaceFlowGpuWorker(
             "draining": self._draining,
             "ready": any(c["ready"] for c in children),
             "idle": self._pool.idle_count() if self._pool else 0,
+            "prefetched": self._pool.waiting if self._pool else 0,
             "last_polled": self._last_polled_time.isoformat(),
             "children": children,
         }

@@ -140,7 +140,11 @@ def recycling_worker(
     """A second worker, started by ``faceflow worker start``, whose child is recycled after
     two runs; the drain test stops it."""
     tmp = tmp_path_factory.mktemp("recycling")
-    extra = {"FACEFLOW_WORKER_MAX_RUNS_PER_CHILD": "2", "FACEFLOW_WORKER_DRAIN_GRACE_S": "20"}
+    extra = {
+        "FACEFLOW_WORKER_MAX_RUNS_PER_CHILD": "2",
+        "FACEFLOW_WORKER_DRAIN_GRACE_S": "20",
+        "FACEFLOW_WORKER_PREFETCH_RUNS": "0",  # so a queued run stays queued while draining
+    }
     pool = f"recycle-{uuid.uuid4().hex[:6]}"
     worker = start_warm_worker(prefect_api, tmp, pool, extra, via_faceflow_cli=True)
     try:

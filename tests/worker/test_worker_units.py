@@ -80,7 +80,10 @@ def test_without_gpus_one_unpinned_child(monkeypatch: pytest.MonkeyPatch) -> Non
     assert len(specs) == 1 and "CUDA_VISIBLE_DEVICES" not in specs[0].env
 
 
-def test_worker_limit_never_exceeds_its_children() -> None:
-    worker = FaceFlowGpuWorker(work_pool_name="p", settings=WorkerSettings(children=2), limit=8)
-    assert worker._limit == 2
-    assert FaceFlowGpuWorker(work_pool_name="p", settings=WorkerSettings(children=3))._limit == 3
+def test_worker_limit_is_children_plus_prefetch() -> None:
+    two = WorkerSettings(children=2, prefetch_runs=0)
+    assert FaceFlowGpuWorker(work_pool_name="p", settings=two, limit=8)._limit == 2
+    three = WorkerSettings(children=3, prefetch_runs=1)
+    assert FaceFlowGpuWorker(work_pool_name="p", settings=three)._limit == 4
+    capped = FaceFlowGpuWorker(work_pool_name="p", settings=three, limit=1)
+    assert (capped._children, capped._limit) == (1, 2)  # --limit caps the executing runs

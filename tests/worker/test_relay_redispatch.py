@@ -1,0 +1,105 @@
+"""A job whose warm child is SIGKILLed mid-run: the worker marks the run Crashed within
+2 s, the webapi's relay re-dispatches attempt 2, and a fresh child completes it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.params import DEPLOYMENT_NAME, FLOW_NAME, result_key
+from tests.worker.conftest import FUSE_ENTRYPOINT, Api, WarmWorker
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+
+@pytest.fixture
+def relay(prefect_api: Api, warm_worker: WarmWorker, tmp_path: Path) -> Iterator[Any]:
+    """The webapi's relay on a fresh SQLite job store, sharing the flow's local storage;
+    ``fuse-faces/fuse-faces`` is deployed into the warm worker's pool."""
+    from tests.webapi.conftest import make_settings
+    from tests.webapi.relay_harness import FAST
+    from webapi.db import dispose_engines, get_engine
+    from webapi.migrations import upgrade
+    from webapi.relay.runner import build_relay
+    from webapi.storage import LocalObjectStore
+
+    prefect_api.deploy(FLOW_NAME, FUSE_ENTRYPOINT, warm_worker.pool, name=DEPLOYMENT_NAME)
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    upgrade(url)
+    storage = prefect_api.home.storage
+    settings = make_settings(
+        url, tmp_path, prefect_api_url=prefect_api.url, storage_url=storage.as_uri()
+    )
+    timings = dataclasses.replace(FAST, pending_timeout_s=120.0, running_grace_s=30.0)
+    instance = build_relay(
+        settings, engine=get_engine(url), store=LocalObjectStore(storage), timings=timings
+    )
+    try:
+        yield instance
+    finally:
+        instance.close()
+        dispose_engines()
+
+
+def _stop_child_while_running(api: Api, run_id: str, pid: int) -> bool:
+    """Freeze the child (SIGSTOP) as soon as the run is RUNNING; False if it ended first."""
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        state = api.state(run_id)
+        if state == "RUNNING":
+            os.kill(pid, signal.SIGSTOP)
+            return api.state(run_id) == "RUNNING"
+        if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return False
+        time.sleep(0.005)
+    raise AssertionError(f"run {run_id} never started")
+
+
+def test_sigkilled_child_is_crashed_then_redispatched(
+    relay: Any, prefect_api: Api, warm_worker: WarmWorker
+) -> None:
+    from tests.webapi.relay_harness import job, submit
+    from tests.webapi.utils import make_user
+    from webapi.models import JobStatus
+    from webapi.relay import dispatch, reap, sync
+
+    owner = make_user(relay.engine, relay.settings, quota=100)
+    for _ in range(3):  # a run too quick to catch mid-flight is simply tried again
+        pid = warm_worker.wait_idle()["children"][0]["pid"]
+        new = submit(relay.engine, relay.settings, relay.store, owner)
+        dispatch.run_once(relay)
+        first_run = str(job(relay.engine, new.id).flow_run_id)
+        if _stop_child_while_running(prefect_api, first_run, pid):
+            break
+        prefect_api.wait_final(first_run, timeout=60)
+    else:
+        pytest.fail("could not catch a run mid-flight")
+
+    os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+    crashed = prefect_api.wait_final(first_run, timeout=10)
+    assert crashed["state_type"] == "CRASHED", crashed["state"]
+    assert "SIGKILL" in crashed["state"]["message"]
+    ended = datetime.fromisoformat(crashed["state"]["timestamp"]).timestamp()
+    assert ended - killed < 2.0
+
+    sync.run_once(relay)
+    assert reap.run_once(relay) >= 1
+    assert job(relay.engine, new.id).status is JobStatus.queued
+    dispatch.run_once(relay)
+    second = job(relay.engine, new.id)
+    assert second.attempts == 2 and str(second.flow_run_id) != first_run
+    final = prefect_api.wait_final(str(second.flow_run_id), timeout=180)
+    assert final["state_type"] == "COMPLETED", final["state"]
+    sync.run_once(relay)
+    done = job(relay.engine, new.id)
+    assert done.status is JobStatus.succeeded, (done.status, done.error_code)
+    assert (prefect_api.home.storage / result_key(str(new.id), 2, "png")).is_file()
