@@ -64,7 +64,8 @@ def patched_environ(set_: Mapping[str, str], remove: tuple[str, ...] = ()) -> It
 def postgres_database(admin_url: str = PG_ADMIN_URL) -> Iterator[str]:
     """A fresh database ``faceflow_faults_<pid>_<hex>``; dropped (forced) on exit."""
     name = f"faceflow_faults_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    # No pool: a PostgreSQL restart (scenario 5) must not leave a dead connection behind.
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
     try:
         with admin.connect() as conn:
             conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
