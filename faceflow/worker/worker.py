@@ -27,7 +27,7 @@ import anyio
 import anyio.abc
 from prefect.client.schemas.objects import StateType
 from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, get_current_settings, temporary_settings
-from prefect.states import Cancelled, Crashed
+from prefect.states import Cancelled, Crashed, Scheduled
 from prefect.workers.base import BaseWorker, BaseWorkerResult
 
 from faceflow.worker.health import HealthServer, write_status_file
@@ -83,6 +83,7 @@ class FaceFlowGpuWorker(
         self._services: list[asyncio.Task[None]] = []
         self._health: HealthServer | None = None
         self._poll_now = asyncio.Event()
+        self._prefetch_paused = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -123,7 +124,7 @@ class FaceFlowGpuWorker(
         if self.settings.log_dir:
             self.settings.log_dir.mkdir(parents=True, exist_ok=True)
         self._pool = ChildPool(specs, limits, self.settings.log_dir)
-        self._pool.on_idle = self._poll_now.set
+        self._pool.on_idle = self._child_idle
         await self._pool.start()
         if self.settings.health_port is not None:
             self._health = HealthServer(self.status, port=self.settings.health_port)
@@ -203,12 +204,21 @@ class FaceFlowGpuWorker(
         pool = self._pool
         free = pool is not None and (
             pool.idle_count() > 0
-            or (pool.busy_count() > 0 and pool.waiting < self.settings.prefetch_runs)
+            or (
+                pool.busy_count() > 0
+                and pool.waiting < self.settings.prefetch_runs
+                and not self._prefetch_paused
+            )
         )
         if self._draining or not free:
             self._last_polled_time = datetime.now(UTC)
             return []
         return await super().get_and_submit_flow_runs()
+
+    def _child_idle(self) -> None:
+        """A child is free: claim ahead again, and poll now."""
+        self._prefetch_paused = False
+        self._poll_now.set()
 
     async def _event_pickup_loop(self) -> None:
         """Poll at once when the pool gets a ``Scheduled`` flow run (websocket events)."""
@@ -254,8 +264,14 @@ class FaceFlowGpuWorker(
         started = time.time()
         try:
             slot = await self.pool.acquire(str(flow_run.id), self.settings.acquire_timeout_s)
-        except NoChildReady as exc:
-            raise RuntimeError(f"no warm faceflow-gpu child available: {exc}") from exc
+        except NoChildReady as exc:  # claimed ahead, but no child came free: give it back
+            self._prefetch_paused = True  # (and claim nothing ahead until a child is free)
+            await self._reschedule(flow_run, f"no warm child became free ({exc})")
+            return FaceFlowWorkerResult(identifier="", status_code=0, outcome="rescheduled")
+        except BaseException:  # the worker is stopping while the run waits for a child
+            with anyio.CancelScope(shield=True):
+                await self._reschedule(flow_run, "the worker stopped before a child was free")
+            raise
         child = slot.child
         assert child is not None
         if task_status is not None:
@@ -376,6 +392,15 @@ class FaceFlowGpuWorker(
             "Stopped child pid %s: the run is %s.", child.pid, state.type.value
         )
         return True
+
+    async def _reschedule(self, flow_run: FlowRun, why: str) -> None:
+        """Put a claimed run that never reached a child back to Scheduled for any worker."""
+        self._logger.warning("Rescheduling flow run %s: %s", flow_run.id, why)
+        try:
+            state: State[Any] = Scheduled(message=f"Rescheduled by the faceflow-gpu worker: {why}.")
+            await self.client.set_flow_run_state(flow_run.id, state, force=True)
+        except Exception:
+            self._logger.exception("could not reschedule flow run %s", flow_run.id)
 
     async def _finalize(self, flow_run: FlowRun, state: State[Any]) -> None:
         """Record ``state`` unless the run already reached an outcome of its own."""

@@ -179,6 +179,7 @@ def start_warm_worker(
         "FACEFLOW_WORKER_HEALTH_PORT": str(health_port),
         "FACEFLOW_WORKER_PRELOAD": json.dumps([PROBE_ENTRYPOINT, FUSE_ENTRYPOINT]),
         "FACEFLOW_WORKER_KILL_GRACE_S": "0.3",
+        "FACEFLOW_WORKER_ACQUIRE_TIMEOUT_S": "8",
         **(extra_env or {}),
     }
     argv = (

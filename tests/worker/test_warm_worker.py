@@ -109,6 +109,27 @@ def test_a_sigkilled_child_crashes_its_run_within_2_s(warm_worker: WarmWorker) -
     assert warm_worker.api.wait_final(next_id, timeout=120)["state_type"] == "COMPLETED"
 
 
+def test_a_prefetched_run_waits_for_the_child_or_goes_back_to_the_queue(
+    warm_worker: WarmWorker,
+) -> None:
+    warm_worker.wait_idle()
+    quick = warm_worker.submit(c_sleep_s=1, fuse=False)
+    warm_worker.wait_started(quick)
+    waiting = warm_worker.submit(fuse=False)  # claimed ahead: starts the moment it can
+    assert warm_worker.api.wait_final(quick, timeout=30)["state_type"] == "COMPLETED"
+    assert warm_worker.api.wait_final(waiting, timeout=30)["state_type"] == "COMPLETED"
+    gap = warm_worker.report(waiting)["first_line"] - warm_worker.report(quick)["last_line"]
+    assert gap < 1.0, f"the claimed run started {gap:.2f} s after the child was free"
+
+    slow = warm_worker.submit(c_sleep_s=12, fuse=False)  # longer than the acquire timeout (8 s)
+    warm_worker.wait_started(slow)
+    behind = warm_worker.submit(fuse=False)
+    assert warm_worker.api.wait_final(behind, timeout=60)["state_type"] == "COMPLETED"
+    states = warm_worker.api.call("GET", f"/flow_run_states/?flow_run_id={behind}")
+    assert any("Rescheduled by the faceflow-gpu worker" in (s["message"] or "") for s in states)
+    assert warm_worker.api.run(slow)["state_type"] == "COMPLETED"
+
+
 def test_faceflow_worker_status_command(warm_worker: WarmWorker) -> None:
     from typer.testing import CliRunner
 
