@@ -225,7 +225,7 @@ def up(
     workers: Annotated[int, typer.Option(min=1, help="Workers on the GPU pool.")] = 1,
     worker_type: Annotated[
         str, typer.Option(help="Worker type: faceflow-gpu (warm) or process (stock).")
-    ] = "process",
+    ] = "faceflow-gpu",
     api_port: Annotated[int, typer.Option(help="Port of the webapi on 127.0.0.1.")] = 8000,
     prefect_port: Annotated[int, typer.Option(help="Port of the Prefect server.")] = 4200,
     home: Annotated[Path | None, typer.Option(help="State directory (default .faceflow).")] = None,

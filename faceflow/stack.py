@@ -26,6 +26,8 @@ from faceflow.supervisor import Service, ServiceFailed, Supervisor
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POOL_NAME = "gpu"
 CONTROL_POOL = "control"
+POOL_TEMPLATES = {"process": "gpu-process.json", "faceflow-gpu": "faceflow-gpu.json"}
+"""Base job template of the ``gpu`` pool for each supported worker type."""
 
 
 @dataclass
@@ -37,7 +39,7 @@ class StackConfig:
     api_port: int = 8000
     prefect_port: int = 4200
     workers: int = 1
-    worker_type: str = "process"
+    worker_type: str = "faceflow-gpu"
     external_prefect: str | None = field(default_factory=lambda: os.environ.get("PREFECT_API_URL"))
     ready_timeout: float = 120.0
 
@@ -154,7 +156,7 @@ class Stack:
             )
             server.wait_ready(_http_ok(f"{cfg.prefect_api_url}/health"), cfg.ready_timeout)
         self.progress("prefect: work pool, blocks, deployments")
-        template = REPO_ROOT / "work_pools" / "gpu-process.json"
+        template = REPO_ROOT / "work_pools" / POOL_TEMPLATES[cfg.worker_type]
         self._run_step(
             "work-pool",
             [
@@ -163,7 +165,7 @@ class Stack:
                 "create",
                 POOL_NAME,
                 "--type",
-                "process",
+                cfg.worker_type,
                 "--base-job-template",
                 str(template),
                 "--overwrite",
