@@ -200,9 +200,10 @@ def start_warm_worker(
     return worker
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def warm_worker(prefect_api: Api, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmWorker]:
-    """A warm worker with one child on its own pool (shared by a test module)."""
+    """A warm worker with one child on its own pool, shared by the session (tests that kill
+    its child wait for the fresh one: ``wait_idle``)."""
     tmp = tmp_path_factory.mktemp("warm")
     worker = start_warm_worker(prefect_api, tmp, f"warm-{uuid.uuid4().hex[:6]}")
     try:

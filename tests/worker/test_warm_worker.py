@@ -41,6 +41,7 @@ def test_a_run_completes_in_the_warm_child(warm_worker: WarmWorker) -> None:
     assert after["children"][0]["runs_done"] == before["children"][0]["runs_done"] + 1
 
 
+@pytest.mark.slow
 def test_twenty_fuse_faces_runs_load_each_model_once(
     warm_worker: WarmWorker, inputs: tuple[str, str]
 ) -> None:
