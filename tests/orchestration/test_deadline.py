@@ -81,11 +81,14 @@ def test_transient_failures_with_one_second_left_are_not_retried_a_third_time(
     prefect_harness: Home,
 ) -> None:
     deadline_at = datetime.now(UTC) + timedelta(seconds=3.0)
-    state = run_probe("flaky", deadline_at, _policy(), work_s=0.8)
+    # Each attempt works 1 s: attempt 1 ends with <= 2 s left (>= 1.2 s expected cost:
+    # retry, as long as the flow started within 0.8 s), attempt 2 with <= 1 s (stop).
+    state = run_probe("flaky", deadline_at, _policy(), work_s=1.0)
     info = state.result(raise_on_failure=False)
     assert state.is_failed() and isinstance(info, dict)
-    # attempt 1 ends with ~2 s left (retry), attempt 2 with ~1 s < 1.2 s expected (stop)
     assert info["calls"] == 2, info
+    # no attempt after the first started with less than the stage's expected cost left
+    assert all(left >= 1.2 for left in info["timeouts"][1:]), info
     assert info["error"].startswith("[deadline_exceeded] ")
     assert "transient_error" in info["error"]
     assert datetime.fromisoformat(info["ended_at"]) <= deadline_at
