@@ -2,18 +2,24 @@
 
 Starts ``prefect server start`` (own PREFECT_HOME, SQLite, 127.0.0.1), saves the default
 blocks, stores the sample inputs, deploys ``fuse-faces`` into one pool per worker type and
-starts each worker in turn (subprocesses, stopped by PID). Per worker type:
+starts each worker in turn (subprocesses, stopped by PID). Per worker type, after one
+untimed job:
 
+- bare: ``tasks.pipeline.fuse_images`` on the same inputs in this process, ``--jobs``
+  times, right before the worker's jobs (the machine is shared: load changes by the minute);
 - sequential: ``--jobs`` runs one after another → median dispatch latency (flow-run
   creation → the run's ``start_time``, set as the engine enters the flow function),
-  median end-to-end (creation → ``end_time``), overhead = end-to-end - bare pipeline time;
+  median end-to-end (creation → ``end_time``), overhead = end-to-end - bare median, and
+  the same against the run's own stage timings (its ``ResultRef`` sidecar), which the
+  load on the machine affects alike;
 - burst: ``--jobs`` runs created at once → throughput (jobs/min, first creation → last end).
 
-The bare loop runs ``tasks.pipeline.fuse_images`` on the same inputs in this process.
-Prints figures (``--json`` for JSON); asserts nothing.
+``--in-process`` (default) also runs ``fuse-faces`` back to back with ``run_flow`` in this
+process: what any worker could reach with this flow. Prints figures (``--json`` for
+JSON); asserts nothing.
 
     .venv/bin/python bench/warm_worker.py --jobs 20
-    .venv/bin/python bench/warm_worker.py --jobs 5 --modes warm
+    .venv/bin/python bench/warm_worker.py --jobs 5 --modes warm --no-in-process
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import os
 import socket
 import statistics
@@ -178,6 +185,58 @@ def bare_loop(source: bytes, target: bytes, jobs: int) -> dict[str, float]:
     return {"median_ms": statistics.median(times), "jobs_per_min": jobs / wall * 60.0}
 
 
+def in_process_flow_loop(
+    api: PrefectRest, url: str, inputs: tuple[str, str, bytes, bytes], jobs: int
+) -> dict[str, Any]:
+    """The upper bound for any worker: ``fuse-faces`` runs created over REST and run back
+    to back by ``run_flow`` in this (warm) process, with the warm child's engine settings."""
+    from uuid import UUID
+
+    from prefect.context import SyncClientContext
+    from prefect.flow_engine import run_flow
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        PREFECT_LOGGING_TO_API_ENABLED,
+        temporary_settings,
+    )
+
+    from faceflow.worker.suspension import install_shared_observer
+    from flows.fuse import fuse_faces
+
+    template = json.loads((REPO / "work_pools" / TEMPLATES["process"]).read_text())
+    api.create_pool("bench-in-process", "process", template)  # no worker polls it
+    deployment_id = api.deploy("fuse-faces", "flows/fuse.py:fuse_faces", "bench-in-process")
+    updates = {
+        PREFECT_API_URL: url,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+        PREFECT_LOGGING_TO_API_ENABLED: False,
+    }
+    with temporary_settings(updates=updates), SyncClientContext.get_or_create() as ctx:
+        install_shared_observer()
+
+        def run_one() -> dict[str, Any]:
+            run_id = api.create_run(deployment_id, job_parameters(*inputs[:2]))
+            run_flow(fuse_faces, flow_run=ctx.client.read_flow_run(UUID(run_id)))
+            return api.run(run_id)
+
+        run_one()
+        bare = bare_loop(inputs[2], inputs[3], jobs)
+        start = time.perf_counter()
+        runs = [run_one() for _ in range(jobs)]
+        wall = time.perf_counter() - start
+    # The shared observer's websocket outlives the loop; the server stops next.
+    logging.getLogger("prefect.FlowRunSuspendingObserver").setLevel(logging.ERROR)
+    failed = [r["state"]["message"] for r in runs if r["state_type"] != "COMPLETED"]
+    e2e = [ts(r["end_time"]) - ts(r["created"]) for r in runs if r["end_time"]]
+    return {
+        "bare": bare,
+        "failed": failed,
+        "e2e_median_s": statistics.median(e2e),
+        "jobs_per_min": jobs / wall * 60.0,
+    }
+
+
 def job_parameters(source_key: str, target_key: str) -> dict[str, Any]:
     return {
         "job_id": str(uuid.uuid4()),
@@ -211,9 +270,16 @@ def stage_timings(storage: Path, run: dict[str, Any]) -> dict[str, float]:
 
 
 def bench_mode(
-    mode: str, api: PrefectRest, env: dict[str, str], home: Path, keys: tuple[str, str], jobs: int
+    mode: str,
+    api: PrefectRest,
+    env: dict[str, str],
+    home: Path,
+    inputs: tuple[str, str, bytes, bytes],
+    jobs: int,
 ) -> dict[str, Any]:
-    """Create the pool and deployment, start the worker, run the jobs, stop the worker."""
+    """Create the pool and deployment, start the worker, run the jobs, stop the worker.
+    The bare loop runs just before, so both see the same load on a shared machine."""
+    keys = inputs[:2]
     pool = f"bench-{mode}"
     template = json.loads((REPO / "work_pools" / TEMPLATES[mode]).read_text())
     api.create_pool(pool, TYPES[mode], template)
@@ -245,6 +311,7 @@ def bench_mode(
             return api.wait_final(api.create_run(deployment_id, job_parameters(*keys)))
 
         run_one()  # untimed first job (first block load, first process start)
+        bare = bare_loop(inputs[2], inputs[3], jobs)
         sequential = [run_one() for _ in range(jobs)]
         created = [api.create_run(deployment_id, job_parameters(*keys)) for _ in range(jobs)]
         burst = [api.wait_final(run_id) for run_id in created]
@@ -266,8 +333,14 @@ def bench_mode(
         name: round(statistics.median(t.get(name, 0.0) for t in stages), 1)
         for name in (stages[0] if stages else {})
     }
+    in_run_overhead = [
+        (ts(r["end_time"]) - ts(r["created"])) * 1e3 - sum(t.values())
+        for r, t in zip(sequential, stages, strict=True)
+    ]
     return {
+        "bare": bare,
         "worker_ready_s": ready_s,
+        "overhead_vs_own_stages_median_ms": statistics.median(in_run_overhead),
         "failed": failed,
         "dispatch_median_s": statistics.median(dispatch),
         "dispatch_p90_s": sorted(dispatch)[int(0.9 * (len(dispatch) - 1))],
@@ -294,15 +367,19 @@ def state_gaps(api: PrefectRest, runs: list[dict[str, Any]]) -> dict[str, float]
     return {name: round(statistics.median(values), 1) for name, values in gaps.items()}
 
 
-def report(bare: dict[str, float], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"bare": bare, "modes": {}}
+def report(results: dict[str, dict[str, Any]], reference: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"modes": {}, "in_process_flow": reference, "targets": TARGETS}
     for mode, r in results.items():
+        bare = r["bare"]
         overhead_ms = r["e2e_median_s"] * 1e3 - bare["median_ms"]
         share = r["burst_jobs_per_min"] / bare["jobs_per_min"]
         out["modes"][mode] = {
             **r,
             "overhead_median_ms": overhead_ms,
             "throughput_share_of_bare": share,
+            "throughput_share_of_in_process_flow": (
+                r["burst_jobs_per_min"] / reference["jobs_per_min"] if reference else None
+            ),
             "meets_targets": {
                 "dispatch": r["dispatch_median_s"] <= TARGETS["dispatch_s"],
                 "overhead": overhead_ms <= TARGETS["overhead_ms"],
@@ -313,28 +390,36 @@ def report(bare: dict[str, float], results: dict[str, dict[str, Any]]) -> dict[s
 
 
 def print_table(out: dict[str, Any]) -> None:
-    bare = out["bare"]
-    print(f"bare pipeline: median {bare['median_ms']:.0f} ms, {bare['jobs_per_min']:.1f} jobs/min")
-    rows = [
-        ("dispatch median (s)", "dispatch_median_s", "{:.2f}"),
-        ("dispatch p90 (s)", "dispatch_p90_s", "{:.2f}"),
-        ("end-to-end median (s)", "e2e_median_s", "{:.2f}"),
-        ("overhead median (ms)", "overhead_median_ms", "{:.0f}"),
-        ("throughput, burst (jobs/min)", "burst_jobs_per_min", "{:.1f}"),
-        ("throughput / bare", "throughput_share_of_bare", "{:.0%}"),
-        ("burst: end → next start (ms)", "burst_gap_median_ms", "{:.0f}"),
-        ("in flow, outside stages (ms)", "flow_bookkeeping_median_ms", "{:.0f}"),
-        ("worker ready (s)", "worker_ready_s", "{:.1f}"),
-    ]
     modes = list(out["modes"])
+    rows = [
+        ("bare pipeline median (ms)", lambda m: m["bare"]["median_ms"], "{:.0f}"),
+        ("bare pipeline (jobs/min)", lambda m: m["bare"]["jobs_per_min"], "{:.1f}"),
+        ("dispatch median (s)", lambda m: m["dispatch_median_s"], "{:.2f}"),
+        ("dispatch p90 (s)", lambda m: m["dispatch_p90_s"], "{:.2f}"),
+        ("end-to-end median (s)", lambda m: m["e2e_median_s"], "{:.2f}"),
+        ("overhead vs bare (ms)", lambda m: m["overhead_median_ms"], "{:.0f}"),
+        ("overhead vs own stages (ms)", lambda m: m["overhead_vs_own_stages_median_ms"], "{:.0f}"),
+        ("throughput, burst (jobs/min)", lambda m: m["burst_jobs_per_min"], "{:.1f}"),
+        ("throughput / bare", lambda m: m["throughput_share_of_bare"], "{:.0%}"),
+        ("burst: end → next start (ms)", lambda m: m["burst_gap_median_ms"], "{:.0f}"),
+        ("in flow, outside stages (ms)", lambda m: m["flow_bookkeeping_median_ms"], "{:.0f}"),
+        ("worker ready (s)", lambda m: m["worker_ready_s"], "{:.1f}"),
+    ]
     print(f"{'':32}" + "".join(f"{m:>12}" for m in modes))
-    for label, key, fmt in rows:
-        print(f"{label:32}" + "".join(f"{fmt.format(out['modes'][m][key]):>12}" for m in modes))
+    for label, get, fmt in rows:
+        print(f"{label:32}" + "".join(f"{fmt.format(get(out['modes'][m])):>12}" for m in modes))
+    ref = out["in_process_flow"]
+    if ref:
+        print(
+            f"in-process run_flow loop: e2e median {ref['e2e_median_s']:.2f} s, "
+            f"{ref['jobs_per_min']:.1f} jobs/min (bare {ref['bare']['jobs_per_min']:.1f})"
+        )
     for mode in modes:
-        print(f"{mode} state gaps (median ms): {out['modes'][mode]['state_gaps_ms']}")
-        print(f"{mode} stages in the flow (median ms): {out['modes'][mode]['stage_median_ms']}")
-        if out["modes"][mode]["failed"]:
-            print(f"{mode} FAILED runs: {out['modes'][mode]['failed']}")
+        r = out["modes"][mode]
+        print(f"{mode} state gaps (median ms): {r['state_gaps_ms']}")
+        print(f"{mode} stages in the flow (median ms): {r['stage_median_ms']}")
+        if r["failed"]:
+            print(f"{mode} FAILED runs: {r['failed']}")
 
 
 def main() -> None:
@@ -344,6 +429,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=20)
     parser.add_argument("--modes", default="process,warm", help="comma-separated: process,warm")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--in-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time run_flow back to back in this process (the bound for any worker)",
+    )
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="faceflow-bench-") as tmp:
@@ -352,14 +443,14 @@ def main() -> None:
         server, url, env = start_server(home)
         try:
             api = PrefectRest(url)
-            *keys, source, target = prepare_inputs(url, home / "faceflow")
-            bare = bare_loop(source, target, args.jobs)
-            results = {
-                m: bench_mode(m, api, env, home, (keys[0], keys[1]), args.jobs) for m in modes
-            }
+            inputs = prepare_inputs(url, home / "faceflow")
+            results = {m: bench_mode(m, api, env, home, inputs, args.jobs) for m in modes}
+            reference = (
+                in_process_flow_loop(api, url, inputs, args.jobs) if args.in_process else None
+            )
         finally:
             server.stop(grace=10)
-    out = report(bare, results)
+    out = report(results, reference)
     if args.json:
         print(json.dumps(out, indent=1))
     else:

@@ -61,10 +61,37 @@ def model_loads() -> dict[str, int]:
 
 
 def gpu_info() -> dict[str, Any]:
-    """``tasks.gpu.gpu_stats()`` of the GPU this child is pinned to."""
+    """``tasks.gpu.gpu_stats()`` of the GPU this child is pinned to, plus the GPU memory
+    this process holds on it (``process_memory_mb``, None without NVML)."""
     from tasks.gpu import gpu_stats
 
-    return gpu_stats().as_dict()
+    info = gpu_stats().as_dict()
+    info["process_memory_mb"] = process_gpu_memory_mb() if info.get("available") else None
+    return info
+
+
+def process_gpu_memory_mb() -> float | None:
+    """GPU memory used by this process on its (first visible) GPU, from pynvml."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return float(proc.usedGpuMemory) / 2**20
+        return 0.0
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
 
 
 @contextlib.contextmanager

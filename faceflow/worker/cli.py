@@ -90,7 +90,7 @@ def status(
         typer.echo(f"{body['worker']} on pool {body['work_pool']!r}: {flags}")
         for child in body["children"]:
             gpu = child["gpu"] or {}
-            memory = gpu.get("memory_used_mb")
+            memory = gpu.get("process_memory_mb")
             typer.echo(
                 f"  child {child['index']}: {child['state']:<8} pid {child['pid']} "
                 f"runs {child['runs_done']} rss {child['rss_mb']} MB "

@@ -66,7 +66,7 @@ class FaceFlowGpuWorker(
         "pipeline's models loaded; deadlines and cancellation are enforced by killing the child."
     )
     _display_name = "FaceFlow GPU"
-    _documentation_url = "https://github.com/faceflow/faceflow"
+    _documentation_url = ""
     _logo_url = ""
 
     def __init__(self, *args: Any, settings: WorkerSettings | None = None, **kwargs: Any) -> None:

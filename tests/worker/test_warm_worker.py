@@ -152,7 +152,9 @@ def test_health_reports_readiness_and_telemetry(warm_worker: WarmWorker) -> None
     assert child["rss_mb"] > 50
     assert child["model_loads"]
     assert child["gpu"]["available"] in (True, False)
-    assert "memory_used_mb" in child["gpu"]
+    assert "memory_used_mb" in child["gpu"] and "process_memory_mb" in child["gpu"]
+    if not child["gpu"]["available"]:
+        assert child["gpu"]["process_memory_mb"] is None
 
 
 @pytest.fixture(scope="module")
