@@ -1,7 +1,7 @@
 """The ``faceflow-gpu`` Prefect worker: warm children, hard deadlines, sub-second dispatch.
 
-Importing this package registers the worker type with Prefect (it is the
-``prefect.collections`` entry point ``faceflow``), so ``prefect worker start`` finds it:
+Prefect imports ``faceflow.worker.worker`` (the ``prefect.collections`` entry point
+``faceflow``), which registers the worker type, so ``prefect worker start`` finds it:
 
     prefect work-pool create gpu --type faceflow-gpu \\
         --base-job-template work_pools/faceflow-gpu.json
@@ -17,7 +17,26 @@ variables of the pool. ``FACEFLOW_WORKER_HEALTH_PORT`` serves ``/health`` (liven
 ``/ready`` (a child has loaded its models and passed warm-up) and ``/status`` on 127.0.0.1.
 """
 
-from faceflow.worker.job import FaceFlowJobConfiguration, FaceFlowVariables
-from faceflow.worker.worker import WORKER_TYPE, FaceFlowGpuWorker
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from faceflow.worker.job import FaceFlowJobConfiguration, FaceFlowVariables
+    from faceflow.worker.worker import WORKER_TYPE, FaceFlowGpuWorker
 
 __all__ = ["WORKER_TYPE", "FaceFlowGpuWorker", "FaceFlowJobConfiguration", "FaceFlowVariables"]
+
+_LAZY = {
+    "WORKER_TYPE": "faceflow.worker.worker",
+    "FaceFlowGpuWorker": "faceflow.worker.worker",
+    "FaceFlowJobConfiguration": "faceflow.worker.job",
+    "FaceFlowVariables": "faceflow.worker.job",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import Prefect only when the worker is used (``faceflow worker --help`` stays fast)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
