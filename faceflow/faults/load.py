@@ -29,7 +29,8 @@ import httpx
 
 from faceflow.faults.report import Submission
 
-KINDS_CYCLE = ("callback", "noface", "bad", "dup", "cancel", "good", "callback", "good")
+KINDS_CYCLE = ("callback", "noface", "bad", "dup", "cancel", "good", "callback", "good", "good")
+"""Nine kinds: a length prime to the user counts (2, 8), so every user sends every kind."""
 TRANSPORT_ERRORS = (httpx.TransportError,)
 
 
@@ -222,12 +223,13 @@ class Load:
     def _run(self) -> None:
         users = itertools.cycle(self.client.users)
         kinds = itertools.cycle(self.spec.kinds)
-        last: dict[str, tuple[Submission, dict[str, Any]]] = {}
+        last: tuple[Submission, dict[str, Any]] | None = None
         try:
             for index in range(self.spec.jobs):
                 user, kind = next(users), next(kinds)
-                if kind == "dup" and user.name in last:
-                    original, body = last[user.name]
+                if kind == "dup" and last is not None:
+                    original, body = last  # replayed by the user who sent it
+                    user = self.users_by_name[original.user]
                     sub = Submission(
                         kind="dup",
                         user=user.name,
@@ -253,7 +255,7 @@ class Load:
                 with self._lock:
                     self.submissions.append(sub)
                 if sub.accepted and sub.replay_of is None:
-                    last[user.name] = (sub, body)
+                    last = (sub, body)
                 if sub.accepted and kind == "cancel":
                     self._cancels.submit(self._cancel_later, user, sub)
                 if self._on_submitted is not None:
