@@ -293,9 +293,25 @@ def service_seconds(session: Session, *, settings: Settings) -> float:
     return value
 
 
+#: PostgreSQL advisory-lock key that serialises the backlog check with the insert.
+BACKLOG_LOCK_KEY = 0x46414345  # "FACE"
+
+
+def _serialise_backlog(session: Session) -> None:
+    """Hold a transaction-scoped lock around the global backlog check and the insert.
+
+    The user-row lock only orders one user's submits; without this, a burst from many
+    users on PostgreSQL all counted the same backlog and were all admitted past it.
+    SQLite transactions are ``BEGIN IMMEDIATE``: already serial.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        session.exec(select(sa.func.pg_advisory_xact_lock(BACKLOG_LOCK_KEY))).first()
+
+
 def _check_capacity(
     session: Session, *, owner: User, queue_timeout_s: int, settings: Settings
 ) -> None:
+    _serialise_backlog(session)
     # Bounded by the quota: counting stops at ``quota`` rows however many there are.
     unfinished = (
         select(Job.id)
