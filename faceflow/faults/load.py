@@ -267,7 +267,7 @@ class Load:
     def _cancel_later(self, user: User, sub: Submission) -> None:
         time.sleep(self.spec.cancel_after_s)
         assert sub.job_id is not None
-        self.client.cancel(user, sub.job_id, retry_for_s=self.spec.retry_for_s)
+        sub.cancel_status = self.client.cancel(user, sub.job_id, retry_for_s=self.spec.retry_for_s)
 
 
 def fire_together(

@@ -68,6 +68,7 @@ class Submission:
     retry_after: str | None = None
     tries: int = 0
     callback: bool = False
+    cancel_status: int | None = None  # what POST /cancel answered, for ``cancel`` kinds
 
     @property
     def accepted(self) -> bool:
@@ -278,6 +279,13 @@ def tally(
         elif d.event != "job.running":
             row.webhooks_wrong += 1
     row.webhooks_delivered = len(delivered)
+    cancels = Counter(
+        str(s.cancel_status) for s in submissions if s.kind == "cancel" and s.accepted
+    )
+    if cancels:
+        row.notes.append(
+            "cancel answered " + ", ".join(f"{k} x{v}" for k, v in sorted(cancels.items()))
+        )
     row.detail = {
         "submissions": [vars(sub) for sub in submissions],
         "jobs": {job_id: seen.job for job_id, seen in observations.items()},
