@@ -10,14 +10,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+import time
+from collections import OrderedDict
+from typing import Generic, TypeVar
 
 from webapi.webhooks import new_secret as new_webhook_secret
+
+T = TypeVar("T")
 
 API_KEY_PREFIX = "ff_"
 API_KEY_BYTES = 32
 
 __all__ = [
     "API_KEY_PREFIX",
+    "KeyCache",
     "hash_api_key",
     "key_matches",
     "new_api_key",
@@ -50,3 +57,47 @@ def parse_bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.startswith(API_KEY_PREFIX):
         return None
     return token
+
+
+class KeyCache(Generic[T]):
+    """Authenticated principals by API-key hash for ``ttl_s`` seconds (LRU-bounded).
+
+    Saves the key lookup on every request of a busy client. Only successful lookups are
+    kept, so a new key works at once; a revoked key, a disabled user or a changed quota
+    takes effect within ``ttl_s`` (0 disables the cache). Keys are held only as hashes.
+    """
+
+    def __init__(self, ttl_s: float, max_entries: int = 4096) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[float, T]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key_hash: str) -> T | None:
+        """The cached principal of ``key_hash``, or None (absent or expired)."""
+        if self.ttl_s <= 0:
+            return None
+        with self._lock:
+            entry = self._entries.get(key_hash)
+            if entry is None:
+                return None
+            if time.monotonic() - entry[0] >= self.ttl_s:
+                del self._entries[key_hash]
+                return None
+            self._entries.move_to_end(key_hash)
+            return entry[1]
+
+    def put(self, key_hash: str, value: T) -> None:
+        """Remember ``value`` as the principal of ``key_hash`` from now."""
+        if self.ttl_s <= 0:
+            return
+        with self._lock:
+            self._entries[key_hash] = (time.monotonic(), value)
+            self._entries.move_to_end(key_hash)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every entry (after revoking keys or disabling users in-process)."""
+        with self._lock:
+            self._entries.clear()

@@ -64,6 +64,12 @@ class Settings(BaseSettings):
     max_wait_seconds: int = Field(60, ge=0, le=60, description="Largest Prefer: wait=N.")
     wait_poll_seconds: float = Field(0.15, gt=0, le=1.0)
     run_relay: bool = Field(True, description="Run the relay loops inside the API process.")
+    auth_cache_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="How long an authenticated API key is remembered in-process "
+        "(a revoked key, disabled user or new quota applies within this time; 0: never).",
+    )
     public_base_url: str | None = Field(None, description="External URL of the API.")
 
     @model_validator(mode="after")

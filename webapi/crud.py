@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import statistics
 import threading
@@ -212,7 +213,10 @@ def _timeouts(create: JobCreate, settings: Settings) -> tuple[int, int]:
 
 
 def _lock_user(session: Session, user_id: uuid.UUID) -> None:
-    session.exec(select(User.id).where(col(User.id) == user_id).with_for_update()).first()
+    """Order one user's concurrent submits (PostgreSQL row lock; SQLite transactions are
+    ``BEGIN IMMEDIATE``, so already serial: no statement needed)."""
+    if session.get_bind().dialect.name != "sqlite":
+        session.exec(select(User.id).where(col(User.id) == user_id).with_for_update()).first()
 
 
 def _by_idempotency_key(session: Session, *, owner_id: uuid.UUID, key: str) -> Job | None:
@@ -272,8 +276,14 @@ _service_lock = threading.Lock()
 
 
 def service_seconds(session: Session, *, settings: Settings) -> float:
-    """Median run time (started → finished) of the last succeeded jobs, cached a few
-    seconds per database; ``settings.default_service_seconds`` with no history."""
+    """Seconds of worker time one job costs, from the last succeeded jobs (cached a few
+    seconds per database); ``settings.default_service_seconds`` with no history.
+
+    The larger of the median run time (started → finished) and, while jobs were waiting,
+    the median gap between consecutive finishes times the worker slots: the second
+    includes what run times miss (dispatch, worker pick-up, sync, a host shared with the
+    API) and is what a queued job actually waits per job ahead of it.
+    """
     url = str(session.get_bind().engine.url)
     now = time.monotonic()
     with _service_lock:
@@ -281,13 +291,29 @@ def service_seconds(session: Session, *, settings: Settings) -> float:
     if cached is not None and now - cached[0] < SERVICE_TIME_TTL_S:
         return cached[1]
     rows = session.exec(
-        select(Job.started_at, Job.finished_at)
+        select(Job.created_at, Job.started_at, Job.finished_at)
         .where(col(Job.status) == JobStatus.succeeded, col(Job.started_at).is_not(None))
         .order_by(col(Job.created_at).desc())
         .limit(SERVICE_TIME_SAMPLE)
     ).all()
-    runs = [(end - start).total_seconds() for start, end in rows if start and end and end >= start]
-    value = max(0.05, statistics.median(runs)) if runs else settings.default_service_seconds
+    done = sorted(
+        ((created, start, end) for created, start, end in rows if start and end and end >= start),
+        key=lambda row: row[2],
+    )
+    runs = [(end - start).total_seconds() for _, start, end in done]
+    busy_gaps = [
+        (later[2] - earlier[2]).total_seconds()
+        for earlier, later in itertools.pairwise(done)
+        if later[0] < earlier[2]  # the later job was already waiting when this one ended
+    ]
+    if runs:
+        value = max(
+            0.05,
+            statistics.median(runs),
+            statistics.median(busy_gaps) * settings.worker_slots if busy_gaps else 0.0,
+        )
+    else:
+        value = settings.default_service_seconds
     with _service_lock:
         _service_cache[url] = (now, value)
     return value
@@ -312,9 +338,10 @@ def _check_capacity(
     session: Session, *, owner: User, queue_timeout_s: int, settings: Settings
 ) -> None:
     _serialise_backlog(session)
-    # Bounded by the quota: counting stops at ``quota`` rows however many there are.
+    # Bounded by the quota: counting stops at ``quota`` rows however many there are
+    # (and reads only the (owner, status) index).
     unfinished = (
-        select(Job.id)
+        select(Job.status)
         .where(col(Job.owner_id) == owner.id, col(Job.status).in_(list(ACTIVE_STATUSES)))
         .limit(owner.quota + 1)
         .subquery()

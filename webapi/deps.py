@@ -13,9 +13,10 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
+from starlette.concurrency import run_in_threadpool
 
 from webapi import crud
-from webapi.auth import parse_bearer
+from webapi.auth import KeyCache, hash_api_key, parse_bearer
 from webapi.config import Settings
 from webapi.errors import Unauthorized
 from webapi.models import User
@@ -24,19 +25,19 @@ from webapi.storage import ObjectStore
 bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer ff_...")
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     """The app's settings."""
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_engine(request: Request) -> Engine:
+async def get_engine(request: Request) -> Engine:
     """The app's job-store engine."""
     engine: Engine = request.app.state.engine
     return engine
 
 
-def get_store(request: Request) -> ObjectStore:
+async def get_store(request: Request) -> ObjectStore:
     """The app's object store."""
     store: ObjectStore = request.app.state.store
     return store
@@ -61,26 +62,39 @@ SessionDep = Annotated[Session, Depends(get_session)]
 ReadSessionDep = Annotated[Session, Depends(get_read_session)]
 
 
-def get_current_user(
-    session: ReadSessionDep,
+async def get_current_user(
+    request: Request,
     settings: SettingsDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> User:
     """The user of the request's API key, or 401.
 
-    Ends its read transaction at once, before the route opens its own.
+    Looked up in the app's ``KeyCache`` first (``settings.auth_cache_seconds``), else in
+    a short read transaction of its own, ended before the route opens its own.
     """
     header = None if credentials is None else f"{credentials.scheme} {credentials.credentials}"
     api_key = parse_bearer(header)
-    user = None
-    if api_key is not None:
-        user = crud.authenticate(
-            session, api_key=api_key, pepper=settings.api_key_pepper.get_secret_value()
-        )
-    session.commit()
-    if user is None:
+    if api_key is None:
         raise Unauthorized()
+    pepper = settings.api_key_pepper.get_secret_value()
+    key_hash = hash_api_key(api_key, pepper)
+    cache: KeyCache[User] = request.app.state.users
+    user = cache.get(key_hash)
+    if user is None:
+        user = await run_in_threadpool(
+            _authenticate, request.app.state.read_engine, api_key, pepper
+        )
+        if user is None:
+            raise Unauthorized()
+        cache.put(key_hash, user)
     return user
+
+
+def _authenticate(engine: Engine, api_key: str, pepper: str) -> User | None:
+    with Session(engine, expire_on_commit=False) as session:
+        user = crud.authenticate(session, api_key=api_key, pepper=pepper)
+        session.commit()
+        return user
 
 
 CurrentUser = Annotated[User, Depends(get_current_user)]

@@ -1,4 +1,6 @@
-"""The FastAPI app: ``create_app(settings)``; ``uvicorn webapi.main:app`` serves the default.
+"""The FastAPI app: ``create_app(settings)``; ``uvicorn webapi.main:app`` (or
+``uvicorn --factory webapi.main:create_app``, as ``faceflow up`` runs it) serves the default,
+logging JSON lines at INFO.
 
 The lifespan refuses to start on an unmigrated job store (``DatabaseNotMigrated`` with
 the command to run) and starts the relay loops in-process when ``settings.run_relay``.
@@ -19,19 +21,28 @@ from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 
 from webapi import errors
+from webapi.auth import KeyCache
 from webapi.config import Settings, get_settings
 from webapi.db import get_engine, read_only
 from webapi.logs import RequestIdMiddleware, configure_logging
 from webapi.metrics import ApiMetrics
 from webapi.migrations import check_migrated
+from webapi.models import User
 from webapi.routes import health, jobs
 from webapi.storage import open_store
 
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """A configured app (the engine is created now, connections only on first use)."""
+def create_app(settings: Settings | None = None, *, json_logs: bool | None = None) -> FastAPI:
+    """A configured app (the engine is created now, connections only on first use).
+
+    ``json_logs``: send every log record to stderr as JSON lines at INFO
+    (``configure_logging``). Default: when the settings come from the environment, as for a
+    server (``uvicorn --factory webapi.main:create_app`` calls this without arguments);
+    apps built with explicit settings (tests, embedding) leave logging alone."""
+    if json_logs if json_logs is not None else settings is None:
+        configure_logging()
     settings = settings or get_settings()
     app = FastAPI(
         title="FaceFlow",
@@ -44,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.read_engine = read_only(app.state.engine)
     app.state.store = open_store(settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url)
     app.state.metrics = ApiMetrics(app.state.engine)
+    app.state.users = KeyCache[User](settings.auth_cache_seconds)
     app.state.relay = None
     errors.install(app)
     app.add_middleware(RequestIdMiddleware)
@@ -100,7 +112,6 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
 def __getattr__(name: str) -> Any:
     """``webapi.main:app`` for uvicorn: JSON logs, settings from the environment."""
     if name == "app":
-        configure_logging()
-        globals()["app"] = value = create_app()
+        globals()["app"] = value = create_app(json_logs=True)
         return value
     raise AttributeError(name)

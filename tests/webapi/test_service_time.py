@@ -1,0 +1,88 @@
+"""The service time behind 503 admission (``crud.service_seconds``).
+
+Regression (fault suite, scenario 8): run times alone (started → finished, ≈ 1.2-1.6 s)
+missed dispatch, worker pick-up, sync and a host shared with the API; under a burst jobs
+finished ≈ 3.3 s apart, so the API admitted far more than could start within the queue
+timeout and 33 of 49 accepted jobs expired. While jobs wait, the gap between consecutive
+finishes (times the worker slots) is what each queued job costs the ones behind it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from tests.webapi.conftest import make_settings
+from tests.webapi.utils import make_user, new_job, succeed
+from webapi import crud
+from webapi.models import Job, utcnow
+
+
+def _finished(
+    engine: Engine,
+    job_id: uuid.UUID,
+    *,
+    created: datetime,
+    started: datetime,
+    finished: datetime,
+) -> None:
+    succeed(engine, job_id, result_key=f"results/{job_id}/attempt-1.png")
+    with Session(engine) as session:
+        session.execute(
+            sa.update(Job)
+            .where(Job.id == job_id)  # type: ignore[arg-type]
+            .values(created_at=created, started_at=started, finished_at=finished)
+        )
+        session.commit()
+
+
+def _service_s(engine: Engine, **settings: object) -> float:
+    crud.reset_service_time_cache()
+    with Session(engine) as session:
+        return crud.service_seconds(session, settings=make_settings(**settings))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_while_jobs_wait_the_gap_between_finishes_counts(
+    database_url: str, tmp_path: Path, engine: Engine, slots: int
+) -> None:
+    settings = make_settings(database_url, tmp_path)
+    user = make_user(engine, settings, quota=100)
+    t0 = utcnow() - timedelta(minutes=5)
+    # a burst: all six submitted at t0; each ran 1 s, but they finished 3 s apart
+    for i in range(6):
+        job = new_job(engine, settings, user)
+        finished = t0 + timedelta(seconds=3 * (i + 1))
+        _finished(
+            engine,
+            job.id,
+            created=t0,
+            started=finished - timedelta(seconds=1),
+            finished=finished,
+        )
+    value = _service_s(engine, database_url=database_url, tmp_path=tmp_path, worker_slots=slots)
+    assert value == pytest.approx(3.0 * slots)
+
+
+def test_idle_gaps_do_not_count(database_url: str, tmp_path: Path, engine: Engine) -> None:
+    settings = make_settings(database_url, tmp_path)
+    user = make_user(engine, settings, quota=100)
+    t0 = utcnow() - timedelta(minutes=5)
+    # one job every 10 s, each submitted after the previous one ended, each ran 1.5 s
+    for i in range(5):
+        job = new_job(engine, settings, user)
+        created = t0 + timedelta(seconds=10 * i)
+        _finished(
+            engine,
+            job.id,
+            created=created,
+            started=created + timedelta(seconds=0.5),
+            finished=created + timedelta(seconds=2),
+        )
+    assert _service_s(engine, database_url=database_url, tmp_path=tmp_path) == pytest.approx(1.5)
