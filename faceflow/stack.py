@@ -90,6 +90,22 @@ def _http_ok(url: str) -> Callable[[], bool]:
     return check
 
 
+def webapi_argv(cfg: StackConfig) -> list[str]:
+    """The webapi's command line: uvicorn with the app factory, which logs JSON lines at
+    INFO (``webapi.main.create_app``); uvicorn's own access log is off (the app logs
+    requests with their request id)."""
+    return [
+        _bin("uvicorn"),
+        "--factory",
+        "webapi.main:create_app",
+        "--host",
+        cfg.api_host,
+        "--port",
+        str(cfg.api_port),
+        "--no-access-log",
+    ]
+
+
 Progress = Callable[[str], None]
 
 
@@ -227,21 +243,7 @@ class Stack:
             )
         )
         self.progress(f"webapi: starting on {cfg.api_url}")
-        api = self.supervisor.start(
-            self._service(
-                "webapi",
-                [
-                    _bin("uvicorn"),
-                    "--factory",
-                    "webapi.main:create_app",
-                    "--host",
-                    cfg.api_host,
-                    "--port",
-                    str(cfg.api_port),
-                    "--no-access-log",
-                ],
-            )
-        )
+        api = self.supervisor.start(self._service("webapi", webapi_argv(cfg)))
         api.wait_ready(_http_ok(f"{cfg.api_url}/readyz"), cfg.ready_timeout)
         self.supervisor.check_alive()
         self.progress(f"ready: API {cfg.api_url}/docs  Prefect UI {cfg.prefect_ui_url}")

@@ -100,6 +100,16 @@ class WorkerSettings(BaseSettings):
     log_dir: Path | None = Field(
         default=None, description="Children's stdout/stderr logs (else inherit)."
     )
+    state_dir: Path | None = Field(
+        default=None,
+        description="Where the worker journals the runs it has claimed, per pool and worker "
+        "name (default: $PREFECT_HOME/faceflow-worker); a restart with the same name marks "
+        "the runs its dead predecessor left as Crashed (faceflow.worker.claims).",
+    )
+    recover_claims: bool = Field(
+        default=True,
+        description="At start, end the runs a dead worker of the same pool and name left.",
+    )
 
     def gpu_indices(self) -> list[str]:
         """GPU indices to pin children to; empty without GPUs."""

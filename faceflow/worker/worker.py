@@ -20,7 +20,9 @@ import contextlib
 import signal
 import threading
 import time
+import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -30,6 +32,7 @@ from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, get_current_settings,
 from prefect.states import Cancelled, Crashed, Scheduled
 from prefect.workers.base import BaseWorker, BaseWorkerResult
 
+from faceflow.worker.claims import Claim, ClaimJournal, identity_slug, kill_stray_child
 from faceflow.worker.health import HealthServer, write_status_file
 from faceflow.worker.job import FaceFlowJobConfiguration, FaceFlowVariables
 from faceflow.worker.pool import ChildGone, ChildPool, NoChildReady, PoolLimits, Slot
@@ -84,6 +87,8 @@ class FaceFlowGpuWorker(
         self._health: HealthServer | None = None
         self._poll_now = asyncio.Event()
         self._prefetch_paused = False
+        self._last_poll_ok = time.monotonic()
+        self._journal: ClaimJournal | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,9 +136,13 @@ class FaceFlowGpuWorker(
             self._health.start()
         await super().setup()
         self._install_signal_handlers()
+        left = self._open_journal()
+        if left:
+            self._services.append(asyncio.create_task(self._recover_loop(left)))
         if self.settings.status_file:
             self._services.append(asyncio.create_task(self._write_status_loop()))
         self._services.append(asyncio.create_task(self._poll_now_loop()))
+        self._services.append(asyncio.create_task(self._poll_watchdog_loop()))
         if self.settings.event_pickup:
             self._services.append(asyncio.create_task(self._event_pickup_loop()))
 
@@ -153,6 +162,8 @@ class FaceFlowGpuWorker(
         if self._health is not None:
             self._health.stop()
         self._remove_signal_handlers()
+        if self._journal is not None:
+            self._journal.release()
         await super().teardown(*exc_info)
 
     def _install_signal_handlers(self) -> None:
@@ -196,6 +207,92 @@ class FaceFlowGpuWorker(
         if self._stop_scope is not None:
             self._stop_scope.cancel()
 
+    # ------------------------------------------------------------------ claimed runs
+
+    def state_dir(self) -> Path:
+        """Where the claim journal lives (``FACEFLOW_WORKER_STATE_DIR`` or Prefect's home)."""
+        if self.settings.state_dir is not None:
+            return self.settings.state_dir
+        return Path(get_current_settings().home) / "faceflow-worker"
+
+    def _open_journal(self) -> list[Claim]:
+        """Take this worker identity's claim journal; the claims a dead predecessor left."""
+        identity = identity_slug(self._work_pool_name, self.name)
+        journal = ClaimJournal(self.state_dir(), identity)
+        try:
+            left = journal.acquire()
+        except OSError as exc:
+            self._logger.warning("no claim journal (%s): runs are not recovered on restart", exc)
+            return []
+        if left is None:
+            self._logger.warning(
+                "Another live worker holds the identity %r (pool %r): this one neither "
+                "journals nor recovers runs; give each worker its own --name.",
+                self.name,
+                self._work_pool_name,
+            )
+            return []
+        self._journal = journal
+        if not self.settings.recover_claims:
+            return []
+        for claim in left:  # kept until handled: a crash now leaves them for the next start
+            journal.keep(claim)
+        return left
+
+    async def _recover_loop(self, left: list[Claim]) -> None:
+        """End the runs a dead predecessor claimed (retrying while Prefect is unreachable)."""
+        pending = list(left)
+        while pending:
+            retry = []
+            for claim in pending:
+                try:
+                    await self._recover(claim)
+                except Exception as exc:
+                    self._logger.debug("could not recover flow run %s: %s", claim.flow_run_id, exc)
+                    retry.append(claim)
+                    continue
+                if self._journal is not None:
+                    self._journal.remove(claim.flow_run_id)
+            pending = retry
+            if pending:
+                await asyncio.sleep(2.0)
+
+    async def _recover(self, claim: Claim) -> None:
+        """One run the previous incarnation of this worker had claimed and never ended:
+        back to Scheduled if no child ever had it, ``Crashed`` (``[worker_lost]``) if one
+        did, ``Cancelled`` if a cancellation was under way; final runs are left alone."""
+        from prefect.exceptions import ObjectNotFound
+
+        if kill_stray_child(claim):
+            self._logger.warning("Killed the dead worker's child pid %s.", claim.child_pid)
+        try:
+            run = await self.client.read_flow_run(uuid.UUID(claim.flow_run_id))
+        except (ObjectNotFound, ValueError):
+            return
+        state = run.state
+        if state is None or state.is_final() or state.is_scheduled() or state.is_paused():
+            return
+        new: State[Any]
+        if state.is_cancelling():
+            new = Cancelled(message="Cancelled: the faceflow-gpu worker running it died.")
+        elif state.is_pending() and not claim.child_pid:
+            new = Scheduled(
+                message=f"Rescheduled by the faceflow-gpu worker {self.name!r}: its previous "
+                "incarnation died before the run reached a child."
+            )
+        else:
+            new = Crashed(
+                message=f"[{LOST_CODE}] The faceflow-gpu worker {self.name!r} died during the "
+                f"run (child pid {claim.child_pid or 'none'}); found by its restart."
+            )
+        await self.client.set_flow_run_state(run.id, new, force=True)
+        self._logger.warning(
+            "Flow run %s was %s when this worker's previous incarnation died: now %s.",
+            run.id,
+            state.type.value,
+            new.type.value,
+        )
+
     # ------------------------------------------------------------------ pickup
 
     async def get_and_submit_flow_runs(self) -> list[FlowRun]:
@@ -212,8 +309,11 @@ class FaceFlowGpuWorker(
         )
         if self._draining or not free:
             self._last_polled_time = datetime.now(UTC)
+            self._last_poll_ok = time.monotonic()
             return []
-        return await super().get_and_submit_flow_runs()
+        runs = await super().get_and_submit_flow_runs()
+        self._last_poll_ok = time.monotonic()
+        return runs
 
     def _child_idle(self) -> None:
         """A child is free: claim ahead again, and poll now."""
@@ -242,6 +342,16 @@ class FaceFlowGpuWorker(
                 self._logger.debug("event pickup unavailable (%s); polling only", exc)
                 await asyncio.sleep(5)
 
+    async def _poll_watchdog_loop(self) -> None:
+        """While polls fail (Prefect unreachable), Prefect's poll loop backs off up to about
+        a minute; poll every ``query_seconds`` instead so runs are picked up as soon as the
+        API is back."""
+        interval = self.settings.query_seconds
+        while True:
+            await asyncio.sleep(interval)
+            if time.monotonic() - self._last_poll_ok > 2 * interval + 1.0:
+                self._poll_now.set()
+
     async def _poll_now_loop(self) -> None:
         """Poll as soon as a child turns idle or a run is scheduled in the pool."""
         while True:
@@ -261,6 +371,21 @@ class FaceFlowGpuWorker(
         task_status: anyio.abc.TaskStatus[int] | None = None,
     ) -> FaceFlowWorkerResult:
         """Run ``flow_run`` in an idle warm child and supervise it until it ends."""
+        run_id = str(flow_run.id)
+        if self._journal is not None:
+            self._journal.add(run_id)
+        try:
+            return await self._run(flow_run, configuration, task_status)
+        finally:
+            if self._journal is not None:
+                self._journal.remove(run_id)
+
+    async def _run(
+        self,
+        flow_run: FlowRun,
+        configuration: FaceFlowJobConfiguration,
+        task_status: anyio.abc.TaskStatus[int] | None,
+    ) -> FaceFlowWorkerResult:
         started = time.time()
         try:
             slot = await self.pool.acquire(str(flow_run.id), self.settings.acquire_timeout_s)
@@ -274,6 +399,8 @@ class FaceFlowGpuWorker(
             raise
         child = slot.child
         assert child is not None
+        if self._journal is not None:
+            self._journal.add(str(flow_run.id), child.pid)
         if task_status is not None:
             task_status.started(child.pid)
         request = RunRequest(

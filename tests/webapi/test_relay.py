@@ -7,21 +7,24 @@ a time except in the end-to-end test, which runs the relay's background threads.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from flows.params import FuseFacesParams, idempotency_key, result_key
+from flows.params import FINAL_STAGE, FuseFacesParams, idempotency_key, result_key
 from tests.webapi.conftest import make_settings
 from tests.webapi.relay_harness import (
     FAST,
@@ -41,7 +44,7 @@ from tests.webapi.utils import auth, job_body, make_user, outbox_of, source_jpeg
 from webapi import crud
 from webapi.config import Settings
 from webapi.main import create_app
-from webapi.models import JobStatus, Outbox
+from webapi.models import JobStatus, Outbox, utcnow
 from webapi.prefect_api import FlowRun, PrefectAPI, StateType
 from webapi.relay import dispatch, expire, reap, sync
 from webapi.relay.context import Relay
@@ -188,13 +191,89 @@ def test_prefect_down_job_stays_queued_then_dispatched(
         stored = job(relay.engine, new.id)
         assert stored.status is JobStatus.queued and stored.flow_run_id is None
         [row] = outbox_of(relay.engine, new.id)
-        assert row.done_at is None and row.attempts == 3 and row.last_error
-        assert METRICS.value("faceflow_relay_dispatches_total", "retry") >= 3
+        assert row.done_at is None and row.attempts == 1 and row.last_error
+        assert relay.outage.active  # later passes only probe Prefect's health
+        assert METRICS.value("faceflow_relay_dispatches_total", "retry") >= 1
         assert sync.run_once(relay) == 0 and reap.run_once(relay) == 0  # no crash while down
     finally:
         prefect_server.start()
     wait_for(lambda: dispatch.run_once(relay) > 0 and job(relay.engine, new.id).attempts == 1)
     assert len(prefect_server.runs_of_job(new.id)) == 1
+
+
+class CountingTransport(httpx.HTTPTransport):
+    """Counts the requests the relay's Prefect client sends (connection attempts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request.url.path)
+        return super().handle_request(request)
+
+
+def test_prefect_outage_defers_the_batch_after_one_try_and_recovery_makes_it_due(
+    engine: Engine,
+    settings: Settings,
+    owner: crud.NewUser,
+    prefect_server: PrefectServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression (fault suite, scenario 2): while Prefect was down every claimed row tried
+    its own connection and logged a warning, and after the outage each row waited out its
+    own backoff (up to 30 s) while its queue deadline ran, so jobs expired though Prefect was
+    back. Now one failure defers the whole batch, and Prefect's recovery makes it due."""
+    store = LocalObjectStore(tmp_path_of(settings) / "storage")
+    transport = CountingTransport()
+    timings = replace(
+        FAST,
+        dispatch_backoff_cap_s=30.0,
+        dispatch_backoff_base_s=20.0,
+        prefect_probe_interval_s=0.2,
+    )
+    relay = build_relay(
+        settings,
+        engine=engine,
+        store=store,
+        timings=timings,
+        prefect=PrefectAPI(settings.prefect_api_url, transport=transport),
+    )
+    other = build_relay(settings, engine=engine, store=store, timings=timings)  # a 2nd replica
+    try:
+        prefect_server.stop()
+        try:
+            jobs = [submit(engine, settings, store, owner).id for _ in range(6)]
+            with caplog.at_level(logging.INFO, logger="webapi.relay"):
+                assert dispatch.run_once(relay) == 6
+                assert len(transport.sent) == 1  # one failed connection for six rows
+                deferred = [r for j in jobs for r in outbox_of(engine, j)]
+                assert all(r.lease_owner is None and r.done_at is None for r in deferred)
+                assert all(r.next_attempt_at > utcnow() + timedelta(seconds=5) for r in deferred)
+                assert dispatch.run_once(relay) == 0  # in the outage: nothing claimed ...
+                time.sleep(0.5)
+                assert dispatch.run_once(relay) == 0  # ... only the health probe is sent
+                assert transport.sent[1:] == ["/api/health"]
+                assert dispatch.run_once(other) == 0  # the other replica: nothing due
+            warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        finally:
+            prefect_server.start()
+        back = time.monotonic()
+        wait_for(
+            lambda: (
+                dispatch.run_once(relay) >= 0
+                and all(job(engine, j).flow_run_id is not None for j in jobs)
+            ),
+            timeout_s=10,
+        )
+        assert time.monotonic() - back < 5  # not after the rows' 10-20 s backoff
+        assert not relay.outage.active
+        assert all(len(prefect_server.runs_of_job(j)) == 1 for j in jobs)
+        assert all([r.outcome for r in outbox_of(engine, j)] == ["done"] for j in jobs)
+    finally:
+        relay.close()
+        other.close()
 
 
 def test_dispatch_rejected_by_the_parameter_schema_fails_the_job(
@@ -256,6 +335,7 @@ def test_sync_maps_completed_failed_cancelled_and_running(
     assert sync.run_once(relay) == 5
     done = job(relay.engine, ok)
     assert done.status is JobStatus.succeeded and done.started_at and done.finished_at
+    assert done.stage == FINAL_STAGE  # never a stage the lagging progress artifact named
     assert (done.result_key, done.result_content_type) == (
         result_key(str(ok), 1, "png"),
         "image/png",

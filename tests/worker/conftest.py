@@ -167,10 +167,14 @@ def start_warm_worker(
     pool: str,
     extra_env: dict[str, str] | None = None,
     via_faceflow_cli: bool = False,
+    name: str | None = None,
+    create_pool: bool = True,
 ) -> WarmWorker:
     """Create ``pool`` (faceflow-gpu), deploy the probe and ``fuse-faces`` into it and start
-    a worker on it: ``prefect worker start --type faceflow-gpu`` or ``faceflow worker start``."""
-    api.create_pool(pool, "faceflow-gpu", pool_template())
+    a worker on it: ``prefect worker start --type faceflow-gpu`` or ``faceflow worker start``
+    (named ``name``; ``create_pool=False``: the pool exists, the deployments are found)."""
+    if create_pool:
+        api.create_pool(pool, "faceflow-gpu", pool_template())
     deployment_id = api.deploy("warm-probe", PROBE_ENTRYPOINT, pool)
     fuse_id = api.deploy("fuse-faces", FUSE_ENTRYPOINT, pool)
     health_port = free_port()
@@ -187,6 +191,8 @@ def start_warm_worker(
         if via_faceflow_cli
         else [PREFECT_BIN, "worker", "start", "--pool", pool, "--type", "faceflow-gpu"]
     )
+    if name is not None:
+        argv += ["--name", name]
     service = Service(
         name=f"worker-{pool}",
         argv=argv,

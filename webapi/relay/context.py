@@ -23,6 +23,7 @@ from webapi.prefect_api import PrefectAPI
 from webapi.relay import leases
 from webapi.relay.leases import DEFAULT_LEASE_S, replica_id
 from webapi.relay.metrics import METRICS, RelayMetrics
+from webapi.relay.outage import PrefectOutage
 from webapi.storage import ObjectStore
 
 
@@ -43,6 +44,9 @@ class RelayTimings:
     dispatch_lease_s: float = 15.0
     dispatch_backoff_base_s: float = 0.5
     dispatch_backoff_cap_s: float = 30.0
+    # While Prefect is unreachable dispatch claims nothing and probes /health this often
+    # (doubling while outages repeat without a dispatch); deferred rows are due on recovery.
+    prefect_probe_interval_s: float = 1.0
     running_grace_s: float = 30.0  # Running past deadline_at + this → reaped
     pending_timeout_s: float = 120.0  # Pending this long after its state change → lost
     cancel_grace_s: float = 60.0  # Cancelling this long after the request → forced
@@ -66,6 +70,7 @@ class Relay:
     timings: RelayTimings = field(default_factory=RelayTimings)
     owner: str = field(default_factory=replica_id)
     metrics: RelayMetrics = METRICS
+    outage: PrefectOutage = field(default_factory=PrefectOutage)
     http: httpx.Client = field(default_factory=lambda: httpx.Client(follow_redirects=False))
 
     @contextmanager

@@ -4,8 +4,11 @@ For each leased row: inputs given as URLs are fetched, validated and stored firs
 the flow run is created with idempotency key ``job-<id>-attempt-<n>`` (a repeat returns the
 same run), and its id is written to the job — still ``queued`` until the run starts —
 together with closing the row, in one transaction conditional on the job being queued
-with no run. While Prefect is unreachable the row backs off (exponential, jitter, capped)
-and the job stays queued; a permanent refusal fails the job with ``dispatch_rejected``.
+with no run. While Prefect is unreachable the job stays queued: the first failed call
+defers the row (exponential backoff, jitter, capped) and the rest of the claimed batch
+untried, and dispatch pauses until Prefect's health check answers, which makes the deferred
+rows due at once (``webapi.relay.outage``). A permanent refusal fails the job with
+``dispatch_rejected``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from webapi.inputs import store_image
 from webapi.jobstate import transition
 from webapi.models import Job, JobStatus, Outbox, OutboxOutcome, utcnow
 from webapi.prefect_api import PrefectRejected, PrefectUnavailable
-from webapi.relay import leases
+from webapi.relay import leases, outage
 from webapi.relay.context import Relay
 from webapi.relay.fetch import FetchError, FetchRejected, fetch_url
 
@@ -59,11 +62,38 @@ class _Plan:
 
 
 def run_once(relay: Relay) -> int:
-    """Lease due dispatch rows and process each; returns how many rows were handled."""
+    """Lease due dispatch rows and process each; returns how many rows were handled.
+
+    Once Prefect is found unreachable the rest of the batch is deferred untried, and later
+    passes only probe Prefect's health until it answers (``webapi.relay.outage``)."""
+    if relay.outage.active and not prefect_back(relay):
+        return 0
     rows = claim_due(relay)
-    for row in rows:
-        dispatch_row(relay, row)
+    for index, row in enumerate(rows):
+        if not dispatch_row(relay, row):
+            _defer_untried(relay, rows[index + 1 :], row.last_error or "Prefect unavailable")
+            break
     return len(rows)
+
+
+def prefect_back(relay: Relay) -> bool:
+    """In an outage: probe Prefect's health when due; once it answers, make the deferred
+    dispatch rows due now and leave the outage. Whether dispatch may go on."""
+    state, t = relay.outage, relay.timings
+    if not state.probe_due():
+        return False
+    if not relay.prefect.health():
+        state.probe_failed(probe_s=t.prefect_probe_interval_s, cap_s=t.dispatch_backoff_cap_s)
+        return False
+    with relay.session() as session:
+        due = outage.make_due(session)
+        session.commit()
+    lasted = state.end()
+    log.info(
+        "Prefect reachable again: dispatch resumed",
+        extra={"rows_due": due, "outage_s": round(lasted, 1)},
+    )
+    return True
 
 
 def claim_due(relay: Relay) -> list[Outbox]:
@@ -71,20 +101,23 @@ def claim_due(relay: Relay) -> list[Outbox]:
     return relay.claim("dispatch", lease_s=relay.timings.dispatch_lease_s)
 
 
-def dispatch_row(relay: Relay, row: Outbox) -> None:
-    """Create the flow run of one leased dispatch row and record it on the job."""
+def dispatch_row(relay: Relay, row: Outbox) -> bool:
+    """Create the flow run of one leased dispatch row and record it on the job.
+
+    Returns False when Prefect was unreachable (the row is deferred and this replica is in
+    outage mode: the caller defers the rest of its batch untried), else True."""
     plan = _plan(relay, row)
     if plan is None:
-        return
+        return True
     now = utcnow()
     if now >= plan.deadline_at or (not plan.started and now >= plan.queue_deadline_at):
         # Too late to start: expire (or reap) ends the job and closes this row.
         _defer(relay, row, "past the job's deadline", relay.timings.expire_interval_s)
-        return
+        return True
     if plan.source_key is None or plan.target_key is None:
         plan = _fetch_inputs(relay, row, plan)
         if plan is None:
-            return
+            return True
     assert plan.source_key is not None and plan.target_key is not None
     params = FuseFacesParams(
         job_id=str(plan.job_id),
@@ -100,13 +133,15 @@ def dispatch_row(relay: Relay, row: Outbox) -> None:
     try:
         run = relay.prefect.create_flow_run(params)
     except PrefectUnavailable as exc:
-        _back_off(relay, row, str(exc))
-        return
+        _prefect_down(relay, row, str(exc))
+        return False
     except PrefectRejected as exc:
         log.error("dispatch rejected", extra={"job_id": str(plan.job_id), "detail": exc.detail})
         _fail(relay, row, plan, DISPATCH_REJECTED, "The job could not be scheduled.", str(exc))
-        return
+        return True
+    relay.outage.dispatched()
     _record_run(relay, row, plan, uuid.UUID(run.id))
+    return True
 
 
 def _plan(relay: Relay, row: Outbox) -> _Plan | None:
@@ -224,6 +259,44 @@ def _defer(relay: Relay, row: Outbox, error: str, delay_s: float) -> None:
             session, row, owner=relay.owner, error=error, delay_s=delay_s, count_attempt=False
         )
         session.commit()
+
+
+def _prefect_down(relay: Relay, row: Outbox, error: str) -> None:
+    """Defer ``row`` (backoff, marked as an outage deferral) and enter outage mode; one
+    warning per outage, not one per row."""
+    t = relay.timings
+    delay = leases.backoff_s(
+        row.attempts + 1, base_s=t.dispatch_backoff_base_s, cap_s=t.dispatch_backoff_cap_s
+    )
+    error = (outage.OUTAGE_MARK + error)[: leases.MAX_ERROR_CHARS]
+    with relay.session() as session:
+        leases.reschedule(session, row, owner=relay.owner, error=error, delay_s=delay)
+        session.commit()
+    row.last_error = error
+    relay.metrics.inc(COUNTER, "retry")
+    if relay.outage.begin(probe_s=t.prefect_probe_interval_s, cap_s=t.dispatch_backoff_cap_s):
+        log.warning(
+            "Prefect unavailable: dispatch paused until its health check answers: %s",
+            error.removeprefix(outage.OUTAGE_MARK),
+            extra={"job_id": str(row.job_id)},
+        )
+
+
+def _defer_untried(relay: Relay, rows: list[Outbox], error: str) -> None:
+    """Release the rest of a claimed batch untried (Prefect is unreachable): one UPDATE."""
+    if not rows:
+        return
+    delay = relay.timings.dispatch_backoff_cap_s
+    with relay.session() as session:
+        deferred = outage.defer_rows(
+            session,
+            rows,
+            owner=relay.owner,
+            error=error.removeprefix(outage.OUTAGE_MARK),
+            delay_s=delay,
+        )
+        session.commit()
+    relay.metrics.inc(COUNTER, "deferred", deferred)
 
 
 def _back_off(relay: Relay, row: Outbox, error: str) -> None:
