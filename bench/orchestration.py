@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 from faceflow.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
 from flows.params import FuseFacesParams, idempotency_key, input_key  # noqa: E402
+from webapi.prefect_api import job_tags  # noqa: E402
 
 BIN = Path(sys.executable).parent
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -105,7 +106,12 @@ def run_job(api: httpx.Client, deployment_id: str, source: str, target: str) -> 
     ).model_dump(mode="json")
     created = api.post(
         f"/deployments/{deployment_id}/create_flow_run",
-        json={"parameters": params, "idempotency_key": idempotency_key(job_id, 1), "name": job_id},
+        json={
+            "parameters": params,
+            "idempotency_key": idempotency_key(job_id, 1),
+            "name": job_id,
+            "tags": job_tags(job_id, "bench"),  # as the relay creates runs
+        },
     )
     created.raise_for_status()
     run_id = created.json()["id"]

@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from faceflow.supervisor import Service  # noqa: E402
+from webapi.prefect_api import job_tags  # noqa: E402
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"
@@ -109,7 +110,12 @@ class PrefectRest:
         parameters: dict[str, Any],
         job_variables: dict[str, Any] | None = None,
     ) -> str:
-        body = {"parameters": parameters, "job_variables": job_variables or {}}
+        """A run of ``deployment_id``; a ``fuse-faces`` job gets the name and tags the relay
+        gives it (``webapi.prefect_api``), so the flow does what it does for real jobs."""
+        body: dict[str, Any] = {"parameters": parameters, "job_variables": job_variables or {}}
+        if "job_id" in parameters and "owner_id" in parameters:
+            body["name"] = parameters["job_id"]
+            body["tags"] = job_tags(parameters["job_id"], parameters["owner_id"])
         return str(self.call("POST", f"/deployments/{deployment_id}/create_flow_run", body)["id"])
 
     def run(self, run_id: str) -> dict[str, Any]:

@@ -9,16 +9,16 @@ others keep their defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 from prefect.blocks.core import Block
 from pydantic import Field, field_validator
 
+from blocks.cache import load_block
+from flows.params import STAGES, StageName
 from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits
 
-StageName = Literal["load", "detect", "align", "fuse", "postprocess", "store"]
-"""The flow's stages, in order: load (read + decode inputs) … store (write result)."""
-STAGES: tuple[StageName, ...] = get_args(StageName)
+__all__ = ["STAGES", "FusionSettings", "StageName", "StagePolicy", "load_settings"]
 
 DEFAULT_BUDGETS_S: dict[StageName, float] = {
     "load": 30.0,
@@ -151,8 +151,9 @@ class FusionSettings(Block):
 
 
 def load_settings(block_name: str) -> FusionSettings:
-    """Load the ``FusionSettings`` document ``block_name`` (``"fusion-settings/<name>"``)."""
-    block = Block.load(block_name)
+    """The ``FusionSettings`` document ``block_name`` (``"fusion-settings/<name>"``), from
+    the per-process block cache (``blocks.cache``: a change is seen within its TTL)."""
+    block = load_block(block_name)
     if not isinstance(block, FusionSettings):
         raise TypeError(f"Block {block_name!r} is not a FusionSettings block.")
     return block

@@ -17,6 +17,7 @@ from prefect.blocks.core import Block
 from prefect.filesystems import LocalFileSystem
 from pydantic import SecretStr
 
+from blocks.cache import load_block
 from tasks.errors import InvalidInput, TransientError
 
 HOME_ENV = "FACEFLOW_HOME"
@@ -72,10 +73,11 @@ def s3_storage(
 
 
 def load_storage(block_name: str) -> ByteStore:
-    """Load the storage block document ``block_name`` (``"<block-type-slug>/<name>"``)."""
+    """The storage block document ``block_name`` (``"<block-type-slug>/<name>"``), from the
+    per-process block cache (``blocks.cache``: a change is seen within its TTL)."""
     if block_name.startswith("s3-bucket/"):
         import prefect_aws.s3  # noqa: F401 - registers the S3Bucket block class
-    block = Block.load(block_name)
+    block = load_block(block_name)
     if not (hasattr(block, "read_path") and hasattr(block, "write_path")):
         raise TypeError(f"Block {block_name!r} is not a readable and writable filesystem.")
     return cast(ByteStore, block)

@@ -30,7 +30,7 @@ from prefect.states import Failed, State
 
 from blocks.settings import STAGES, FusionSettings, StageName, load_settings
 from flows import faults
-from flows.artifacts import OperatorView
+from flows.artifacts import OperatorView, wait_for_operator_view
 from flows.deadline import Deadline, StageGuard, alarm_timeouts_available
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
@@ -93,14 +93,20 @@ class _Run:
 
 
 def _tag_flow_run(job_id: str, owner_id: str) -> None:
-    """Add job and owner tags to this flow run (the relay may have set them already)."""
+    """Add job and owner tags to this flow run unless it has them already.
+
+    The relay creates every run with these tags (``webapi.prefect_api.job_tags``), so a
+    dispatched run costs no API call here; a run started another way (a direct call, the
+    UI) is tagged through the run's own client.
+    """
     run_id = flow_run.get_id()
-    if run_id is None:
+    current = set(flow_run.get_tags())
+    wanted = set(run_tags(job_id, owner_id))
+    if run_id is None or wanted <= current:
         return
-    wanted = sorted(set(flow_run.get_tags()) | set(run_tags(job_id, owner_id)))
     try:
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(UUID(run_id), tags=wanted)
+        with get_client(sync_client=True) as client:  # the run's own client, if it has one
+            client.update_flow_run(UUID(run_id), tags=sorted(current | wanted))
     except Exception as exc:  # tags help operators; a failed update must not fail the job
         get_run_logger().warning("Could not tag flow run %s: %r", run_id, exc)
 
@@ -112,6 +118,8 @@ def _tag_flow_run(job_id: str, owner_id: str) -> None:
     retries=0,
     validate_parameters=True,
     log_prints=False,
+    on_completion=[wait_for_operator_view],
+    on_failure=[wait_for_operator_view],
 )
 def fuse_faces(
     job_id: str,

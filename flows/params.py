@@ -9,6 +9,7 @@ sidecar (``ResultRef``) under ``results/``; the relay reads the sidecar after th
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +19,12 @@ DEFAULT_STORAGE_BLOCK = "local-file-system/faceflow-storage"
 DEFAULT_SETTINGS_BLOCK = "fusion-settings/default"
 FLOW_NAME = "fuse-faces"
 DEPLOYMENT_NAME = "fuse-faces"
+
+StageName = Literal["load", "detect", "align", "fuse", "postprocess", "store"]
+"""The flow's stages, in order: load (read + decode inputs) … store (write result)."""
+STAGES: tuple[StageName, ...] = get_args(StageName)
+FINAL_STAGE: StageName = STAGES[-1]
+"""The stage a succeeded job last went through (the relay records it on success)."""
 
 
 class FuseFacesParams(BaseModel):

@@ -1,6 +1,9 @@
-"""Blocks: registration, save/load round trips (secrets included), defaults, local storage."""
+"""Blocks: registration, save/load round trips (secrets included), defaults, local storage,
+the per-process block cache."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import pytest
@@ -8,6 +11,7 @@ from prefect.blocks.core import Block
 from pydantic import SecretStr
 
 from blocks import ALL_BLOCKS, FusionSettings, WebhookSettings, init_default_blocks
+from blocks.cache import TTL_ENV
 from blocks.settings import DEFAULT_BUDGETS_S, STAGES, load_settings
 from blocks.storage import (
     LOCAL_STORAGE_NAME,
@@ -98,3 +102,29 @@ def test_default_blocks_and_local_storage(prefect_harness: Home) -> None:
     assert uri == (prefect_harness.storage.resolve() / "results/x/attempt-1.png").as_uri()
     with pytest.raises(InvalidInput):
         read_bytes(DEFAULT_STORAGE_BLOCK, "inputs/zz/none.jpg")
+
+
+def test_a_changed_block_is_used_once_the_cache_ttl_passed(
+    prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TTL_ENV, "2")
+    name = "fusion-settings/cache-ttl"
+    FusionSettings(identity_weight=0.3).save("cache-ttl", overwrite=True)
+    loaded_at = time.monotonic()
+    assert load_settings(name).identity_weight == 0.3
+    FusionSettings(identity_weight=0.6).save("cache-ttl", overwrite=True)
+    cached = load_settings(name)
+    if time.monotonic() - loaded_at < 1.9:  # a very slow save may outlast the TTL itself
+        assert cached.identity_weight == 0.3  # within the TTL: no API call, the old document
+    time.sleep(max(0.0, loaded_at + 2.1 - time.monotonic()))
+    assert load_settings(name).identity_weight == 0.6  # the TTL passed: reloaded
+
+
+def test_a_zero_cache_ttl_loads_every_time(
+    prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TTL_ENV, "0")
+    FusionSettings(identity_weight=0.2).save("cache-off", overwrite=True)
+    assert load_settings("fusion-settings/cache-off").identity_weight == 0.2
+    FusionSettings(identity_weight=0.7).save("cache-off", overwrite=True)
+    assert load_settings("fusion-settings/cache-off").identity_weight == 0.7

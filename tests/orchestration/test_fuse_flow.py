@@ -6,13 +6,14 @@ import io
 import json
 import time
 from datetime import UTC, datetime, timedelta
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
 from PIL import Image
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.runtime import flow_run
 
 from blocks.settings import FusionSettings
 from blocks.storage import read_bytes
@@ -64,7 +65,7 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     assert run.name == params["job_id"]
     assert {f"job:{params['job_id']}", "owner:user-1"} <= set(run.tags)
     by_type = {a.type: a for a in artifacts}
-    assert set(by_type) >= {"table", "markdown", "progress"}
+    assert sorted(str(a.type) for a in artifacts) == ["markdown", "progress", "table"]
     assert ref.key in str(by_type["markdown"].data)
     table = by_type["table"].data
     rows = cast(list[dict[str, str]], json.loads(table) if isinstance(table, str) else table)
@@ -73,6 +74,7 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     assert items["faces replaced"]["value"] == "1"
     assert items["detect"]["detail"].startswith("done")
     assert by_type["progress"].data == 100.0
+    assert by_type["progress"].description == "Finished: succeeded."
     stage_runs = task_runs(run_id)
     assert set(stage_runs) == {"load", "detect", "align", "fuse", "postprocess", "store"}
     assert all(r.state is not None and r.state.is_completed() for r in stage_runs.values())
@@ -143,3 +145,36 @@ def test_missing_input_is_a_permanent_invalid_input(prefect_harness: Home) -> No
     state = fuse_faces(**params, return_state=True)
     assert state.message is not None and state.message.startswith("[invalid_input] ")
     assert task_runs(state.state_details.flow_run_id)["load"].run_count == 1
+
+
+def test_a_running_stage_is_published_for_the_relay(
+    prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage that lasts longer than the progress delay is named by the run's progress
+    artifact while it runs, as the relay's sync reads it."""
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.artifacts import PROGRESS_DELAY_S
+    from webapi.prefect_api import PrefectAPI
+    from webapi.relay.sync import stage_of
+
+    seen: list[str | None] = []
+    real_detect = pipeline.detect_stage
+
+    def slow_detect(*args: Any, **kwargs: Any) -> Any:
+        run_id = str(flow_run.get_id())
+        time.sleep(PROGRESS_DELAY_S + 1.0)
+        with PrefectAPI(str(PREFECT_API_URL.value())) as api:
+            run = api.read_flow_run(run_id)
+            assert run is not None
+            seen.append(stage_of(run, api.read_progress([run_id]).get(run_id)))
+        return real_detect(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "detect_stage", slow_detect)
+    params = job_params(
+        prefect_harness.put_input(astronaut_jpeg_bytes()),
+        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+    )
+    state = fuse_faces(**params, return_state=True)
+    assert state.is_completed(), state.message
+    assert seen == ["detect"]

@@ -7,7 +7,8 @@ pass, every ``sync_interval_s``). Mapping:
   artifact ``Stage i/n: <name> ...``, as fuse-faces writes it, or a state message
   ``stage: <name>``; one batched artifact query per pass);
 - COMPLETED → the ``ResultRef`` sidecar (``flows.params.result_meta_key``) is read from
-  storage → ``succeeded`` with the result;
+  storage → ``succeeded`` with the result and ``stage`` = the flow's last stage (the
+  progress artifact is written lazily and may lag behind a run that finished);
 - FAILED → ``failed`` with the code of the flow's ``[code] message`` (``tasks.errors``);
 - CANCELLED → ``cancelled``;
 - CRASHED, lost runs and overdue runs are the reaper's (``webapi.relay.reap``).
@@ -28,7 +29,7 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 from sqlmodel import col, select
 
-from flows.params import ResultRef, result_meta_key
+from flows.params import FINAL_STAGE, ResultRef, result_meta_key
 from tasks import errors as pipeline_errors
 from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, UTCDateTime, utcnow
@@ -212,6 +213,7 @@ def _completed(relay: Relay, job: Watched, run: FlowRun) -> bool:
         started_at=sa.func.coalesce(
             Job.started_at, sa.literal(run.start_time or utcnow(), UTCDateTime)
         ),
+        stage=FINAL_STAGE,
         result_key=ref.key,
         result_content_type=ref.content_type,
         result_width=ref.width,
