@@ -70,6 +70,12 @@ class Settings(BaseSettings):
         description="How long an authenticated API key is remembered in-process "
         "(a revoked key, disabled user or new quota applies within this time; 0: never).",
     )
+    submit_threads: int = Field(
+        3,
+        ge=1,
+        description="Submits whose validation and transaction run at once (they serialise "
+        "on the database's write or backlog lock; more threads only contend).",
+    )
     public_base_url: str | None = Field(None, description="External URL of the API.")
 
     @model_validator(mode="after")

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
@@ -56,6 +57,7 @@ def create_app(settings: Settings | None = None, *, json_logs: bool | None = Non
     app.state.store = open_store(settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url)
     app.state.metrics = ApiMetrics(app.state.engine)
     app.state.users = KeyCache[User](settings.auth_cache_seconds)
+    app.state.submit_limiter = anyio.CapacityLimiter(settings.submit_threads)
     app.state.relay = None
     errors.install(app)
     app.add_middleware(RequestIdMiddleware)

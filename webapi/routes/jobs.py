@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -10,6 +11,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any
 
+import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -123,7 +125,7 @@ async def create_job(
     started = time.perf_counter()
     try:
         create, source, target = await _read_submission(request, settings)
-        public, created = await run_in_threadpool(
+        work = functools.partial(
             _submit,
             engine=engine,
             store=store,
@@ -134,6 +136,11 @@ async def create_job(
             raw_target=target,
             idempotency_key=idempotency_key,
             base_url=_base_url(request, settings),
+        )
+        # A few threads, not the shared pool: submits serialise on the write lock (SQLite)
+        # or the backlog lock (PostgreSQL), and more threads only contend for the GIL.
+        public, created = await anyio.to_thread.run_sync(
+            work, limiter=request.app.state.submit_limiter
         )
     except ApiError as exc:
         metrics.submit_latency.labels(outcome=str(exc.status_code)).observe(
