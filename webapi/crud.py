@@ -30,6 +30,7 @@ from sqlmodel import Session, col, select
 from webapi.auth import hash_api_key, key_matches, new_api_key, new_webhook_secret
 from webapi.config import Settings
 from webapi.errors import (
+    ApiError,
     IdempotencyKeyReused,
     InvalidRequest,
     JobNotCancellable,
@@ -128,6 +129,26 @@ def request_digest(create: JobCreate, source: InputRef, target: InputRef) -> str
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Submission:
+    """One submit request whose inputs are validated and stored."""
+
+    owner: User
+    create: JobCreate
+    source: InputRef
+    target: InputRef
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What became of one ``Submission``: a new job, an idempotent replay, or an error."""
+
+    job: Job | None
+    created: bool = False
+    error: ApiError | None = None
+
+
 def submit_job(
     session: Session,
     *,
@@ -144,23 +165,134 @@ def submit_job(
     earlier job with the same request digest. Raises ``IdempotencyKeyReused`` (409),
     ``QuotaExceeded`` (429), ``Overloaded`` (503) or ``InvalidRequest`` (422).
     """
-    deadline_s, queue_s = _timeouts(create, settings)
-    digest = request_digest(create, source, target)
-    _lock_user(session, owner.id)
-    if idempotency_key is not None:
-        existing = _by_idempotency_key(session, owner_id=owner.id, key=idempotency_key)
-        if existing is not None:
-            session.commit()
-            return _replay(existing, digest), False
-    _check_capacity(session, owner=owner, queue_timeout_s=queue_s, settings=settings)
+    submission = Submission(owner, create, source, target, idempotency_key)
+    (admission,) = submit_jobs(session, submissions=[submission], settings=settings)
+    if admission.error is not None:
+        raise admission.error
+    assert admission.job is not None
+    return admission.job, admission.created
 
+
+def submit_jobs(
+    session: Session, *, submissions: Sequence[Submission], settings: Settings
+) -> list[Admission]:
+    """Admit several submissions in one transaction (group commit), in order.
+
+    Each is judged as if submitted alone after the ones before it: replays first, then
+    the owner's quota and the global backlog, both counting the jobs this batch already
+    admitted. Every new job and its dispatch outbox row commit together (invariant 1).
+    If the commit hits the idempotency constraint (a concurrent duplicate in another
+    transaction), each submission is retried on its own.
+    """
+    try:
+        admissions = _admit(session, submissions, settings)
+        session.commit()
+        return admissions
+    except IntegrityError:
+        session.rollback()
+        if len(submissions) > 1:
+            return [
+                one
+                for submission in submissions
+                for one in submit_jobs(session, submissions=[submission], settings=settings)
+            ]
+        submission = submissions[0]
+        key = submission.idempotency_key
+        if key is None:
+            raise
+        winner = _by_idempotency_key(session, owner_id=submission.owner.id, key=key)
+        if winner is None:
+            raise
+        session.commit()
+        try:
+            digest = request_digest(submission.create, submission.source, submission.target)
+            return [Admission(_replay(winner, digest))]
+        except ApiError as exc:
+            return [Admission(None, error=exc)]
+
+
+@dataclass
+class _Batch:
+    """Counts a batch keeps up to date as it admits jobs."""
+
+    queued: int
+    running: int
+    service_s: float
+    active: dict[uuid.UUID, int]
+    fresh: dict[tuple[uuid.UUID, str], Job]
+
+    def load(self, settings: Settings) -> Backlog:
+        return Backlog(self.queued, self.running, self.service_s, settings.worker_slots)
+
+
+def _admit(
+    session: Session, submissions: Sequence[Submission], settings: Settings
+) -> list[Admission]:
+    _serialise_backlog(session)
+    for owner_id in sorted({submission.owner.id for submission in submissions}):
+        _lock_user(session, owner_id)
+    load = backlog(session, settings=settings)
+    batch = _Batch(load.queued, load.running, load.service_s, {}, {})
+    admissions: list[Admission] = []
+    with session.no_autoflush:  # new rows are inserted together at commit
+        for submission in submissions:
+            try:
+                admissions.append(_admit_one(session, submission, batch, settings))
+            except ApiError as exc:
+                admissions.append(Admission(None, error=exc))
+    return admissions
+
+
+def _admit_one(
+    session: Session, submission: Submission, batch: _Batch, settings: Settings
+) -> Admission:
+    create, owner, key = submission.create, submission.owner, submission.idempotency_key
+    deadline_s, queue_s = _timeouts(create, settings)
+    digest = request_digest(create, submission.source, submission.target)
+    if key is not None:
+        existing = batch.fresh.get((owner.id, key)) or _by_idempotency_key(
+            session, owner_id=owner.id, key=key
+        )
+        if existing is not None:
+            return Admission(_replay(existing, digest))
+    if owner.id not in batch.active:
+        batch.active[owner.id] = _count_active(session, owner)
+    _check_capacity(
+        active=batch.active[owner.id],
+        owner=owner,
+        load=batch.load(settings),
+        queue_timeout_s=queue_s,
+        settings=settings,
+    )
+    job = _new_job(submission, digest, deadline_s, queue_s, settings)
+    session.add(job)
+    session.add(
+        Outbox(
+            kind="dispatch",
+            job_id=job.id,
+            payload={"attempt": 1},
+            created_at=job.created_at,
+            next_attempt_at=job.created_at,
+        )
+    )
+    batch.queued += 1
+    batch.active[owner.id] += 1
+    if key is not None:
+        batch.fresh[(owner.id, key)] = job
+    return Admission(job, created=True)
+
+
+def _new_job(
+    submission: Submission, digest: str, deadline_s: int, queue_s: int, settings: Settings
+) -> Job:
+    create, source, target = submission.create, submission.source, submission.target
     now = utcnow()
     callback_events = (
         list(create.callback_events or DEFAULT_CALLBACK_EVENTS) if create.callback_url else []
     )
-    job = Job(
-        owner_id=owner.id,
-        idempotency_key=idempotency_key,
+    return Job(
+        owner_id=submission.owner.id,
+        idempotency_key=submission.idempotency_key,
         input_digest=digest,
         source_key=source.key,
         target_key=target.key,
@@ -176,28 +308,6 @@ def submit_job(
         deadline_at=now + timedelta(seconds=deadline_s),
         queue_deadline_at=now + timedelta(seconds=min(queue_s, deadline_s)),
     )
-    session.add(job)
-    session.add(
-        Outbox(
-            kind="dispatch",
-            job_id=job.id,
-            payload={"attempt": 1},
-            created_at=now,
-            next_attempt_at=now,
-        )
-    )
-    try:
-        session.commit()
-    except IntegrityError:
-        session.rollback()
-        if idempotency_key is None:
-            raise
-        winner = _by_idempotency_key(session, owner_id=owner.id, key=idempotency_key)
-        if winner is None:
-            raise
-        session.commit()
-        return _replay(winner, digest), False
-    return job, True
 
 
 def _timeouts(create: JobCreate, settings: Settings) -> tuple[int, int]:
@@ -334,20 +444,22 @@ def _serialise_backlog(session: Session) -> None:
         session.exec(select(sa.func.pg_advisory_xact_lock(BACKLOG_LOCK_KEY))).first()
 
 
-def _check_capacity(
-    session: Session, *, owner: User, queue_timeout_s: int, settings: Settings
-) -> None:
-    _serialise_backlog(session)
-    # Bounded by the quota: counting stops at ``quota`` rows however many there are
-    # (and reads only the (owner, status) index).
+def _count_active(session: Session, owner: User) -> int:
+    """The owner's unfinished jobs, counted up to ``quota + 1`` from the (owner, status)
+    index: bounded however many there are."""
     unfinished = (
         select(Job.status)
         .where(col(Job.owner_id) == owner.id, col(Job.status).in_(list(ACTIVE_STATUSES)))
         .limit(owner.quota + 1)
         .subquery()
     )
-    active = session.exec(select(sa.func.count()).select_from(unfinished)).one()
-    load = backlog(session, settings=settings)
+    return int(session.exec(select(sa.func.count()).select_from(unfinished)).one())
+
+
+def _check_capacity(
+    *, active: int, owner: User, load: Backlog, queue_timeout_s: int, settings: Settings
+) -> None:
+    """429 over the owner's quota, 503 when a new job would not start in time."""
     if active >= owner.quota:
         raise QuotaExceeded(
             f"Too many unfinished jobs: the quota of this API key is {owner.quota}.",

@@ -22,6 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 
 from webapi import errors
+from webapi.admission import Admitter
 from webapi.auth import KeyCache
 from webapi.config import Settings, get_settings
 from webapi.db import get_engine, read_only
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None, *, json_logs: bool | None = Non
     app.state.metrics = ApiMetrics(app.state.engine)
     app.state.users = KeyCache[User](settings.auth_cache_seconds)
     app.state.submit_limiter = anyio.CapacityLimiter(settings.submit_threads)
+    app.state.admitter = Admitter(app.state.engine, settings)
     app.state.relay = None
     errors.install(app)
     app.add_middleware(RequestIdMiddleware)
@@ -77,6 +79,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        await run_in_threadpool(app.state.admitter.close)
         if relay is not None:
             await _maybe_await(await run_in_threadpool(relay.stop_relay, app.state))
 

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from webapi import crud
+from webapi.admission import Admitter
 from webapi.config import Settings
 from webapi.db import read_only
 from webapi.deps import CurrentUser, EngineDep, ReadSessionDep, SessionDep, SettingsDep, StoreDep
@@ -126,8 +127,7 @@ async def create_job(
     try:
         create, source, target = await _read_submission(request, settings)
         work = functools.partial(
-            _submit,
-            engine=engine,
+            _prepare,
             store=store,
             settings=settings,
             user=user,
@@ -135,12 +135,20 @@ async def create_job(
             raw_source=source,
             raw_target=target,
             idempotency_key=idempotency_key,
-            base_url=_base_url(request, settings),
         )
-        # A few threads, not the shared pool: submits serialise on the write lock (SQLite)
-        # or the backlog lock (PostgreSQL), and more threads only contend for the GIL.
-        public, created = await anyio.to_thread.run_sync(
-            work, limiter=request.app.state.submit_limiter
+        # A few threads, not the shared pool: validating inputs is CPU work, and more
+        # threads only contend for the GIL.
+        submission = await anyio.to_thread.run_sync(work, limiter=request.app.state.submit_limiter)
+        admitter: Admitter = request.app.state.admitter
+        admitted = await asyncio.wrap_future(admitter.submit(submission))
+        if admitted.admission.error is not None:
+            raise admitted.admission.error
+        assert admitted.admission.job is not None
+        created = admitted.admission.created
+        public = to_public(
+            admitted.admission.job,
+            base_url=_base_url(request, settings),
+            callbacks=admitted.callbacks,
         )
     except ApiError as exc:
         metrics.submit_latency.labels(outcome=str(exc.status_code)).observe(
@@ -161,9 +169,8 @@ async def create_job(
     return JSONResponse(public.model_dump(mode="json"), status_code=status_code, headers=headers)
 
 
-def _submit(
+def _prepare(
     *,
-    engine: Engine,
     store: ObjectStore,
     settings: Settings,
     user: User,
@@ -171,8 +178,8 @@ def _submit(
     raw_source: str | bytes,
     raw_target: str | bytes,
     idempotency_key: str | None,
-    base_url: str,
-) -> tuple[JobPublic, bool]:
+) -> crud.Submission:
+    """Check the callback URL, validate and store both inputs: a submission to admit."""
     if create.callback_url is not None:
         try:
             check_url(str(create.callback_url), allow_private=settings.allow_private_urls)
@@ -185,18 +192,7 @@ def _submit(
     }
     source = accept_input(raw_source, name="source", **common)  # type: ignore[arg-type]
     target = accept_input(raw_target, name="target", **common)  # type: ignore[arg-type]
-    with Session(engine, expire_on_commit=False) as session:
-        job, created = crud.submit_job(
-            session,
-            owner=user,
-            create=create,
-            source=source,
-            target=target,
-            settings=settings,
-            idempotency_key=idempotency_key,
-        )
-        callbacks = {} if created else crud.callbacks_for(session, job_ids=[job.id])
-        return to_public(job, base_url=base_url, callbacks=callbacks.get(job.id, [])), created
+    return crud.Submission(user, create, source, target, idempotency_key)
 
 
 async def _read_submission(
