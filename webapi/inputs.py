@@ -99,3 +99,19 @@ def accept_input(
             raise BlockedUrl(f"{name}: {exc.message}") from exc
         return InputRef(name=name, digest=hashlib.sha256(text.encode()).hexdigest(), url=text)
     raise InvalidRequest(f"{name}: give a data:image/...;base64, URI or an https URL.")
+
+
+def warm_up(limits: ImageLimits) -> None:
+    """Import and initialise what validating an input needs (Pillow and its format
+    plugins), so the first submit does not pay for it and long-lived objects exist before
+    the app freezes its heap (``webapi.main``)."""
+    import io
+
+    from PIL import Image
+
+    from tasks.images import probe_image
+
+    for image_format in ("JPEG", "PNG", "WEBP"):
+        buffer = io.BytesIO()
+        Image.new("RGB", (limits.min_side, limits.min_side)).save(buffer, format=image_format)
+        probe_image(buffer.getvalue(), limits)

@@ -9,6 +9,7 @@ Nothing here imports torch, the pipeline or prefect.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import inspect
 import logging
@@ -26,6 +27,7 @@ from webapi.admission import Admitter
 from webapi.auth import KeyCache
 from webapi.config import Settings, get_settings
 from webapi.db import get_engine, read_only
+from webapi.inputs import warm_up
 from webapi.logs import RequestIdMiddleware, configure_logging
 from webapi.metrics import ApiMetrics
 from webapi.migrations import check_migrated
@@ -73,15 +75,29 @@ def create_app(settings: Settings | None = None, *, json_logs: bool | None = Non
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     await run_in_threadpool(check_migrated, app.state.engine)
+    await run_in_threadpool(warm_up, settings.image_limits)
     relay = _relay_module() if settings.run_relay else None
     if relay is not None:
         await _maybe_await(relay.start_relay(app.state))
+    _freeze_heap()
     try:
         yield
     finally:
         await run_in_threadpool(app.state.admitter.close)
         if relay is not None:
             await _maybe_await(await run_in_threadpool(relay.stop_relay, app.state))
+
+
+def _freeze_heap() -> None:
+    """Leave every object alive after start-up out of the cyclic garbage collector's scans.
+
+    Full collections otherwise walk the whole heap of imported modules (FastAPI, pydantic,
+    SQLAlchemy, Pillow: ≈ 80 ms here) a few times a minute under load, each one a pause
+    that every in-flight request waits through; frozen, they scan only what requests
+    allocate. Objects freed by reference counting are unaffected.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _relay_module() -> Any:
