@@ -4,8 +4,11 @@
 (``socket.getaddrinfo``, no connection is made) exclusively to public addresses: no
 loopback, private, link-local, CGNAT (100.64/10), multicast, reserved, unspecified or
 cloud-metadata address, IPv4 or IPv6, including IPv4 embedded in IPv6 (mapped, 6to4,
-Teredo, NAT64). It returns the resolved addresses so a client can connect to exactly
-those (pinning) and call it again on every redirect. ``allow_private=True``
+Teredo, NAT64). It returns the resolved addresses; ``pinned`` turns them into a request
+that connects to exactly the checked address (no second DNS lookup, so no DNS
+rebinding between the check and the connection) while HTTP ``Host`` and TLS (SNI and
+certificate verification) still use the original host name. Callers check and pin again
+on every redirect. ``allow_private=True``
 (``FACEFLOW_ALLOW_PRIVATE_URLS``) lifts the address check for development and tests,
 except for the metadata endpoints, which stay blocked.
 """
@@ -14,9 +17,12 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
+
+import httpx
 
 from webapi.errors import BlockedUrl
 
@@ -65,6 +71,41 @@ def check_url(
         if address in METADATA_ADDRESSES or (not allow_private and not is_public(address)):
             raise BlockedUrl(f"The URL's host resolves to a non-public address ({address}).")
     return list(dict.fromkeys(str(address) for address in addresses))
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """An httpx request target pinned to a checked address: send to ``url`` (its host is
+    the IP literal) with ``headers`` (``Host``) and ``extensions`` (``sni_hostname``)."""
+
+    url: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    extensions: Mapping[str, Any] = field(default_factory=dict)
+
+
+def pinned(url: str, addresses: Sequence[str]) -> Pinned:
+    """``url`` rewritten to connect to ``addresses[0]`` (the first address ``check_url``
+    returned; the others are not tried), keeping the original host for HTTP and TLS:
+    an explicit ``Host`` header (host[:port], the default port left out, IDNA-encoded)
+    and, for https, ``sni_hostname`` so httpcore uses the original name for SNI and for
+    certificate hostname verification. For https the request also asks the server to
+    close the connection afterwards: httpx pools connections by scheme, IP and port, so
+    a kept-alive TLS connection verified for one name could otherwise carry a request
+    for another name that resolved to the same IP."""
+    if not addresses:
+        raise BlockedUrl("The URL's host cannot be resolved.")
+    try:
+        original = httpx.URL(url)
+        target = original.copy_with(host=addresses[0])
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise BlockedUrl("The URL cannot be parsed.") from exc
+    headers = {"host": original.netloc.decode("ascii")}
+    extensions: dict[str, Any] = {}
+    if original.scheme == "https":
+        headers["connection"] = "close"
+        if _literal(original.host) is None:  # an IP literal is verified as such anyway
+            extensions["sni_hostname"] = original.raw_host.decode("ascii")
+    return Pinned(url=str(target), headers=headers, extensions=extensions)
 
 
 def is_public(address: IPAddress) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from webapi.errors import BlockedUrl
-from webapi.urls import check_url, is_public
+from webapi.urls import Pinned, check_url, is_public, pinned
 
 
 @pytest.fixture(autouse=True)
@@ -153,3 +153,43 @@ def test_is_public_examples() -> None:
     assert is_public(ipaddress.ip_address("2001:4860:4860::8888"))
     assert not is_public(ipaddress.ip_address("100.127.255.255"))
     assert not is_public(ipaddress.ip_address("::ffff:192.168.0.1"))
+
+
+# --------------------------------------------------------------------------- pinning
+
+
+def test_pinned_https_connects_to_the_ip_with_the_original_host_and_sni(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        socket, "getaddrinfo", fake_dns({"hooks.example": ["2606:2800:220:1::1", "93.184.216.34"]})
+    )
+    url = "https://Hooks.Example:443/a/b?c=d%20e"
+    target = pinned(url, check_url(url))
+    assert target == Pinned(
+        url="https://[2606:2800:220:1::1]/a/b?c=d%20e",  # the first address, bracketed
+        headers={"host": "hooks.example", "connection": "close"},  # default port left out
+        extensions={"sni_hostname": "hooks.example"},
+    )
+
+
+def test_pinned_keeps_a_port_and_encodes_idna() -> None:
+    target = pinned("https://bücher.example:8443/x", ["93.184.216.34"])
+    assert target.url == "https://93.184.216.34:8443/x"
+    assert target.headers["host"] == "xn--bcher-kva.example:8443"
+    assert target.extensions == {"sni_hostname": "xn--bcher-kva.example"}
+
+
+def test_pinned_plain_http_needs_no_sni_and_keeps_connections() -> None:
+    target = pinned("http://hooks.example:8080/h?x=1", ["::1"])
+    assert target == Pinned(
+        url="http://[::1]:8080/h?x=1", headers={"host": "hooks.example:8080"}, extensions={}
+    )
+
+
+def test_pinned_ip_literal_and_no_address() -> None:
+    target = pinned("https://[2606:2800:220:1::1]/x", ["2606:2800:220:1::1"])
+    assert target.url == "https://[2606:2800:220:1::1]/x" and target.extensions == {}
+    assert target.headers["host"] == "[2606:2800:220:1::1]"
+    with pytest.raises(BlockedUrl):
+        pinned("https://hooks.example/x", [])

@@ -1,8 +1,12 @@
 """Download an input image given as an https URL, with the SSRF guard on every hop.
 
 ``follow_redirects`` is off: each redirect target is checked with ``webapi.urls.check_url``
-before it is requested (at most ``max_redirects``). The body is streamed and refused as
-soon as it passes ``max_bytes``; connect/read timeouts bound a slow server.
+before it is requested (at most ``max_redirects``), and the request is pinned to the
+checked address (``webapi.urls.pinned``: no second DNS lookup), so a DNS answer that
+changes between the check and the connection cannot reach a private address. A
+redirect's ``Location`` is resolved against the original URL, not the pinned one. The
+body is streamed and refused as soon as it passes ``max_bytes``; connect/read timeouts
+bound a slow server.
 Failures are typed: ``FetchRejected`` (permanent: blocked URL, 4xx, too large) and
 ``FetchUnavailable`` (transient: timeouts, dropped connections, 5xx).
 """
@@ -15,7 +19,7 @@ from urllib.parse import urljoin
 import httpx
 
 from webapi.errors import BlockedUrl
-from webapi.urls import check_url
+from webapi.urls import Pinned, check_url, pinned
 
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 RETRYABLE_CODES = frozenset({408, 425, 429})
@@ -54,22 +58,28 @@ def fetch_url(
     current = url
     for _hop in range(max_redirects + 1):
         try:
-            check_url(current, allow_private=allow_private, schemes=schemes)
+            addresses = check_url(current, allow_private=allow_private, schemes=schemes)
+            target = pinned(current, addresses)
         except BlockedUrl as exc:
             raise FetchRejected(f"The input URL is not allowed: {exc.message}") from exc
-        location = _get(client, current, max_bytes=max_bytes, timeout_s=timeout_s)
+        location = _get(client, target, max_bytes=max_bytes, timeout_s=timeout_s)
         if isinstance(location, bytes):
             return location
-        current = urljoin(current, location)
+        current = urljoin(current, location)  # the original URL, never the pinned one
     raise FetchRejected(f"The input URL redirected more than {max_redirects} times.")
 
 
-def _get(client: httpx.Client, url: str, *, max_bytes: int, timeout_s: float) -> bytes | str:
+def _get(client: httpx.Client, target: Pinned, *, max_bytes: int, timeout_s: float) -> bytes | str:
     """The body, or the redirect target (``Location``) as a string."""
     timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0))
     try:
         with client.stream(
-            "GET", url, timeout=timeout, follow_redirects=False, headers={"accept": "image/*"}
+            "GET",
+            target.url,
+            timeout=timeout,
+            follow_redirects=False,
+            headers={"accept": "image/*", **target.headers},
+            extensions=dict(target.extensions),
         ) as response:
             code = response.status_code
             if code in REDIRECT_CODES:

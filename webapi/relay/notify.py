@@ -5,8 +5,10 @@ Standard Webhooks: ``webhook-id`` is the row's ``msg_<id>`` (the same on every r
 the owner's ``whsec_`` secret, body = the frozen ``payload["body"]``. Any 2xx delivers;
 410 Gone gives up at once; anything else (other codes, timeouts, refused connections) is
 retried with exponential backoff and jitter until the row is ``webhook_max_age_s`` old.
-The URL is SSRF-checked again at send time (DNS may have changed). Every attempt is a
-``WebhookDelivery`` row, shown on the job as ``callbacks``.
+The URL is SSRF-checked again at send time (DNS may have changed) and the POST is pinned
+to the checked address (``webapi.urls.pinned``), so DNS rebinding between the check and
+the connection cannot redirect it; ``Host``, SNI and certificate checks keep the original
+host name. Every attempt is a ``WebhookDelivery`` row, shown on the job as ``callbacks``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from webapi.errors import BlockedUrl
 from webapi.models import Job, Outbox, OutboxOutcome, User, WebhookDelivery, utcnow
 from webapi.relay import leases
 from webapi.relay.context import Relay
-from webapi.urls import check_url
+from webapi.urls import check_url, pinned
 from webapi.webhooks import encode_body, signed_headers
 
 log = logging.getLogger(__name__)
@@ -126,18 +128,20 @@ def _post(relay: Relay, row: Outbox, url: str, secret: str) -> Attempt:
         return (time.perf_counter() - started) * 1000
 
     try:
-        check_url(url, allow_private=relay.settings.allow_private_urls)
+        target = pinned(url, check_url(url, allow_private=relay.settings.allow_private_urls))
     except BlockedUrl as exc:
         return Attempt("gave_up", None, f"blocked: {exc.message}", took())
     body = encode_body(row.payload.get("body") or {})
     headers = signed_headers(secret, _webhook_id(row), body)
     headers["user-agent"] = USER_AGENT
+    headers.update(target.headers)
     timeout = relay.timings.webhook_timeout_s
     try:
         response = relay.http.post(
-            url,
+            target.url,
             content=body,
             headers=headers,
+            extensions=dict(target.extensions),
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
             follow_redirects=False,
         )
