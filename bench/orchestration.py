@@ -36,8 +36,12 @@ sys.path.insert(0, str(REPO))
 
 from faceflow.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
-from flows.params import FuseFacesParams, idempotency_key, input_key  # noqa: E402
-from webapi.prefect_api import job_tags  # noqa: E402
+from flows.params import (  # noqa: E402
+    FuseFacesParams,
+    idempotency_key,
+    input_key,
+    run_tags,
+)
 
 BIN = Path(sys.executable).parent
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -110,7 +114,7 @@ def run_job(api: httpx.Client, deployment_id: str, source: str, target: str) -> 
             "parameters": params,
             "idempotency_key": idempotency_key(job_id, 1),
             "name": job_id,
-            "tags": job_tags(job_id, "bench"),  # as the relay creates runs
+            "tags": run_tags(job_id, "bench"),  # as the relay creates runs
         },
     )
     created.raise_for_status()

@@ -25,6 +25,7 @@ JSON); asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from faceflow.supervisor import Service  # noqa: E402
-from webapi.prefect_api import job_tags  # noqa: E402
+from flows.params import run_tags  # noqa: E402
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"
@@ -115,7 +116,7 @@ class PrefectRest:
         body: dict[str, Any] = {"parameters": parameters, "job_variables": job_variables or {}}
         if "job_id" in parameters and "owner_id" in parameters:
             body["name"] = parameters["job_id"]
-            body["tags"] = job_tags(parameters["job_id"], parameters["owner_id"])
+            body["tags"] = run_tags(parameters["job_id"], parameters["owner_id"])
         return str(self.call("POST", f"/deployments/{deployment_id}/create_flow_run", body)["id"])
 
     def run(self, run_id: str) -> dict[str, Any]:
@@ -132,10 +133,41 @@ class PrefectRest:
             time.sleep(0.25)  # latencies come from server timestamps, not from this poll
 
 
-def start_server(home: Path) -> tuple[Service, str, dict[str, str]]:
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+@contextlib.contextmanager
+def server_database(kind: str) -> Iterator[dict[str, str]]:
+    """Environment for the Prefect server's database: its default SQLite file, or a fresh
+    PostgreSQL database on 127.0.0.1:5432 (dropped afterwards), as in production."""
+    if kind == "sqlite":
+        yield {}
+        return
+    import sqlalchemy as sa
+
+    name = f"prefect_bench_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield {
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": (
+                f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+            )
+        }
+    finally:
+        with admin.connect() as connection:
+            connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def start_server(
+    home: Path, database_env: dict[str, str] | None = None
+) -> tuple[Service, str, dict[str, str]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {
+        **(database_env or {}),
         "PREFECT_HOME": str(home / "prefect"),
         "PREFECT_API_URL": url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -146,6 +178,7 @@ def start_server(home: Path) -> tuple[Service, str, dict[str, str]]:
     }
     argv = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     server = Service("prefect-server", argv, log=home / "server.log", env=env)
+    env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)  # clients need only the API URL
     server.start()
     server.wait_ready(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 180)
     return server, url, env
@@ -353,6 +386,11 @@ def bench_mode(
         "e2e_median_s": statistics.median(e2e),
         "burst_jobs_per_min": len(burst) / burst_wall * 60.0,
         "burst_gap_median_ms": statistics.median(gaps) * 1e3 if gaps else 0.0,
+        "burst_gap_max_ms": max(gaps) * 1e3 if gaps else 0.0,
+        "burst_first_start_s": ts(ordered[0]["start_time"]) - min(ts(r["created"]) for r in burst),
+        "burst_run_median_ms": statistics.median(
+            (ts(r["end_time"]) - ts(r["start_time"])) * 1e3 for r in burst
+        ),
         "flow_bookkeeping_median_ms": statistics.median(in_flow),
         "stage_median_ms": stage_medians,
         "state_gaps_ms": state_gaps(api, sequential),
@@ -408,6 +446,9 @@ def print_table(out: dict[str, Any]) -> None:
         ("throughput, burst (jobs/min)", lambda m: m["burst_jobs_per_min"], "{:.1f}"),
         ("throughput / bare", lambda m: m["throughput_share_of_bare"], "{:.0%}"),
         ("burst: end → next start (ms)", lambda m: m["burst_gap_median_ms"], "{:.0f}"),
+        ("burst: largest such gap (ms)", lambda m: m["burst_gap_max_ms"], "{:.0f}"),
+        ("burst: creation → first start (s)", lambda m: m["burst_first_start_s"], "{:.2f}"),
+        ("burst: run start → end median (ms)", lambda m: m["burst_run_median_ms"], "{:.0f}"),
         ("in flow, outside stages (ms)", lambda m: m["flow_bookkeeping_median_ms"], "{:.0f}"),
         ("worker ready (s)", lambda m: m["worker_ready_s"], "{:.1f}"),
     ]
@@ -436,6 +477,12 @@ def main() -> None:
     parser.add_argument("--modes", default="process,warm", help="comma-separated: process,warm")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--server-db",
+        choices=["sqlite", "postgresql"],
+        default="sqlite",
+        help="the Prefect server's database (production: postgresql)",
+    )
+    parser.add_argument(
         "--in-process",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -446,16 +493,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="faceflow-bench-") as tmp:
         home = Path(os.environ.get("BENCH_KEEP_DIR") or tmp)
         home.mkdir(parents=True, exist_ok=True)
-        server, url, env = start_server(home)
-        try:
-            api = PrefectRest(url)
-            inputs = prepare_inputs(url, home / "faceflow")
-            results = {m: bench_mode(m, api, env, home, inputs, args.jobs) for m in modes}
-            reference = (
-                in_process_flow_loop(api, url, inputs, args.jobs) if args.in_process else None
-            )
-        finally:
-            server.stop(grace=10)
+        with server_database(args.server_db) as database_env:
+            server, url, env = start_server(home, database_env)
+            try:
+                api = PrefectRest(url)
+                inputs = prepare_inputs(url, home / "faceflow")
+                results = {m: bench_mode(m, api, env, home, inputs, args.jobs) for m in modes}
+                reference = (
+                    in_process_flow_loop(api, url, inputs, args.jobs) if args.in_process else None
+                )
+            finally:
+                server.stop(grace=10)
     out = report(results, reference)
     if args.json:
         print(json.dumps(out, indent=1))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from prefect import flow, get_run_logger, tags
+from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
@@ -38,6 +38,7 @@ from flows.params import (
     FLOW_NAME,
     ResultRef,
     result_key,
+    run_tags,
 )
 from flows.storage_tasks import load_task, store_task
 from tasks.errors import DeadlineExceeded, FaceFlowError
@@ -45,14 +46,6 @@ from tasks.gpu import gpu_stats, select_device
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
 from tasks.prefect_tasks import align_task, detect_task, fuse_task, postprocess_task
-
-JOB_TAG = "job:{}"
-OWNER_TAG = "owner:{}"
-
-
-def run_tags(job_id: str, owner_id: str) -> list[str]:
-    """The tags a job's flow run (and its task runs) carry."""
-    return [JOB_TAG.format(job_id), OWNER_TAG.format(owner_id)]
 
 
 def pipeline_context(settings: FusionSettings) -> PipelineContext:
@@ -95,7 +88,7 @@ class _Run:
 def _tag_flow_run(job_id: str, owner_id: str) -> None:
     """Add job and owner tags to this flow run unless it has them already.
 
-    The relay creates every run with these tags (``webapi.prefect_api.job_tags``), so a
+    The relay creates every run with these tags (``flows.params.run_tags``), so a
     dispatched run costs no API call here; a run started another way (a direct call, the
     UI) is tagged through the run's own client.
     """
@@ -149,18 +142,17 @@ def fuse_faces(
             "another SIGALRM handler is installed): a stuck stage may overrun the deadline."
         )
     try:
-        with tags(*run_tags(job_id, owner_id)):
-            _tag_flow_run(job_id, owner_id)
-            return _fuse(
-                job_id=job_id,
-                source_key=source_key,
-                target_key=target_key,
-                deadline=deadline,
-                options=options or FusionOptions.model_validate({}),
-                attempt=attempt,
-                storage_block=storage_block,
-                settings_block=settings_block,
-            )
+        _tag_flow_run(job_id, owner_id)
+        return _fuse(
+            job_id=job_id,
+            source_key=source_key,
+            target_key=target_key,
+            deadline=deadline,
+            options=options or FusionOptions.model_validate({}),
+            attempt=attempt,
+            storage_block=storage_block,
+            settings_block=settings_block,
+        )
     except FaceFlowError as error:
         logger.error("Job %s attempt %d failed: %s", job_id, attempt, error)
         return Failed(message=str(error), data=error)

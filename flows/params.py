@@ -70,6 +70,14 @@ def result_meta_key(job_id: str, attempt: int) -> str:
     return f"results/{job_id}/attempt-{attempt}.json"
 
 
+def run_tags(job_id: str, owner_id: str) -> list[str]:
+    """Tags of a job's flow runs (set by the relay at creation), so operators can find
+    them in the Prefect UI. Task runs do not carry them: Prefect looks up tag concurrency
+    limits for every tag of every task run, a per-job tag costs a lease round trip per
+    stage (and stalled runs for ≈ 2 s under a burst)."""
+    return [f"job:{job_id}", f"owner:{owner_id}"]
+
+
 def idempotency_key(job_id: str, attempt: int) -> str:
     """Prefect idempotency key of a job attempt (keys are scoped per flow: globally unique)."""
     return f"job-{job_id}-attempt-{attempt}"

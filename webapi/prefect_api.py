@@ -18,7 +18,13 @@ from typing import Any
 
 import httpx
 
-from flows.params import DEPLOYMENT_NAME, FLOW_NAME, FuseFacesParams, idempotency_key
+from flows.params import (
+    DEPLOYMENT_NAME,
+    FLOW_NAME,
+    FuseFacesParams,
+    idempotency_key,
+    run_tags,
+)
 
 FILTER_BATCH = 200  # PREFECT_SERVER_API_DEFAULT_LIMIT: the most runs one filter call returns
 # 4xx answers that say "not now" rather than "never": auth being fixed, a deployment
@@ -119,11 +125,6 @@ def _parse_time(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
-def job_tags(job_id: str, owner_id: str) -> list[str]:
-    """Tags of a job's flow runs, so operators can find them in the Prefect UI."""
-    return [f"job:{job_id}", f"owner:{owner_id}"]
-
-
 class PrefectAPI:
     """Thread-safe synchronous client for the relay's Prefect REST calls.
 
@@ -213,7 +214,7 @@ class PrefectAPI:
             "name": params.job_id,
             "parameters": params.model_dump(mode="json"),
             "idempotency_key": idempotency_key(params.job_id, params.attempt),
-            "tags": job_tags(params.job_id, params.owner_id),
+            "tags": run_tags(params.job_id, params.owner_id),
             "job_variables": job_variables or {},
         }
         deployment_id = self.deployment_id()
