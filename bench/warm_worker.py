@@ -177,10 +177,10 @@ def start_server(
         "PYTHONUNBUFFERED": "1",
     }
     argv = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    server = Service("prefect-server", argv, log=home / "server.log", env=env)
-    env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)  # clients need only the API URL
+    server = Service("prefect-server", argv, log=home / "server.log", env=dict(env))
     server.start()
     server.wait_ready(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 180)
+    env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)  # clients need only the API URL
     return server, url, env
 
 
