@@ -295,6 +295,22 @@ class FaceFlowGpuWorker(
 
     # ------------------------------------------------------------------ pickup
 
+    async def _propose_pending_state(self, flow_run: FlowRun) -> bool:
+        """Journal the claim *before* Prefect records it as ``Pending``.
+
+        A worker killed between the two left a ``Pending`` run that no journal named: it
+        held the pool's slot until the relay's pending timeout (found by the full fault
+        matrix, scenario 1). Journalled first, a run that is still ``Scheduled`` at
+        recovery is left alone and a ``Pending`` one goes back to ``Scheduled``.
+        """
+        run_id = str(flow_run.id)
+        if self._journal is not None:
+            self._journal.add(run_id)
+        accepted = await super()._propose_pending_state(flow_run)
+        if not accepted and self._journal is not None:
+            self._journal.remove(run_id)
+        return accepted
+
     async def get_and_submit_flow_runs(self) -> list[FlowRun]:
         """Poll only while a warm child is idle, or all are running and a prefetch place is
         free (other workers take the rest; nothing is claimed while no child is warm)."""

@@ -167,6 +167,9 @@ def test_dispatch_creates_one_flow_run_per_attempt(
     assert params.source_key == stored.source_key and params.target_key == stored.target_key
     assert params.deadline_at == stored.deadline_at
     assert [row.outcome for row in outbox_of(relay.engine, new.id)] == ["done"]
+    # Only the options the client set travel: the flow fills the rest from its
+    # FusionSettings block (an operator's default detector, fuser, identity weight).
+    assert run["parameters"]["options"] == {"identity_weight": 0.8}
 
     # The same attempt again (a relay that crashed before recording): Prefect returns the
     # same run; a stale dispatch row for an attempt already made is dropped.
@@ -177,6 +180,16 @@ def test_dispatch_creates_one_flow_run_per_attempt(
     dispatch.run_once(relay)
     assert len(prefect_server.runs_of_job(new.id)) == 1
     assert outbox_of(relay.engine, new.id)[-1].outcome == "obsolete"
+
+
+def test_a_job_without_options_leaves_every_option_to_the_flow(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    new = submit(relay.engine, relay.settings, relay.store, owner, options={})
+    assert job(relay.engine, new.id).options == {}
+    assert dispatch.run_once(relay) == 1
+    [run] = prefect_server.runs_of_job(new.id)
+    assert run["parameters"]["options"] == {}
 
 
 def test_prefect_down_job_stays_queued_then_dispatched(
