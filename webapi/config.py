@@ -58,6 +58,12 @@ class Settings(BaseSettings):
     default_service_seconds: float = Field(
         10.0, gt=0, description="Assumed run time of a job before any has succeeded."
     )
+    admission_safety: float = Field(
+        1.5,
+        ge=1.0,
+        description="Factor on the estimated wait before it is compared with the queue "
+        "timeout (503): headroom for jobs costing more during a burst than before it.",
+    )
     max_backlog: int | None = Field(
         None, ge=0, description="Hard cap on queued jobs (503 beyond), on top of the estimate."
     )

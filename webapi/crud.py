@@ -470,10 +470,13 @@ def _check_capacity(
             retry_after=load.expected_wait_s + load.service_s,
         )
     over_cap = settings.max_backlog is not None and load.queued >= settings.max_backlog
-    if over_cap or load.expected_wait_s > queue_timeout_s:
+    # The service time measured before a burst understates what each job costs during one
+    # (a host shared with the API and the relay, a busier Prefect server): keep headroom.
+    expected_wait_s = load.expected_wait_s * settings.admission_safety
+    if over_cap or expected_wait_s > queue_timeout_s:
         raise Overloaded(
             f"{load.queued} jobs are queued; a new one would not start within {queue_timeout_s} s.",
-            retry_after=max(load.expected_wait_s - queue_timeout_s, 0) + load.service_s,
+            retry_after=max(expected_wait_s - queue_timeout_s, 0) + load.service_s,
         )
 
 

@@ -11,8 +11,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from flows.params import input_key
 from tests.webapi.conftest import make_settings
@@ -33,7 +35,7 @@ from tests.webapi.utils import (
 )
 from webapi.config import Settings
 from webapi.main import create_app
-from webapi.models import JobStatus
+from webapi.models import Job, JobStatus, Outbox
 from webapi.storage import LocalObjectStore
 
 
@@ -285,7 +287,9 @@ def test_quota_is_429_with_retry_after(
 def test_backlog_is_503_with_retry_after_from_service_time(
     database_url: str, tmp_path: Path, engine: Engine
 ) -> None:
-    with _client(database_url, tmp_path, default_service_seconds=30, worker_slots=1) as client:
+    with _client(
+        database_url, tmp_path, default_service_seconds=30, worker_slots=1, admission_safety=1
+    ) as client:
         user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
         body = job_body(queue_timeout_seconds=45)
         assert client.post("/v1/jobs", json=body, headers=auth(user)).status_code == 202
@@ -302,6 +306,26 @@ def test_backlog_is_503_with_retry_after_from_service_time(
             ).status_code
             == 202
         )
+
+
+def test_admission_keeps_headroom_on_the_estimated_wait(
+    database_url: str, tmp_path: Path, engine: Engine
+) -> None:
+    # 20 s per job, one slot, 45 s to start: alone the estimate admits two queued jobs
+    # (wait 40 s); with a safety factor of 1.5 (wait 60 s > 45 s) the second is refused.
+    settings = {"default_service_seconds": 20, "worker_slots": 1}
+    body = job_body(queue_timeout_seconds=45)
+    for safety, accepted in ((1.0, 3), (1.5, 2)):
+        with _client(database_url, tmp_path, admission_safety=safety, **settings) as client:
+            user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
+            codes = [
+                client.post("/v1/jobs", json=body, headers=auth(user)).status_code for _ in range(4)
+            ]
+        assert codes == [202] * accepted + [503] * (4 - accepted), (safety, codes)
+        with Session(engine) as session:
+            session.execute(sa.delete(Outbox))
+            session.execute(sa.delete(Job))
+            session.commit()
 
 
 def test_service_time_is_the_median_of_recent_runs(
