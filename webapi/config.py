@@ -59,10 +59,11 @@ class Settings(BaseSettings):
         10.0, gt=0, description="Assumed run time of a job before any has succeeded."
     )
     admission_safety: float = Field(
-        1.5,
+        2.0,
         ge=1.0,
         description="Factor on the estimated wait before it is compared with the queue "
-        "timeout (503): headroom for jobs costing more during a burst than before it.",
+        "timeout (503): headroom for jobs costing more during a burst than before it "
+        "(≈ 1.9x on the one-machine stack, where API, relay and worker share the cores).",
     )
     max_backlog: int | None = Field(
         None, ge=0, description="Hard cap on queued jobs (503 beyond), on top of the estimate."
