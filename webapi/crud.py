@@ -226,11 +226,14 @@ class _Batch:
     queued: int
     running: int
     service_s: float
+    measured: bool
     active: dict[uuid.UUID, int]
     fresh: dict[tuple[uuid.UUID, str], Job]
 
     def load(self, settings: Settings) -> Backlog:
-        return Backlog(self.queued, self.running, self.service_s, settings.worker_slots)
+        return Backlog(
+            self.queued, self.running, self.service_s, settings.worker_slots, self.measured
+        )
 
 
 def _admit(
@@ -240,7 +243,7 @@ def _admit(
     for owner_id in sorted({submission.owner.id for submission in submissions}):
         _lock_user(session, owner_id)
     load = backlog(session, settings=settings)
-    batch = _Batch(load.queued, load.running, load.service_s, {}, {})
+    batch = _Batch(load.queued, load.running, load.service_s, load.measured, {}, {})
     admissions: list[Admission] = []
     with session.no_autoflush:  # new rows are inserted together at commit
         for submission in submissions:
@@ -360,6 +363,7 @@ class Backlog:
     running: int
     service_s: float
     slots: int
+    measured: bool = True  # service_s comes from recent jobs, not the configured default
 
     @property
     def expected_wait_s(self) -> float:
@@ -381,21 +385,28 @@ def backlog(session: Session, *, settings: Settings) -> Backlog:
         ).all()
     )
     running = counts.get(JobStatus.running, 0) + counts.get(JobStatus.cancel_requested, 0)
+    service_s, measured = service_estimate(session, settings=settings)
     return Backlog(
         queued=counts.get(JobStatus.queued, 0),
         running=running,
-        service_s=service_seconds(session, settings=settings),
+        service_s=service_s,
         slots=settings.worker_slots,
+        measured=measured,
     )
 
 
-_service_cache: dict[str, tuple[float, float]] = {}
+_service_cache: dict[str, tuple[float, float, bool]] = {}
 _service_lock = threading.Lock()
 
 
 def service_seconds(session: Session, *, settings: Settings) -> float:
-    """Seconds of worker time one job costs, from the last succeeded jobs (cached a few
-    seconds per database); ``settings.default_service_seconds`` with no history.
+    """Seconds of worker time one job costs (``service_estimate``)."""
+    return service_estimate(session, settings=settings)[0]
+
+
+def service_estimate(session: Session, *, settings: Settings) -> tuple[float, bool]:
+    """``(seconds, measured)``: what one job costs, from the last succeeded jobs (cached a
+    few seconds per database), or ``settings.default_service_seconds`` with no history.
 
     The median over those jobs of what each one cost the queue: for a job that was
     submitted while the one before it was still unfinished, the gap between their finishes
@@ -410,7 +421,7 @@ def service_seconds(session: Session, *, settings: Settings) -> float:
     with _service_lock:
         cached = _service_cache.get(url)
     if cached is not None and now - cached[0] < SERVICE_TIME_TTL_S:
-        return cached[1]
+        return cached[1], cached[2]
     rows = session.exec(
         select(Job.created_at, Job.finished_at)
         .where(col(Job.status) == JobStatus.succeeded, col(Job.started_at).is_not(None))
@@ -429,8 +440,8 @@ def service_seconds(session: Session, *, settings: Settings) -> float:
             costs.append((end - created).total_seconds())
     value = max(0.05, statistics.median(costs)) if costs else settings.default_service_seconds
     with _service_lock:
-        _service_cache[url] = (now, value)
-    return value
+        _service_cache[url] = (now, value, bool(costs))
+    return value, bool(costs)
 
 
 #: PostgreSQL advisory-lock key that serialises the backlog check with the insert.
@@ -472,7 +483,9 @@ def _check_capacity(
     over_cap = settings.max_backlog is not None and load.queued >= settings.max_backlog
     # The service time measured before a burst understates what each job costs during one
     # (a host shared with the API and the relay, a busier Prefect server): keep headroom.
-    expected_wait_s = load.expected_wait_s * settings.admission_safety
+    # The configured default (no history yet) is a deliberate guess and used as it is.
+    safety = settings.admission_safety if load.measured else 1.0
+    expected_wait_s = load.expected_wait_s * safety
     if over_cap or expected_wait_s > queue_timeout_s:
         raise Overloaded(
             f"{load.queued} jobs are queued; a new one would not start within {queue_timeout_s} s.",

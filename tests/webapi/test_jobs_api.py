@@ -311,21 +311,48 @@ def test_backlog_is_503_with_retry_after_from_service_time(
 def test_admission_keeps_headroom_on_the_estimated_wait(
     database_url: str, tmp_path: Path, engine: Engine
 ) -> None:
-    # 20 s per job, one slot, 45 s to start: alone the estimate admits two queued jobs
-    # (wait 40 s); with a safety factor of 1.5 (wait 60 s > 45 s) the second is refused.
-    settings = {"default_service_seconds": 20, "worker_slots": 1}
+    # 20 s per job (measured: a job that took 20 s from submit to finish), one slot, 45 s
+    # to start: alone the estimate admits two queued jobs (wait 40 s); with a safety factor
+    # of 1.5 (wait 60 s > 45 s) the second is refused. A configured default (no history)
+    # is used without the factor.
+    from webapi import crud
+
+    settings = {"default_service_seconds": 1000, "worker_slots": 1}
     body = job_body(queue_timeout_seconds=45)
     for safety, accepted in ((1.0, 3), (1.5, 2)):
         with _client(database_url, tmp_path, admission_safety=safety, **settings) as client:
             user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
+            with Session(engine) as session:
+                session.execute(sa.delete(Outbox))
+                session.execute(sa.delete(Job))
+                session.commit()
+            done = submit(client, user)
+            succeed(engine, done, result_key="results/x/attempt-1.png")
+            with Session(engine) as session:
+                finished = session.get(Job, uuid.UUID(done))
+                assert finished is not None and finished.finished_at is not None
+                session.execute(
+                    sa.update(Job)
+                    .where(Job.id == finished.id)  # type: ignore[arg-type]
+                    .values(created_at=finished.finished_at - timedelta(seconds=20))
+                )
+                session.commit()
+            crud.reset_service_time_cache()
             codes = [
                 client.post("/v1/jobs", json=body, headers=auth(user)).status_code for _ in range(4)
             ]
         assert codes == [202] * accepted + [503] * (4 - accepted), (safety, codes)
+    with _client(database_url, tmp_path, default_service_seconds=20, worker_slots=1) as client:
         with Session(engine) as session:
             session.execute(sa.delete(Outbox))
             session.execute(sa.delete(Job))
             session.commit()
+        crud.reset_service_time_cache()
+        user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
+        codes = [
+            client.post("/v1/jobs", json=body, headers=auth(user)).status_code for _ in range(4)
+        ]
+        assert codes == [202, 202, 202, 503]  # the default 2.0 does not apply to a guess
 
 
 def test_service_time_is_the_median_of_recent_runs(
