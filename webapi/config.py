@@ -80,8 +80,8 @@ class Settings(BaseSettings):
     submit_threads: int = Field(
         3,
         ge=1,
-        description="Submits whose validation and transaction run at once (they serialise "
-        "on the database's write or backlog lock; more threads only contend).",
+        description="Submits whose inputs are validated and stored at once (CPU work: more "
+        "threads only contend); their jobs are then admitted in batches (webapi.admission).",
     )
     public_base_url: str | None = Field(None, description="External URL of the API.")
 

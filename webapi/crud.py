@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -204,36 +204,22 @@ def submit_jobs(
                 for submission in submissions
                 for one in submit_jobs(session, submissions=[submission], settings=settings)
             ]
-        submission = submissions[0]
-        key = submission.idempotency_key
-        if key is None:
+        if submissions[0].idempotency_key is None:
             raise
-        winner = _by_idempotency_key(session, owner_id=submission.owner.id, key=key)
-        if winner is None:
-            raise
+        # A concurrent duplicate committed first: judged again, it is now a replay (or 409).
+        admissions = _admit(session, submissions, settings)
         session.commit()
-        try:
-            digest = request_digest(submission.create, submission.source, submission.target)
-            return [Admission(_replay(winner, digest))]
-        except ApiError as exc:
-            return [Admission(None, error=exc)]
+        return admissions
 
 
 @dataclass
 class _Batch:
-    """Counts a batch keeps up to date as it admits jobs."""
+    """What a batch keeps up to date as it admits jobs: the backlog, each owner's
+    unfinished jobs, and the idempotency keys it created."""
 
-    queued: int
-    running: int
-    service_s: float
-    measured: bool
-    active: dict[uuid.UUID, int]
-    fresh: dict[tuple[uuid.UUID, str], Job]
-
-    def load(self, settings: Settings) -> Backlog:
-        return Backlog(
-            self.queued, self.running, self.service_s, settings.worker_slots, self.measured
-        )
+    load: Backlog
+    active: dict[uuid.UUID, int] = field(default_factory=dict)
+    fresh: dict[tuple[uuid.UUID, str], Job] = field(default_factory=dict)
 
 
 def _admit(
@@ -242,8 +228,7 @@ def _admit(
     _serialise_backlog(session)
     for owner_id in sorted({submission.owner.id for submission in submissions}):
         _lock_user(session, owner_id)
-    load = backlog(session, settings=settings)
-    batch = _Batch(load.queued, load.running, load.service_s, load.measured, {}, {})
+    batch = _Batch(backlog(session, settings=settings))
     admissions: list[Admission] = []
     with session.no_autoflush:  # new rows are inserted together at commit
         for submission in submissions:
@@ -271,7 +256,7 @@ def _admit_one(
     _check_capacity(
         active=batch.active[owner.id],
         owner=owner,
-        load=batch.load(settings),
+        load=batch.load,
         queue_timeout_s=queue_s,
         settings=settings,
     )
@@ -286,7 +271,7 @@ def _admit_one(
             next_attempt_at=job.created_at,
         )
     )
-    batch.queued += 1
+    batch.load = replace(batch.load, queued=batch.load.queued + 1)
     batch.active[owner.id] += 1
     if key is not None:
         batch.fresh[(owner.id, key)] = job

@@ -45,7 +45,9 @@ def create_app(settings: Settings | None = None, *, json_logs: bool | None = Non
     (``configure_logging``). Default: when the settings come from the environment, as for a
     server (``uvicorn --factory webapi.main:create_app`` calls this without arguments);
     apps built with explicit settings (tests, embedding) leave logging alone."""
-    if json_logs if json_logs is not None else settings is None:
+    if json_logs is None:
+        json_logs = settings is None
+    if json_logs:
         configure_logging()
     settings = settings or get_settings()
     app = FastAPI(

@@ -108,6 +108,14 @@ def pinned(url: str, addresses: Sequence[str]) -> Pinned:
     return Pinned(url=str(target), headers=headers, extensions=extensions)
 
 
+def check_and_pin(
+    url: str, *, allow_private: bool = False, schemes: Sequence[str] = ("http", "https")
+) -> Pinned:
+    """``check_url``, then ``pinned`` to what it checked: the target of a request that may
+    reach only the addresses the guard allowed. Raises ``BlockedUrl``."""
+    return pinned(url, check_url(url, allow_private=allow_private, schemes=schemes))
+
+
 def is_public(address: IPAddress) -> bool:
     """Whether ``address`` (and any IPv4 address embedded in it) is publicly routable."""
     if address in METADATA_ADDRESSES or not address.is_global or address.is_multicast:

@@ -386,15 +386,13 @@ class FaceFlowGpuWorker(
         configuration: FaceFlowJobConfiguration,
         task_status: anyio.abc.TaskStatus[int] | None = None,
     ) -> FaceFlowWorkerResult:
-        """Run ``flow_run`` in an idle warm child and supervise it until it ends."""
-        run_id = str(flow_run.id)
-        if self._journal is not None:
-            self._journal.add(run_id)
+        """Run ``flow_run`` in an idle warm child and supervise it until it ends (the
+        claim was journalled when it was proposed ``Pending``; it ends here)."""
         try:
             return await self._run(flow_run, configuration, task_status)
         finally:
             if self._journal is not None:
-                self._journal.remove(run_id)
+                self._journal.remove(str(flow_run.id))
 
     async def _run(
         self,

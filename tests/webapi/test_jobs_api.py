@@ -11,17 +11,17 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
 
 from flows.params import input_key
 from tests.webapi.conftest import make_settings
 from tests.webapi.utils import (
     auth,
+    clear_jobs,
     data_uri,
     dispatch,
+    finished_job,
     image_bytes,
     job_body,
     jobs_of,
@@ -35,7 +35,7 @@ from tests.webapi.utils import (
 )
 from webapi.config import Settings
 from webapi.main import create_app
-from webapi.models import Job, JobStatus, Outbox
+from webapi.models import JobStatus, utcnow
 from webapi.storage import LocalObjectStore
 
 
@@ -315,39 +315,22 @@ def test_admission_keeps_headroom_on_the_estimated_wait(
     # to start: alone the estimate admits two queued jobs (wait 40 s); with a safety factor
     # of 1.5 (wait 60 s > 45 s) the second is refused. A configured default (no history)
     # is used without the factor.
-    from webapi import crud
-
     settings = {"default_service_seconds": 1000, "worker_slots": 1}
     body = job_body(queue_timeout_seconds=45)
     for safety, accepted in ((1.0, 3), (1.5, 2)):
         with _client(database_url, tmp_path, admission_safety=safety, **settings) as client:
-            user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
-            with Session(engine) as session:
-                session.execute(sa.delete(Outbox))
-                session.execute(sa.delete(Job))
-                session.commit()
-            done = submit(client, user)
-            succeed(engine, done, result_key="results/x/attempt-1.png")
-            with Session(engine) as session:
-                finished = session.get(Job, uuid.UUID(done))
-                assert finished is not None and finished.finished_at is not None
-                session.execute(
-                    sa.update(Job)
-                    .where(Job.id == finished.id)  # type: ignore[arg-type]
-                    .values(created_at=finished.finished_at - timedelta(seconds=20))
-                )
-                session.commit()
-            crud.reset_service_time_cache()
+            app_settings = client.app.state.settings  # type: ignore[attr-defined]
+            user = make_user(engine, app_settings, quota=100)
+            clear_jobs(engine)
+            end = utcnow()
+            start, created = end - timedelta(seconds=1), end - timedelta(seconds=20)
+            finished_job(engine, app_settings, user, created=created, started=start, finished=end)
             codes = [
                 client.post("/v1/jobs", json=body, headers=auth(user)).status_code for _ in range(4)
             ]
         assert codes == [202] * accepted + [503] * (4 - accepted), (safety, codes)
     with _client(database_url, tmp_path, default_service_seconds=20, worker_slots=1) as client:
-        with Session(engine) as session:
-            session.execute(sa.delete(Outbox))
-            session.execute(sa.delete(Job))
-            session.commit()
-        crud.reset_service_time_cache()
+        clear_jobs(engine)
         user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
         codes = [
             client.post("/v1/jobs", json=body, headers=auth(user)).status_code for _ in range(4)

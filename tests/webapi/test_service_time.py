@@ -9,37 +9,17 @@ finishes (times the worker slots) is what each queued job costs the ones behind 
 
 from __future__ import annotations
 
-import uuid
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from tests.webapi.conftest import make_settings
-from tests.webapi.utils import make_user, new_job, succeed
+from tests.webapi.utils import finished_job, make_user
 from webapi import crud
-from webapi.models import Job, utcnow
-
-
-def _finished(
-    engine: Engine,
-    job_id: uuid.UUID,
-    *,
-    created: datetime,
-    started: datetime,
-    finished: datetime,
-) -> None:
-    succeed(engine, job_id, result_key=f"results/{job_id}/attempt-1.png")
-    with Session(engine) as session:
-        session.execute(
-            sa.update(Job)
-            .where(Job.id == job_id)  # type: ignore[arg-type]
-            .values(created_at=created, started_at=started, finished_at=finished)
-        )
-        session.commit()
+from webapi.models import utcnow
 
 
 def _service_s(engine: Engine, **settings: object) -> float:
@@ -57,15 +37,9 @@ def test_while_jobs_wait_the_gap_between_finishes_counts(
     t0 = utcnow() - timedelta(minutes=5)
     # a burst: all six submitted at t0; each ran 1 s, but they finished 3 s apart
     for i in range(6):
-        job = new_job(engine, settings, user)
         finished = t0 + timedelta(seconds=3 * (i + 1))
-        _finished(
-            engine,
-            job.id,
-            created=t0,
-            started=finished - timedelta(seconds=1),
-            finished=finished,
-        )
+        start = finished - timedelta(seconds=1)
+        finished_job(engine, settings, user, created=t0, started=start, finished=finished)
     value = _service_s(engine, database_url=database_url, tmp_path=tmp_path, worker_slots=slots)
     assert value == pytest.approx(3.0 * slots)
 
@@ -79,13 +53,7 @@ def test_an_idle_job_costs_its_whole_latency_not_the_idle_time(
     # one job every 10 s, each submitted after the previous one ended: 0.5 s to start,
     # 1.5 s to run; the 8 s of idle time between them is nobody's cost
     for i in range(5):
-        job = new_job(engine, settings, user)
         created = t0 + timedelta(seconds=10 * i)
-        _finished(
-            engine,
-            job.id,
-            created=created,
-            started=created + timedelta(seconds=0.5),
-            finished=created + timedelta(seconds=2),
-        )
+        start, end = created + timedelta(seconds=0.5), created + timedelta(seconds=2)
+        finished_job(engine, settings, user, created=created, started=start, finished=end)
     assert _service_s(engine, database_url=database_url, tmp_path=tmp_path) == pytest.approx(2.0)

@@ -6,9 +6,11 @@ import base64
 import io
 import uuid
 from collections.abc import Mapping
+from datetime import datetime
 from functools import cache
 from typing import Any
 
+import sqlalchemy as sa
 from PIL import Image
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -160,3 +162,35 @@ def new_job(engine: Engine, settings: Settings, user: crud.NewUser, **create: An
         )
     assert created
     return job
+
+
+def finished_job(
+    engine: Engine,
+    settings: Settings,
+    user: crud.NewUser,
+    *,
+    created: datetime,
+    started: datetime,
+    finished: datetime,
+) -> uuid.UUID:
+    """A succeeded job with the given submit, start and finish times (service-time tests)."""
+    job_id = new_job(engine, settings, user).id
+    succeed(engine, job_id, result_key=f"results/{job_id}/attempt-1.png")
+    with Session(engine) as session:
+        session.execute(
+            sa.update(Job)
+            .where(col(Job.id) == job_id)
+            .values(created_at=created, started_at=started, finished_at=finished)
+        )
+        session.commit()
+    crud.reset_service_time_cache()
+    return job_id
+
+
+def clear_jobs(engine: Engine) -> None:
+    """Delete every job and outbox row (users stay), and forget cached service times."""
+    with Session(engine) as session:
+        session.execute(sa.delete(Outbox))
+        session.execute(sa.delete(Job))
+        session.commit()
+    crud.reset_service_time_cache()

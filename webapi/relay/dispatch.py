@@ -262,22 +262,16 @@ def _defer(relay: Relay, row: Outbox, error: str, delay_s: float) -> None:
 
 
 def _prefect_down(relay: Relay, row: Outbox, error: str) -> None:
-    """Defer ``row`` (backoff, marked as an outage deferral) and enter outage mode; one
-    warning per outage, not one per row."""
+    """Defer ``row`` (marked as an outage deferral) and enter outage mode; one warning per
+    outage, not one per row."""
+    marked = outage.mark(error)
+    _reschedule_after_backoff(relay, row, marked)
+    row.last_error = marked
     t = relay.timings
-    delay = leases.backoff_s(
-        row.attempts + 1, base_s=t.dispatch_backoff_base_s, cap_s=t.dispatch_backoff_cap_s
-    )
-    error = (outage.OUTAGE_MARK + error)[: leases.MAX_ERROR_CHARS]
-    with relay.session() as session:
-        leases.reschedule(session, row, owner=relay.owner, error=error, delay_s=delay)
-        session.commit()
-    row.last_error = error
-    relay.metrics.inc(COUNTER, "retry")
     if relay.outage.begin(probe_s=t.prefect_probe_interval_s, cap_s=t.dispatch_backoff_cap_s):
         log.warning(
             "Prefect unavailable: dispatch paused until its health check answers: %s",
-            error.removeprefix(outage.OUTAGE_MARK),
+            error,
             extra={"job_id": str(row.job_id)},
         )
 
@@ -286,34 +280,38 @@ def _defer_untried(relay: Relay, rows: list[Outbox], error: str) -> None:
     """Release the rest of a claimed batch untried (Prefect is unreachable): one UPDATE."""
     if not rows:
         return
-    delay = relay.timings.dispatch_backoff_cap_s
     with relay.session() as session:
         deferred = outage.defer_rows(
             session,
             rows,
             owner=relay.owner,
-            error=error.removeprefix(outage.OUTAGE_MARK),
-            delay_s=delay,
+            error=error,
+            delay_s=relay.timings.dispatch_backoff_cap_s,
         )
         session.commit()
     relay.metrics.inc(COUNTER, "deferred", deferred)
 
 
 def _back_off(relay: Relay, row: Outbox, error: str) -> None:
-    delay = leases.backoff_s(
-        row.attempts + 1,
-        base_s=relay.timings.dispatch_backoff_base_s,
-        cap_s=relay.timings.dispatch_backoff_cap_s,
-    )
-    with relay.session() as session:
-        leases.reschedule(session, row, owner=relay.owner, error=error, delay_s=delay)
-        session.commit()
-    relay.metrics.inc(COUNTER, "retry")
+    delay = _reschedule_after_backoff(relay, row, error)
     log.warning(
         "dispatch deferred: %s",
         error,
         extra={"job_id": str(row.job_id), "delay_s": round(delay, 2)},
     )
+
+
+def _reschedule_after_backoff(relay: Relay, row: Outbox, error: str) -> float:
+    """Release ``row`` to be tried again after its exponential backoff; the delay (s)."""
+    t = relay.timings
+    delay = leases.backoff_s(
+        row.attempts + 1, base_s=t.dispatch_backoff_base_s, cap_s=t.dispatch_backoff_cap_s
+    )
+    with relay.session() as session:
+        leases.reschedule(session, row, owner=relay.owner, error=error, delay_s=delay)
+        session.commit()
+    relay.metrics.inc(COUNTER, "retry")
+    return delay
 
 
 def _fail(relay: Relay, row: Outbox, plan: _Plan, code: str, message: str, detail: str) -> None:

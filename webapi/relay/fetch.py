@@ -19,7 +19,7 @@ from urllib.parse import urljoin
 import httpx
 
 from webapi.errors import BlockedUrl
-from webapi.urls import Pinned, check_url, pinned
+from webapi.urls import Pinned, check_and_pin
 
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 RETRYABLE_CODES = frozenset({408, 425, 429})
@@ -58,8 +58,7 @@ def fetch_url(
     current = url
     for _hop in range(max_redirects + 1):
         try:
-            addresses = check_url(current, allow_private=allow_private, schemes=schemes)
-            target = pinned(current, addresses)
+            target = check_and_pin(current, allow_private=allow_private, schemes=schemes)
         except BlockedUrl as exc:
             raise FetchRejected(f"The input URL is not allowed: {exc.message}") from exc
         location = _get(client, target, max_bytes=max_bytes, timeout_s=timeout_s)

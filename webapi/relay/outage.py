@@ -56,7 +56,7 @@ class PrefectOutage:
         now = time.monotonic() if now is None else now
         self.streak += 1
         self.since = now
-        self.next_probe = now + min(cap_s, probe_s * 2 ** (self.streak - 1))
+        self.next_probe = now + self._interval(probe_s, cap_s)
         return True
 
     def probe_due(self, now: float | None = None) -> bool:
@@ -64,7 +64,11 @@ class PrefectOutage:
 
     def probe_failed(self, *, probe_s: float, cap_s: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        self.next_probe = now + min(cap_s, probe_s * 2 ** max(0, self.streak - 1))
+        self.next_probe = now + self._interval(probe_s, cap_s)
+
+    def _interval(self, probe_s: float, cap_s: float) -> float:
+        """The probe interval: doubling with each outage since the last dispatch, capped."""
+        return min(cap_s, probe_s * 2 ** max(0, self.streak - 1))
 
     def end(self) -> float:
         """Leave outage mode; how long it lasted (s)."""
@@ -75,6 +79,11 @@ class PrefectOutage:
     def dispatched(self) -> None:
         """A dispatch went through: the next outage starts with the shortest probe interval."""
         self.streak = 0
+
+
+def mark(error: str) -> str:
+    """``error`` as the ``last_error`` of a row deferred because Prefect was unreachable."""
+    return (OUTAGE_MARK + error.removeprefix(OUTAGE_MARK))[:MAX_ERROR_CHARS]
 
 
 def _rowcount(result: object) -> int:
@@ -105,7 +114,7 @@ def defer_rows(
         )
         .values(
             next_attempt_at=now + timedelta(seconds=delay_s),
-            last_error=(OUTAGE_MARK + error)[:MAX_ERROR_CHARS],
+            last_error=mark(error),
             lease_owner=None,
             lease_until=None,
         )
