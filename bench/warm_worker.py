@@ -15,11 +15,18 @@ untimed job:
 - burst: ``--jobs`` runs created at once → throughput (jobs/min, first creation → last end).
 
 ``--in-process`` (default) also runs ``fuse-faces`` back to back with ``run_flow`` in this
-process: what any worker could reach with this flow. Prints figures (``--json`` for
-JSON); asserts nothing.
+process: what any worker could reach with this flow (its logs stay local). Workers log at
+INFO, as in production (``BENCH_WORKER_LOG_LEVEL`` changes it).
+
+During the burst the bench also reads the CPU seconds that the server, the worker with its
+children, PostgreSQL and the whole machine spent per job (/proc), and with
+``--count-requests`` the Prefect API requests per job from the server's access log: on a
+shared machine these show where a job's time goes. Prints figures (``--json`` for JSON);
+asserts nothing.
 
     .venv/bin/python bench/warm_worker.py --jobs 20
     .venv/bin/python bench/warm_worker.py --jobs 5 --modes warm --no-in-process
+    .venv/bin/python bench/warm_worker.py --modes warm --server-db postgresql --count-requests
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import socket
 import statistics
 import sys
@@ -162,7 +170,10 @@ def server_database(kind: str) -> Iterator[dict[str, str]]:
 
 
 def start_server(
-    home: Path, database_env: dict[str, str] | None = None
+    home: Path,
+    database_env: dict[str, str] | None = None,
+    extra_env: dict[str, str] | None = None,
+    count_requests: bool = False,
 ) -> tuple[Service, str, dict[str, str]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
@@ -172,12 +183,13 @@ def start_server(
         "PREFECT_API_URL": url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_ENABLED": "false",
-        "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+        "PREFECT_SERVER_LOGGING_LEVEL": "INFO" if count_requests else "WARNING",
         "FACEFLOW_HOME": str(home / "faceflow"),
         "PYTHONUNBUFFERED": "1",
     }
     argv = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    server = Service("prefect-server", argv, log=home / "server.log", env=dict(env))
+    server_env = {**env, **(extra_env or {})}
+    server = Service("prefect-server", argv, log=home / "server.log", env=server_env)
     server.start()
     server.wait_ready(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 180)
     env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)  # clients need only the API URL
@@ -215,13 +227,18 @@ def bare_loop(source: bytes, target: bytes, jobs: int) -> dict[str, float]:
     warm_up(ctx)
     fuse_images(source, target, ctx=ctx)
     times = []
+    cpu = sum(os.times()[:2])
     start = time.perf_counter()
     for _ in range(jobs):
         t0 = time.perf_counter()
         fuse_images(source, target, ctx=ctx)
         times.append((time.perf_counter() - t0) * 1e3)
     wall = time.perf_counter() - start
-    return {"median_ms": statistics.median(times), "jobs_per_min": jobs / wall * 60.0}
+    return {
+        "median_ms": statistics.median(times),
+        "jobs_per_min": jobs / wall * 60.0,
+        "cpu_ms_per_job": (sum(os.times()[:2]) - cpu) * 1e3 / jobs,
+    }
 
 
 def in_process_flow_loop(
@@ -308,13 +325,110 @@ def stage_timings(storage: Path, run: dict[str, Any]) -> dict[str, float]:
     return dict(json.loads(sidecar.read_text())["timings_ms"])
 
 
+def process_tree_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) of ``pid`` and all its descendants so far (Linux /proc)."""
+    if pid is None:
+        return 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        one = todo.pop()
+        try:
+            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+            for task in Path(f"/proc/{one}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def postgres_cpu_s() -> float:
+    """CPU seconds of every ``postgres`` process on this machine so far (the job store and
+    the Prefect server's database share the local cluster)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            head, tail = (proc / "stat").read_text().rsplit(")", 1)
+            if head.split("(", 1)[1].startswith("postgres"):
+                fields = tail.split()
+                total += (int(fields[11]) + int(fields[12])) / ticks
+        except (OSError, IndexError):
+            continue
+    return total
+
+
+def machine_busy_s() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, all cores (/proc/stat)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields) - idle) / ticks, sum(fields) / ticks
+
+
+ACCESS_LINE = re.compile(r'uvicorn\.access - \S+ - "(\w+) (/api/\S*) HTTP')
+ID_IN_PATH = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def requests_per_job(log: Path, start: int, jobs: int) -> dict[str, float]:
+    """Prefect API requests per job by endpoint, from the server's access log lines after
+    byte ``start`` (the server runs with ``--count-requests``); ids become ``{id}``."""
+    counts: dict[str, int] = {}
+    with log.open("rb") as fh:
+        fh.seek(start)
+        for raw in fh:
+            match = ACCESS_LINE.search(raw.decode(errors="replace"))
+            if match:
+                path = ID_IN_PATH.sub("{id}", match.group(2).split("?", 1)[0])
+                key = f"{match.group(1)} {path}"
+                counts[key] = counts.get(key, 0) + 1
+    ordered = sorted(counts.items(), key=lambda item: -item[1])
+    out = {key: round(n / jobs, 2) for key, n in ordered}
+    out["total"] = round(sum(counts.values()) / jobs, 2)
+    return out
+
+
+class CpuMeter:
+    """CPU seconds per component over one phase (server, worker + children, postgres,
+    this process) and how busy the whole machine was."""
+
+    def __init__(self, pids: dict[str, int | None]) -> None:
+        self.pids = pids
+        self.start = self._read()
+        self.wall = time.perf_counter()
+
+    def _read(self) -> dict[str, float]:
+        out = {name: process_tree_cpu_s(pid) for name, pid in self.pids.items()}
+        out["postgres"] = postgres_cpu_s()
+        out["bench"] = sum(os.times()[:2])
+        out["machine_busy"], out["machine_total"] = machine_busy_s()
+        return out
+
+    def per_job_ms(self, jobs: int) -> dict[str, float]:
+        """CPU ms per job by component, and the machine's busy share of all cores."""
+        end = self._read()
+        delta = {k: end[k] - self.start[k] for k in end}
+        total = delta.pop("machine_total")
+        busy = delta.pop("machine_busy")
+        out = {name: round(v * 1e3 / jobs, 1) for name, v in delta.items()}
+        out["other"] = round((busy - sum(delta.values())) * 1e3 / jobs, 1)
+        out["machine_busy_share"] = round(busy / total, 3) if total else 0.0
+        return out
+
+
 def bench_mode(
     mode: str,
     api: PrefectRest,
+    server_pid: int | None,
     env: dict[str, str],
     home: Path,
     inputs: tuple[str, str, bytes, bytes],
     jobs: int,
+    extra_env: dict[str, str] | None = None,
+    children: int = 1,
 ) -> dict[str, Any]:
     """Create the pool and deployment, start the worker, run the jobs, stop the worker.
     The bare loop runs just before, so both see the same load on a shared machine."""
@@ -328,10 +442,16 @@ def bench_mode(
         **env,
         "PREFECT_WORKER_QUERY_SECONDS": "1",
         "PREFECT_WORKER_PREFETCH_SECONDS": "1",
-        "PREFECT_LOGGING_LEVEL": os.environ.get("BENCH_WORKER_LOG_LEVEL", "WARNING"),
+        # INFO as in production: the runs ship their stage logs to the API
+        "PREFECT_LOGGING_LEVEL": os.environ.get("BENCH_WORKER_LOG_LEVEL", "INFO"),
         "FACEFLOW_WORKER_HEALTH_PORT": str(health_port),
+        **(extra_env or {}),
     }
-    argv = [PREFECT, "worker", "start", "--pool", pool, "--type", TYPES[mode], "--limit", "1"]
+    limit = children if mode == "warm" else 1
+    if mode == "warm":
+        worker_env["FACEFLOW_WORKER_CHILDREN"] = str(children)
+    argv = [PREFECT, "worker", "start", "--pool", pool, "--type", TYPES[mode]]
+    argv += ["--limit", str(limit)]
     worker = Service(
         f"worker-{mode}", argv, log=home / f"worker-{mode}.log", env=worker_env, cwd=REPO
     )
@@ -352,8 +472,15 @@ def bench_mode(
         run_one()  # untimed first job (first block load, first process start)
         bare = bare_loop(inputs[2], inputs[3], jobs)
         sequential = [run_one() for _ in range(jobs)]
+        server_log = home / "server.log"
+        log_start = server_log.stat().st_size if server_log.exists() else 0
+        meter = CpuMeter({"server": server_pid, "worker": worker.pid})
         created = [api.create_run(deployment_id, job_parameters(*keys)) for _ in range(jobs)]
         burst = [api.wait_final(run_id) for run_id in created]
+        burst_cpu = meter.per_job_ms(jobs)
+        burst_requests = (
+            requests_per_job(server_log, log_start, jobs) if server_log.exists() else {}
+        )
     finally:
         worker.stop(grace=30)
     failed = [r["state"]["message"] for r in sequential + burst if r["state_type"] != "COMPLETED"]
@@ -379,6 +506,7 @@ def bench_mode(
     return {
         "bare": bare,
         "worker_ready_s": ready_s,
+        "children": limit,
         "overhead_vs_own_stages_median_ms": statistics.median(in_run_overhead),
         "failed": failed,
         "dispatch_median_s": statistics.median(dispatch),
@@ -392,6 +520,8 @@ def bench_mode(
             (ts(r["end_time"]) - ts(r["start_time"])) * 1e3 for r in burst
         ),
         "flow_bookkeeping_median_ms": statistics.median(in_flow),
+        "burst_cpu_ms_per_job": burst_cpu,
+        "burst_requests_per_job": burst_requests,
         "stage_median_ms": stage_medians,
         "state_gaps_ms": state_gaps(api, sequential),
     }
@@ -465,6 +595,9 @@ def print_table(out: dict[str, Any]) -> None:
         r = out["modes"][mode]
         print(f"{mode} state gaps (median ms): {r['state_gaps_ms']}")
         print(f"{mode} stages in the flow (median ms): {r['stage_median_ms']}")
+        print(f"{mode} burst CPU per job (ms) and machine busy share: {r['burst_cpu_ms_per_job']}")
+        if r["burst_requests_per_job"].get("total"):
+            print(f"{mode} burst Prefect API requests per job: {r['burst_requests_per_job']}")
         if r["failed"]:
             print(f"{mode} FAILED runs: {r['failed']}")
 
@@ -488,17 +621,49 @@ def main() -> None:
         default=True,
         help="also time run_flow back to back in this process (the bound for any worker)",
     )
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment for the Prefect server (repeatable)",
+    )
+    parser.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment for the workers and their children (repeatable)",
+    )
+    parser.add_argument(
+        "--children",
+        type=int,
+        default=1,
+        help="warm children (runs at once) of the warm worker; the process worker runs one",
+    )
+    parser.add_argument(
+        "--count-requests",
+        action="store_true",
+        help="log the server's requests and report Prefect API calls per job (burst)",
+    )
     args = parser.parse_args()
+    server_env = dict(item.split("=", 1) for item in args.server_env)
+    worker_env = dict(item.split("=", 1) for item in args.worker_env)
     modes = [m for m in args.modes.split(",") if m]
     with tempfile.TemporaryDirectory(prefix="faceflow-bench-") as tmp:
         home = Path(os.environ.get("BENCH_KEEP_DIR") or tmp)
         home.mkdir(parents=True, exist_ok=True)
         with server_database(args.server_db) as database_env:
-            server, url, env = start_server(home, database_env)
+            server, url, env = start_server(home, database_env, server_env, args.count_requests)
             try:
                 api = PrefectRest(url)
                 inputs = prepare_inputs(url, home / "faceflow")
-                results = {m: bench_mode(m, api, env, home, inputs, args.jobs) for m in modes}
+                results = {
+                    m: bench_mode(
+                        m, api, server.pid, env, home, inputs, args.jobs, worker_env, args.children
+                    )
+                    for m in modes
+                }
                 reference = (
                     in_process_flow_loop(api, url, inputs, args.jobs) if args.in_process else None
                 )

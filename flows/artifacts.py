@@ -11,8 +11,8 @@ shows up once it has been the current one for ``PROGRESS_DELAY_S`` (from a timer
 off the flow's path), fast stages in between are coalesced, and the final value is written
 when the run ends. A run that finishes within the delay writes its progress artifact once,
 already final: three artifact calls per run instead of ten, and those three are written
-while the engine records the run's final state (see ``OperatorView.finish``). Stage-by-stage detail stays in
-the run's logs, its task runs and the final table. The relay's sync reads the progress
+at once, while the engine records the run's final state (see ``OperatorView.finish``).
+Stage-by-stage detail stays in the run's logs, its task runs and the final table. The relay's sync reads the progress
 description (``Stage i/n: <stage> ...``) of running runs, so a job's ``stage`` can lag by
 up to the delay; on success the relay records the last stage itself.
 """
@@ -203,15 +203,15 @@ class OperatorView:
         else:
             lines.append(f"Outcome: `{outcome}`")
 
-        def publish() -> None:
-            if self.progress is not None:
-                self.progress.close(*progress)
+        def write_table() -> None:
             _safely(
                 create_table_artifact,
                 table=table,
                 key=artifact_key(self.job_id, "timings"),
                 description=f"Job {self.job_id} attempt {self.attempt}: stage timings and device.",
             )
+
+        def write_markdown() -> None:
             _safely(
                 create_markdown_artifact,
                 markdown="\n".join(lines),
@@ -219,18 +219,20 @@ class OperatorView:
                 description=f"Job {self.job_id} attempt {self.attempt}: result.",
             )
 
+        def publish() -> None:  # the three writes at once: one round trip of waiting
+            writers = [_in_thread(write_table), _in_thread(write_markdown)]
+            if self.progress is not None:
+                self.progress.close(*progress)
+            for writer in writers:
+                writer.join(FINISH_TIMEOUT_S)
+
         if self.progress is None:
             publish()
             return
-        context = contextvars.copy_context()
-        thread = threading.Thread(
-            target=context.run, args=(publish,), name="faceflow-operator-view", daemon=True
-        )
         for run_id, old in list(_FINISHING.items()):  # runs whose hooks never ran
             if not old.is_alive():
                 _FINISHING.pop(run_id, None)
-        _FINISHING[self.progress.flow_run_id] = thread
-        thread.start()
+        _FINISHING[self.progress.flow_run_id] = _in_thread(publish)
 
     def table(self, *, device: str, gpu: GpuStats, faces: dict[str, int]) -> list[dict[str, Any]]:
         """Rows: one per stage, then faces, device and GPU memory."""
@@ -262,6 +264,17 @@ class OperatorView:
     def _progress(self, value: float, description: str) -> None:
         if self.progress is not None:
             self.progress.show(value, description)
+
+
+def _in_thread(fn: Any) -> threading.Thread:
+    """Start ``fn`` in a daemon thread that runs in a copy of this context (the flow run's
+    client and run context travel with it)."""
+    context = contextvars.copy_context()
+    thread = threading.Thread(
+        target=context.run, args=(fn,), name="faceflow-operator-view", daemon=True
+    )
+    thread.start()
+    return thread
 
 
 def _safely(fn: Any, *args: Any, **kwargs: Any) -> Any:

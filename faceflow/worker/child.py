@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import resource
 import signal
@@ -122,6 +123,7 @@ class WarmChild:
         self.conn = conn
         self.spec = spec
         self.flows: dict[FlowCacheKey, Any] = {}
+        self.unrenamed: dict[int, tuple[Any, Any]] = {}
         self.runs_done = 0
 
     def telemetry(self) -> Telemetry:
@@ -151,6 +153,26 @@ class WarmChild:
                 self.flows[key] = load_flow_from_entrypoint(entrypoint, use_placeholder_flow=False)
         return self.flows[key]
 
+    def named_already(self, flow: Any, flow_run: Any) -> Any:
+        """``flow``, or a copy of it that does not rename ``flow_run`` when the run already
+        has the name the flow's ``flow_run_name`` template gives (the relay names every run
+        by its job id): Prefect's engine would otherwise send one rename request per run."""
+        template = getattr(flow, "flow_run_name", None)
+        if not isinstance(template, str):
+            return flow
+        try:
+            wanted = template.format(**(flow_run.parameters or {}))
+        except (KeyError, IndexError, ValueError, AttributeError):
+            return flow
+        if wanted != flow_run.name:
+            return flow
+        unrenamed = self.unrenamed.get(id(flow))
+        if unrenamed is None or unrenamed[0] is not flow:
+            copied = copy.copy(flow)
+            copied.flow_run_name = None
+            unrenamed = self.unrenamed[id(flow)] = (flow, copied)
+        return unrenamed[1]
+
     def preload(self) -> None:
         """Import the configured flows now so the first run does not pay for it."""
         base = Path(self.spec.working_dir or os.getcwd())
@@ -173,6 +195,7 @@ class WarmChild:
             working_dir = request.working_dir or self.spec.working_dir
             flow = self.load_flow(request.entrypoint, working_dir)
             flow_run = client.read_flow_run(UUID(request.flow_run_id))
+            flow = self.named_already(flow, flow_run)
             self.conn.send(RunStarted(request.flow_run_id, (time.perf_counter() - start) * 1e3))
             with run_environment(request.env, working_dir):
                 state = run_flow(flow, flow_run=flow_run, return_type="state")

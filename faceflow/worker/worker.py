@@ -3,10 +3,12 @@
 Start it as ``prefect worker start --pool gpu --type faceflow-gpu`` (discovered through the
 ``prefect.collections`` entry point ``faceflow = "faceflow.worker"``) or ``faceflow worker``.
 
-For every scheduled run the worker does what Prefect's process worker does up to
-``Submitting`` (pending → submitting, job configuration from the pool's template), then
-hands the run to an idle child, which runs it through ``prefect.flow_engine.run_flow``
-(states, logs and the UI as usual). From outside the child the worker enforces the run's
+For every scheduled run the worker does what Prefect's process worker does before it
+starts a process (``Pending``, job configuration from the pool's template, worker labels),
+then hands the run to an idle child, which runs it through ``prefect.flow_engine.run_flow``
+(states, logs and the UI as usual). It skips the per-run work that a warm child makes
+pointless: no ``Submitting`` state, the settings serialised into the run's environment once,
+labels written beside the hand-over, no rename when the run already has its job's name. From outside the child the worker enforces the run's
 ``deadline_at`` (+ grace) and cancellation by killing the child (SIGTERM, then SIGKILL),
 marks the run ``Crashed`` (``[deadline_exceeded] …``) or ``Cancelled``, and warms a fresh
 child. Deployment pull steps are not run: flow code is imported from the worker's working
@@ -40,6 +42,8 @@ from faceflow.worker.protocol import RunFinished, RunRequest, RunStarted
 from faceflow.worker.settings import DEFAULT_ENTRYPOINT, WorkerSettings
 
 if TYPE_CHECKING:
+    from uuid import UUID
+
     from prefect.client.schemas.objects import FlowRun, State
 
 WORKER_TYPE = "faceflow-gpu"
@@ -89,6 +93,7 @@ class FaceFlowGpuWorker(
         self._prefetch_paused = False
         self._last_poll_ok = time.monotonic()
         self._journal: ClaimJournal | None = None
+        self._labelling: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,9 +153,9 @@ class FaceFlowGpuWorker(
 
     async def teardown(self, *exc_info: Any) -> None:
         """Stop the services and every child (by PID), then Prefect's teardown."""
-        for task in self._services:
+        for task in [*self._services, *self._labelling]:
             task.cancel()
-        for task in self._services:
+        for task in [*self._services, *self._labelling]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._services.clear()
@@ -310,6 +315,27 @@ class FaceFlowGpuWorker(
         if not accepted and self._journal is not None:
             self._journal.remove(run_id)
         return accepted
+
+    async def _propose_submitting_state(self, flow_run: FlowRun) -> None:
+        """No ``Submitting`` state: the run goes from ``Pending`` to an idle warm child at
+        once, and the child's engine records ``Running``. Prefect's extra state transition
+        cost every run one orchestrated API call (≈ 40 ms, measured in bench/warm_worker.py)
+        and told an operator nothing."""
+
+    async def _give_worker_labels_to_flow_run(self, flow_run_id: UUID) -> None:
+        """Label the run with this worker and pool (as Prefect does) without making the
+        run wait for it: the request runs beside the hand-over to the child."""
+        parent = super()._give_worker_labels_to_flow_run
+
+        async def label() -> None:
+            try:
+                await parent(flow_run_id)
+            except Exception as exc:  # labels help operators; a failure must not stop a run
+                self._logger.debug("could not label flow run %s: %s", flow_run_id, exc)
+
+        task = asyncio.create_task(label())
+        self._labelling.add(task)
+        task.add_done_callback(self._labelling.discard)
 
     async def get_and_submit_flow_runs(self) -> list[FlowRun]:
         """Poll only while a warm child is idle, or all are running and a prefetch place is

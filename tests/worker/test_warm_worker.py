@@ -21,6 +21,7 @@ from tests.worker.conftest import (
     REPO,
     Api,
     WarmWorker,
+    fuse_params,
     pid_alive,
     start_warm_worker,
 )
@@ -56,6 +57,35 @@ def test_twenty_fuse_faces_runs_load_each_model_once(
     assert after["runs_done"] == before["runs_done"] + 20
     assert after["model_loads"], after
     assert set(after["model_loads"].values()) == {1}, after["model_loads"]  # once per child
+
+
+def test_fuse_faces_runs_are_named_by_job_and_labelled_by_worker(
+    warm_worker: WarmWorker, inputs: tuple[str, str]
+) -> None:
+    """The child skips Prefect's rename when the relay already named the run by its job id,
+    and still renames a run created under another name; the worker's labels land beside
+    the hand-over; no ``Submitting`` state: Pending → Running → Completed."""
+    warm_worker.wait_idle()
+    named, job_id = warm_worker.submit_fuse(*inputs)
+    params = fuse_params(*inputs)
+    body = {"parameters": params, "name": "not-the-job-id"}
+    path = f"/deployments/{warm_worker.fuse_deployment_id}/create_flow_run"
+    other = str(warm_worker.api.call("POST", path, body)["id"])
+    for run_id, expected in ((named, job_id), (other, params["job_id"])):
+        run = warm_worker.api.wait_final(run_id, timeout=120)
+        assert run["state_type"] == "COMPLETED", run["state"]
+        assert run["name"] == expected
+        states = warm_worker.api.call("GET", f"/flow_run_states/?flow_run_id={run_id}")
+        names = [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
+        assert names == ["Scheduled", "Pending", "Running", "Completed"], names
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # labels are written beside the hand-over
+        labels = warm_worker.api.run(named)["labels"]
+        if "prefect.worker.name" in labels:
+            break
+        time.sleep(0.1)
+    assert labels["prefect.worker.type"] == "faceflow-gpu"
+    assert labels["prefect.work-pool.name"]
 
 
 @pytest.mark.parametrize("block_sigterm", [True, False], ids=["sigkill-needed", "sigterm-enough"])

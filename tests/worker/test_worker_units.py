@@ -87,3 +87,38 @@ def test_worker_limit_is_children_plus_prefetch() -> None:
     assert FaceFlowGpuWorker(work_pool_name="p", settings=three)._limit == 4
     capped = FaceFlowGpuWorker(work_pool_name="p", settings=three, limit=1)
     assert (capped._children, capped._limit) == (1, 2)  # --limit caps the executing runs
+
+
+def test_run_environment_is_prefects_and_follows_temporary_settings() -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.workers.base import BaseJobConfiguration
+
+    assert FaceFlowJobConfiguration._base_environment() == BaseJobConfiguration._base_environment()
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        env = FaceFlowJobConfiguration._base_environment()
+        assert env["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
+        assert env == BaseJobConfiguration._base_environment()
+        env["PREFECT_API_URL"] = "changed by a caller"  # each run gets its own copy
+        assert (
+            FaceFlowJobConfiguration._base_environment()["PREFECT_API_URL"]
+            != env["PREFECT_API_URL"]
+        )
+    assert FaceFlowJobConfiguration._base_environment() == BaseJobConfiguration._base_environment()
+
+
+def test_a_child_skips_the_rename_only_when_the_run_has_the_name_already() -> None:
+    from faceflow.worker.child import WarmChild
+    from flows.fuse import fuse_faces
+
+    child = WarmChild.__new__(WarmChild)  # no connection or spec needed here
+    child.unrenamed = {}
+    named = SimpleNamespace(parameters={"job_id": "job-1"}, name="job-1")
+    unrenamed = child.named_already(fuse_faces, named)
+    assert unrenamed is not fuse_faces and unrenamed.flow_run_name is None
+    assert unrenamed.fn is fuse_faces.fn and unrenamed.name == fuse_faces.name
+    assert fuse_faces.flow_run_name == "{job_id}"  # the loaded flow is left as it is
+    assert child.named_already(fuse_faces, named) is unrenamed  # one copy per flow
+    other = SimpleNamespace(parameters={"job_id": "job-1"}, name="brave-otter")
+    assert child.named_already(fuse_faces, other) is fuse_faces
+    missing = SimpleNamespace(parameters={}, name="job-1")
+    assert child.named_already(fuse_faces, missing) is fuse_faces
