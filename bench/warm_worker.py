@@ -326,7 +326,8 @@ def stage_timings(storage: Path, run: dict[str, Any]) -> dict[str, float]:
 
 
 def process_tree_cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + system) of ``pid`` and all its descendants so far (Linux /proc)."""
+    """CPU seconds (user + system) of ``pid`` and all its descendants so far, with the
+    descendants that already exited (their parents' ``cutime``/``cstime``; Linux /proc)."""
     if pid is None:
         return 0.0
     ticks = os.sysconf("SC_CLK_TCK")
@@ -339,7 +340,7 @@ def process_tree_cpu_s(pid: int | None) -> float:
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / ticks
+        total += sum(int(v) for v in fields[11:15]) / ticks
     return total
 
 

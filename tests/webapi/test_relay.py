@@ -289,6 +289,71 @@ def test_prefect_outage_defers_the_batch_after_one_try_and_recovery_makes_it_due
         other.close()
 
 
+def test_cancels_wait_out_a_prefect_outage_with_one_try_and_go_at_recovery(
+    engine: Engine,
+    settings: Settings,
+    owner: crud.NewUser,
+    prefect_server: PrefectServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``cancel_run`` rows follow dispatch's outage handling: while Prefect was down each row
+    tried its own connection and waited out its own backoff afterwards. Now one failure
+    defers the batch, nothing is claimed while the outage lasts, and recovery makes the
+    rows due at once."""
+    store = LocalObjectStore(tmp_path_of(settings) / "storage")
+    transport = CountingTransport()
+    timings = replace(
+        FAST,
+        dispatch_backoff_cap_s=30.0,
+        dispatch_backoff_base_s=20.0,
+        prefect_probe_interval_s=0.2,
+    )
+    relay = build_relay(
+        settings,
+        engine=engine,
+        store=store,
+        timings=timings,
+        prefect=PrefectAPI(settings.prefect_api_url, transport=transport),
+    )
+    try:
+        jobs = [dispatched(relay, owner) for _ in range(4)]
+        with Session(engine, expire_on_commit=False) as session:
+            for job_id in jobs:
+                assert (
+                    crud.cancel_job(session, owner=owner.user, job_id=job_id).status
+                    is JobStatus.cancelled
+                )
+        runs = [str(job(engine, j).flow_run_id) for j in jobs]
+        prefect_server.stop()
+        try:
+            sent_before = len(transport.sent)
+            with caplog.at_level(logging.INFO, logger="webapi.relay"):
+                assert reap.cancel_runs(relay) == 4
+                assert len(transport.sent) == sent_before + 1  # one failed call for 4 rows
+                assert relay.outage.active
+                rows = [r for j in jobs for r in outbox_of(engine, j) if r.kind == "cancel_run"]
+                assert len(rows) == 4
+                assert all(r.done_at is None and r.lease_owner is None for r in rows)
+                assert all(r.next_attempt_at > utcnow() + timedelta(seconds=5) for r in rows)
+                assert reap.cancel_runs(relay) == 0  # nothing claimed in the outage
+                assert len(transport.sent) == sent_before + 1
+            warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        finally:
+            prefect_server.start()
+        back = time.monotonic()
+        wait_for(lambda: dispatch.run_once(relay) >= 0 and not relay.outage.active, timeout_s=10)
+        assert reap.cancel_runs(relay) == 4  # due at once, not after their 20-30 s backoff
+        assert time.monotonic() - back < 5
+        for run_id in runs:
+            run = relay.prefect.read_flow_run(run_id)
+            assert run is not None and run.state_type is StateType.CANCELLED
+        done = [r for j in jobs for r in outbox_of(engine, j) if r.kind == "cancel_run"]
+        assert [r.outcome for r in done] == ["done"] * 4
+    finally:
+        relay.close()
+
+
 def test_dispatch_rejected_by_the_parameter_schema_fails_the_job(
     relay: Relay, owner: crud.NewUser
 ) -> None:

@@ -71,14 +71,14 @@ def run_once(relay: Relay) -> int:
     rows = claim_due(relay)
     for index, row in enumerate(rows):
         if not dispatch_row(relay, row):
-            _defer_untried(relay, rows[index + 1 :], row.last_error or "Prefect unavailable")
+            defer_untried(relay, rows[index + 1 :], row.last_error or "Prefect unavailable")
             break
     return len(rows)
 
 
 def prefect_back(relay: Relay) -> bool:
     """In an outage: probe Prefect's health when due; once it answers, make the deferred
-    dispatch rows due now and leave the outage. Whether dispatch may go on."""
+    dispatch and cancel rows due now and leave the outage. Whether dispatch may go on."""
     state, t = relay.outage, relay.timings
     if not state.probe_due():
         return False
@@ -133,7 +133,7 @@ def dispatch_row(relay: Relay, row: Outbox) -> bool:
     try:
         run = relay.prefect.create_flow_run(params)
     except PrefectUnavailable as exc:
-        _prefect_down(relay, row, str(exc))
+        prefect_down(relay, row, str(exc))
         return False
     except PrefectRejected as exc:
         log.error("dispatch rejected", extra={"job_id": str(plan.job_id), "detail": exc.detail})
@@ -261,22 +261,23 @@ def _defer(relay: Relay, row: Outbox, error: str, delay_s: float) -> None:
         session.commit()
 
 
-def _prefect_down(relay: Relay, row: Outbox, error: str) -> None:
+def prefect_down(relay: Relay, row: Outbox, error: str) -> None:
     """Defer ``row`` (marked as an outage deferral) and enter outage mode; one warning per
-    outage, not one per row."""
+    outage, not one per row. Used for dispatch and ``cancel_run`` rows alike."""
     marked = outage.mark(error)
     _reschedule_after_backoff(relay, row, marked)
     row.last_error = marked
     t = relay.timings
     if relay.outage.begin(probe_s=t.prefect_probe_interval_s, cap_s=t.dispatch_backoff_cap_s):
         log.warning(
-            "Prefect unavailable: dispatch paused until its health check answers: %s",
+            "Prefect unavailable: dispatch and cancellations paused until its health check "
+            "answers: %s",
             error,
             extra={"job_id": str(row.job_id)},
         )
 
 
-def _defer_untried(relay: Relay, rows: list[Outbox], error: str) -> None:
+def defer_untried(relay: Relay, rows: list[Outbox], error: str) -> None:
     """Release the rest of a claimed batch untried (Prefect is unreachable): one UPDATE."""
     if not rows:
         return

@@ -8,7 +8,9 @@ in outage mode: the rest of the claimed batch is deferred in one UPDATE (rows ma
 ``OUTAGE_MARK`` in ``last_error``), no rows are claimed while the outage lasts, and Prefect's
 ``/health`` is probed every ``prefect_probe_interval_s`` (doubling, up to the backoff cap,
 while outages follow each other without a successful dispatch). Once it answers, every
-outage-deferred dispatch row that no replica holds is made due at once.
+outage-deferred dispatch row that no replica holds is made due at once. ``cancel_run`` rows
+(``webapi.relay.reap``) follow the same outage: none are claimed while it lasts, the first
+unreachable cancel defers the rest of its batch, and recovery makes them due too.
 
 Safe with several replicas: each keeps its own outage state; making rows due only touches
 rows that are not leased (``lease_until`` past or unset), so it never changes a row another
@@ -33,7 +35,9 @@ from webapi.relay.leases import MAX_ERROR_CHARS
 log = logging.getLogger(__name__)
 
 OUTAGE_MARK = "prefect_unavailable: "
-"""Prefix of ``last_error`` on dispatch rows deferred because Prefect was unreachable."""
+"""Prefix of ``last_error`` on rows deferred because Prefect was unreachable."""
+OUTAGE_KINDS = ("dispatch", "cancel_run")
+"""Outbox kinds that call Prefect and so pause in an outage (webhooks do not)."""
 
 
 @dataclass
@@ -100,8 +104,9 @@ def defer_rows(
     delay_s: float,
     now: datetime | None = None,
 ) -> int:
-    """Release leased dispatch rows that were not tried (Prefect unreachable) to be tried
-    after ``delay_s`` or when Prefect is back, whichever is first; one UPDATE, no commit."""
+    """Release leased dispatch or ``cancel_run`` rows that were not tried (Prefect
+    unreachable) to be tried after ``delay_s`` or when Prefect is back, whichever is first;
+    one UPDATE, no commit."""
     if not rows:
         return 0
     now = now or utcnow()
@@ -123,12 +128,13 @@ def defer_rows(
 
 
 def make_due(session: Session, *, now: datetime | None = None) -> int:
-    """Make every outage-deferred, unleased, open dispatch row due now; no commit."""
+    """Make every outage-deferred, unleased, open dispatch or ``cancel_run`` row due now;
+    no commit."""
     now = now or utcnow()
     statement = (
         sa.update(Outbox)
         .where(
-            col(Outbox.kind) == "dispatch",
+            col(Outbox.kind).in_(OUTAGE_KINDS),
             col(Outbox.done_at).is_(None),
             col(Outbox.next_attempt_at) > now,
             sa.or_(col(Outbox.lease_until).is_(None), col(Outbox.lease_until) < now),

@@ -25,7 +25,7 @@ from tasks.errors import DeadlineExceeded
 from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, OutboxKind, utcnow
 from webapi.prefect_api import FlowRun, PrefectRejected, PrefectUnavailable, StateType
-from webapi.relay import leases
+from webapi.relay import dispatch, leases
 from webapi.relay.context import Relay
 from webapi.relay.sync import Watched, observe
 
@@ -54,14 +54,25 @@ def run_once(relay: Relay) -> int:
 
 
 def cancel_runs(relay: Relay) -> int:
-    """Cancel the flow runs named by leased ``cancel_run`` rows; returns rows handled."""
+    """Cancel the flow runs named by leased ``cancel_run`` rows; returns rows handled.
+
+    Prefect outages are shared with dispatch (``webapi.relay.outage``): while one lasts no
+    rows are claimed, and the first unreachable cancel defers the rest of the batch untried
+    (one failed connection and one warning, not one per row); recovery makes them due."""
+    if relay.outage.active:
+        return 0
     rows = relay.claim("cancel_run")
-    for row in rows:
-        _cancel_row(relay, row)
+    for index, row in enumerate(rows):
+        if not _cancel_row(relay, row):
+            dispatch.defer_untried(
+                relay, rows[index + 1 :], row.last_error or "Prefect unavailable"
+            )
+            break
     return len(rows)
 
 
-def _cancel_row(relay: Relay, row: Outbox) -> None:
+def _cancel_row(relay: Relay, row: Outbox) -> bool:
+    """Cancel one row's flow run; False when Prefect was unreachable (row deferred)."""
     run_id = str(row.payload.get("flow_run_id") or "")
     state: StateType | None = None
     error: str | None = None
@@ -73,17 +84,15 @@ def _cancel_row(relay: Relay, row: Outbox) -> None:
             else None
         )
     except PrefectUnavailable as exc:
-        delay = leases.backoff_s(row.attempts + 1, cap_s=relay.timings.dispatch_backoff_cap_s)
-        with relay.session() as session:
-            leases.reschedule(session, row, owner=relay.owner, error=str(exc), delay_s=delay)
-            session.commit()
-        return
+        dispatch.prefect_down(relay, row, str(exc))
+        return False
     except PrefectRejected as exc:
         error = str(exc)
     with relay.session() as session:
         leases.finish(session, row, owner=relay.owner, outcome="done", error=error)
         session.commit()
     log.info("flow run cancel", extra={"job_id": str(row.job_id), "state": str(state)})
+    return True
 
 
 # --------------------------------------------------------------------------- runs
