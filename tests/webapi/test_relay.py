@@ -226,6 +226,26 @@ class CountingTransport(httpx.HTTPTransport):
         return super().handle_request(request)
 
 
+def outage_relay(engine: Engine, settings: Settings) -> tuple[Relay, CountingTransport]:
+    """A relay whose Prefect requests are counted, with long row backoffs (20-30 s) and a
+    short health probe (0.2 s): recovery within seconds shows rows made due, not waited."""
+    timings = replace(
+        FAST,
+        dispatch_backoff_cap_s=30.0,
+        dispatch_backoff_base_s=20.0,
+        prefect_probe_interval_s=0.2,
+    )
+    transport = CountingTransport()
+    relay = build_relay(
+        settings,
+        engine=engine,
+        store=LocalObjectStore(tmp_path_of(settings) / "storage"),
+        timings=timings,
+        prefect=PrefectAPI(settings.prefect_api_url, transport=transport),
+    )
+    return relay, transport
+
+
 def test_prefect_outage_defers_the_batch_after_one_try_and_recovery_makes_it_due(
     engine: Engine,
     settings: Settings,
@@ -237,26 +257,14 @@ def test_prefect_outage_defers_the_batch_after_one_try_and_recovery_makes_it_due
     its own connection and logged a warning, and after the outage each row waited out its
     own backoff (up to 30 s) while its queue deadline ran, so jobs expired though Prefect was
     back. Now one failure defers the whole batch, and Prefect's recovery makes it due."""
-    store = LocalObjectStore(tmp_path_of(settings) / "storage")
-    transport = CountingTransport()
-    timings = replace(
-        FAST,
-        dispatch_backoff_cap_s=30.0,
-        dispatch_backoff_base_s=20.0,
-        prefect_probe_interval_s=0.2,
+    relay, transport = outage_relay(engine, settings)
+    other = build_relay(  # a 2nd replica
+        settings, engine=engine, store=relay.store, timings=relay.timings
     )
-    relay = build_relay(
-        settings,
-        engine=engine,
-        store=store,
-        timings=timings,
-        prefect=PrefectAPI(settings.prefect_api_url, transport=transport),
-    )
-    other = build_relay(settings, engine=engine, store=store, timings=timings)  # a 2nd replica
     try:
         prefect_server.stop()
         try:
-            jobs = [submit(engine, settings, store, owner).id for _ in range(6)]
+            jobs = [submit(engine, settings, relay.store, owner).id for _ in range(6)]
             with caplog.at_level(logging.INFO, logger="webapi.relay"):
                 assert dispatch.run_once(relay) == 6
                 assert len(transport.sent) == 1  # one failed connection for six rows
@@ -300,21 +308,7 @@ def test_cancels_wait_out_a_prefect_outage_with_one_try_and_go_at_recovery(
     tried its own connection and waited out its own backoff afterwards. Now one failure
     defers the batch, nothing is claimed while the outage lasts, and recovery makes the
     rows due at once."""
-    store = LocalObjectStore(tmp_path_of(settings) / "storage")
-    transport = CountingTransport()
-    timings = replace(
-        FAST,
-        dispatch_backoff_cap_s=30.0,
-        dispatch_backoff_base_s=20.0,
-        prefect_probe_interval_s=0.2,
-    )
-    relay = build_relay(
-        settings,
-        engine=engine,
-        store=store,
-        timings=timings,
-        prefect=PrefectAPI(settings.prefect_api_url, transport=transport),
-    )
+    relay, transport = outage_relay(engine, settings)
     try:
         jobs = [dispatched(relay, owner) for _ in range(4)]
         with Session(engine, expire_on_commit=False) as session:
