@@ -85,7 +85,11 @@ class DeferredProgress:
         with self._lock:
             self._pending = (value, description)
             if self._timer is None and not self._closed:
-                self._timer = threading.Timer(self.delay_s, self._flush)
+                # In this context: where Prefect's settings live only in the caller's context
+                # (tests, in-process runs), a bare thread would emit the artifact's event
+                # with default settings, and Prefect would start a temporary server for it.
+                context = contextvars.copy_context()
+                self._timer = threading.Timer(self.delay_s, context.run, args=(self._flush,))
                 self._timer.daemon = True
                 self._timer.start()
 
