@@ -12,9 +12,10 @@ off the flow's path), fast stages in between are coalesced, and the final value 
 when the run ends. A run that finishes within the delay writes its progress artifact once,
 already final: three artifact calls per run instead of ten, and those three are written
 at once, while the engine records the run's final state (see ``OperatorView.finish``).
-Stage-by-stage detail stays in the run's logs, its task runs and the final table. The relay's sync reads the progress
-description (``Stage i/n: <stage> ...``) of running runs, so a job's ``stage`` can lag by
-up to the delay; on success the relay records the last stage itself.
+Stage-by-stage detail stays in the run's logs, its task runs and the final table. The
+relay's sync reads the progress description (``Stage i/n: <stage> ...``) of running runs,
+so a job's ``stage`` can lag by up to the delay; on success the relay records the last
+stage itself.
 """
 
 from __future__ import annotations

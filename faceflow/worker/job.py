@@ -67,7 +67,7 @@ class FaceFlowJobConfiguration(BaseJobConfiguration, RunFields):
     def _base_environment(cls) -> dict[str, str]:
         """Prefect's settings as environment variables, computed once per settings object.
 
-        Prefect serialises every setting for every run (≈ 20 ms of the worker's CPU per run
+        Prefect serialises every setting for every run (≈ 15 ms of the worker's CPU per run
         here, a third of its per-run work); the settings of a running worker do not change
         unless a ``temporary_settings`` block swaps the object, which the cache notices.
         """

@@ -8,11 +8,14 @@ starts a process (``Pending``, job configuration from the pool's template, worke
 then hands the run to an idle child, which runs it through ``prefect.flow_engine.run_flow``
 (states, logs and the UI as usual). It skips the per-run work that a warm child makes
 pointless: no ``Submitting`` state, the settings serialised into the run's environment once,
-labels written beside the hand-over, no rename when the run already has its job's name. From outside the child the worker enforces the run's
-``deadline_at`` (+ grace) and cancellation by killing the child (SIGTERM, then SIGKILL),
-marks the run ``Crashed`` (``[deadline_exceeded] …``) or ``Cancelled``, and warms a fresh
-child. Deployment pull steps are not run: flow code is imported from the worker's working
-directory (``working_dir`` job variable, else ``FACEFLOW_WORKER_WORKING_DIR``, else cwd).
+the deployment and flow read once per few seconds (``job.DefinitionCache``), labels written
+beside the hand-over, no rename when the run already has its job's name.
+
+From outside the child the worker enforces the run's ``deadline_at`` (+ grace) and
+cancellation by killing the child (SIGTERM, then SIGKILL), marks the run ``Crashed``
+(``[deadline_exceeded] …``) or ``Cancelled``, and warms a fresh child. Deployment pull
+steps are not run: flow code is imported from the worker's working directory
+(``working_dir`` job variable, else ``FACEFLOW_WORKER_WORKING_DIR``, else cwd).
 """
 
 from __future__ import annotations
