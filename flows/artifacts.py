@@ -11,7 +11,8 @@ shows up once it has been the current one for ``PROGRESS_DELAY_S`` (from a timer
 off the flow's path), fast stages in between are coalesced, and the final value is written
 when the run ends. A run that finishes within the delay writes its progress artifact once,
 already final: three artifact calls per run instead of ten, and those three are written
-at once, while the engine records the run's final state (see ``OperatorView.finish``).
+(one after another: on a SQLite Prefect server concurrent writers only contend for its
+lock) while the engine records the run's final state (see ``OperatorView.finish``).
 Stage-by-stage detail stays in the run's logs, its task runs and the final table. The
 relay's sync reads the progress description (``Stage i/n: <stage> ...``) of running runs,
 so a job's ``stage`` can lag by up to the delay; on success the relay records the last
@@ -224,12 +225,11 @@ class OperatorView:
                 description=f"Job {self.job_id} attempt {self.attempt}: result.",
             )
 
-        def publish() -> None:  # the three writes at once: one round trip of waiting
-            writers = [_in_thread(write_table), _in_thread(write_markdown)]
+        def publish() -> None:
             if self.progress is not None:
                 self.progress.close(*progress)
-            for writer in writers:
-                writer.join(FINISH_TIMEOUT_S)
+            write_table()
+            write_markdown()
 
         if self.progress is None:
             publish()
