@@ -38,6 +38,10 @@ import httpx
 import sqlalchemy as sa
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.procstat import process_tree_cpu_s  # noqa: E402
+
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
@@ -184,23 +188,6 @@ def summary(
     }
 
 
-def server_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its children so far (Linux /proc)."""
-    total = 0.0
-    ticks = os.sysconf("SC_CLK_TCK")
-    pids = [pid]
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        pids += [int(child) for child in children.read_text().split()]
-    for one in pids:
-        try:
-            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
-
-
 def prepare_database(kind: str, workdir: Path) -> tuple[str, str | None]:
     """A migrated, empty job store: (url, PostgreSQL schema to drop or None)."""
     from webapi.migrations import upgrade
@@ -291,23 +278,23 @@ def main() -> None:
         async def post(client: RawClient | HttpxClient) -> tuple[int, bytes]:
             return await client.request("POST", "/v1/jobs", body, submit_headers)
 
-        cpu_before = server_cpu_s(server.pid)
+        cpu_before = process_tree_cpu_s(server.pid)
         submit_samples, submit_codes, ids = asyncio.run(
             hammer(base_url, headers, args.seconds, args.concurrency, post, args.client)
         )
-        cpu_submit = server_cpu_s(server.pid) - cpu_before
+        cpu_submit = process_tree_cpu_s(server.pid) - cpu_before
         counter = iter(range(10**12))
 
         async def get(client: RawClient | HttpxClient) -> tuple[int, bytes]:
             return await client.request("GET", f"/v1/jobs/{ids[next(counter) % len(ids)]}")
 
-        cpu_before = server_cpu_s(server.pid)
+        cpu_before = process_tree_cpu_s(server.pid)
         get_samples, get_codes, _ = (
             asyncio.run(hammer(base_url, headers, args.seconds, args.concurrency, get, args.client))
             if ids
             else ([], {}, [])
         )
-        cpu_get = server_cpu_s(server.pid) - cpu_before
+        cpu_get = process_tree_cpu_s(server.pid) - cpu_before
         result = {
             "database": args.database,
             "relay": args.relay,

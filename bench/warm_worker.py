@@ -54,6 +54,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.procstat import machine_busy_s, postgres_cpu_s, process_tree_cpu_s  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
 from flows.params import run_tags  # noqa: E402
 
@@ -325,51 +326,6 @@ def stage_timings(storage: Path, run: dict[str, Any]) -> dict[str, float]:
     return dict(json.loads(sidecar.read_text())["timings_ms"])
 
 
-def process_tree_cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + system) of ``pid`` and all its descendants so far, with the
-    descendants that already exited (their parents' ``cutime``/``cstime``; Linux /proc)."""
-    if pid is None:
-        return 0.0
-    ticks = os.sysconf("SC_CLK_TCK")
-    total, todo = 0.0, [pid]
-    while todo:
-        one = todo.pop()
-        try:
-            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
-            for task in Path(f"/proc/{one}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-        total += sum(int(v) for v in fields[11:15]) / ticks
-    return total
-
-
-def postgres_cpu_s() -> float:
-    """CPU seconds of every ``postgres`` process on this machine so far (the job store and
-    the Prefect server's database share the local cluster)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            head, tail = (proc / "stat").read_text().rsplit(")", 1)
-            if head.split("(", 1)[1].startswith("postgres"):
-                fields = tail.split()
-                total += (int(fields[11]) + int(fields[12])) / ticks
-        except (OSError, IndexError):
-            continue
-    return total
-
-
-def machine_busy_s() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, all cores (/proc/stat)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields) - idle) / ticks, sum(fields) / ticks
-
-
 ACCESS_LINE = re.compile(r'uvicorn\.access - \S+ - "(\w+) (/api/\S*) HTTP')
 ID_IN_PATH = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -399,7 +355,6 @@ class CpuMeter:
     def __init__(self, pids: dict[str, int | None]) -> None:
         self.pids = pids
         self.start = self._read()
-        self.wall = time.perf_counter()
 
     def _read(self) -> dict[str, float]:
         out = {name: process_tree_cpu_s(pid) for name, pid in self.pids.items()}

@@ -137,7 +137,7 @@ class FusionSettings(Block):
         """``options`` with detector, fuser and identity weight from here where the job set none.
 
         A field counts as set when the caller sent it (pydantic's ``model_fields_set``): the
-        webapi sends ``options.model_dump(exclude_unset=True)``.
+        webapi sends ``options.as_sent()``.
         """
         defaults = {
             "detector": self.detector,

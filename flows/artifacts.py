@@ -25,8 +25,9 @@ import contextvars
 import logging
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from uuid import UUID
 
@@ -87,11 +88,7 @@ class DeferredProgress:
         with self._lock:
             self._pending = (value, description)
             if self._timer is None and not self._closed:
-                # In this context: where Prefect's settings live only in the caller's context
-                # (tests, in-process runs), a bare thread would emit the artifact's event
-                # with default settings, and Prefect would start a temporary server for it.
-                context = contextvars.copy_context()
-                self._timer = threading.Timer(self.delay_s, context.run, args=(self._flush,))
+                self._timer = threading.Timer(self.delay_s, in_this_context(self._flush))
                 self._timer.daemon = True
                 self._timer.start()
 
@@ -209,15 +206,15 @@ class OperatorView:
         else:
             lines.append(f"Outcome: `{outcome}`")
 
-        def write_table() -> None:
+        def publish() -> None:
+            if self.progress is not None:
+                self.progress.close(*progress)
             _safely(
                 create_table_artifact,
                 table=table,
                 key=artifact_key(self.job_id, "timings"),
                 description=f"Job {self.job_id} attempt {self.attempt}: stage timings and device.",
             )
-
-        def write_markdown() -> None:
             _safely(
                 create_markdown_artifact,
                 markdown="\n".join(lines),
@@ -225,19 +222,17 @@ class OperatorView:
                 description=f"Job {self.job_id} attempt {self.attempt}: result.",
             )
 
-        def publish() -> None:
-            if self.progress is not None:
-                self.progress.close(*progress)
-            write_table()
-            write_markdown()
-
         if self.progress is None:
             publish()
             return
+        thread = threading.Thread(
+            target=in_this_context(publish), name="faceflow-operator-view", daemon=True
+        )
         for run_id, old in list(_FINISHING.items()):  # runs whose hooks never ran
             if not old.is_alive():
                 _FINISHING.pop(run_id, None)
-        _FINISHING[self.progress.flow_run_id] = _in_thread(publish)
+        _FINISHING[self.progress.flow_run_id] = thread
+        thread.start()
 
     def table(self, *, device: str, gpu: GpuStats, faces: dict[str, int]) -> list[dict[str, Any]]:
         """Rows: one per stage, then faces, device and GPU memory."""
@@ -271,15 +266,12 @@ class OperatorView:
             self.progress.show(value, description)
 
 
-def _in_thread(fn: Any) -> threading.Thread:
-    """Start ``fn`` in a daemon thread that runs in a copy of this context (the flow run's
-    client and run context travel with it)."""
-    context = contextvars.copy_context()
-    thread = threading.Thread(
-        target=context.run, args=(fn,), name="faceflow-operator-view", daemon=True
-    )
-    thread.start()
-    return thread
+def in_this_context(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, to be called from another thread in a copy of this context: the flow run's
+    context and Prefect's settings travel with it. Where those settings live only in a
+    context (``temporary_settings``: tests, in-process runs), a bare thread would use the
+    process defaults, and Prefect would start a temporary server for the artifact's event."""
+    return partial(contextvars.copy_context().run, fn)
 
 
 def _safely(fn: Any, *args: Any, **kwargs: Any) -> Any:

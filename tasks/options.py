@@ -6,7 +6,7 @@ Model choices are ``Literal`` types; their allowed values derive from them with 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
@@ -61,3 +61,9 @@ class FusionOptions(BaseModel):
     def content_type(self) -> str:
         """The MIME type of the encoded result."""
         return CONTENT_TYPES[self.output_format]
+
+    def as_sent(self) -> dict[str, Any]:
+        """The options the caller set, and only those, as JSON: what the webapi stores and
+        sends to the flow, which fills the rest from the operator's ``FusionSettings``
+        block (``apply_defaults``) or the defaults here."""
+        return self.model_dump(mode="json", exclude_unset=True)

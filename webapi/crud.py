@@ -27,7 +27,6 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from tasks.options import FusionOptions
 from webapi.auth import hash_api_key, key_matches, new_api_key, new_webhook_secret
 from webapi.config import Settings
 from webapi.errors import (
@@ -115,19 +114,12 @@ def authenticate(session: Session, *, api_key: str, pepper: str) -> User | None:
 # --------------------------------------------------------------------------- submit
 
 
-def client_options(options: FusionOptions) -> dict[str, Any]:
-    """The options the client set, and only those: the flow fills the rest from the
-    operator's ``FusionSettings`` block (detector, fuser, identity weight) or the
-    ``FusionOptions`` defaults."""
-    return options.model_dump(mode="json", exclude_unset=True)
-
-
 def request_digest(create: JobCreate, source: InputRef, target: InputRef) -> str:
     """sha256 hex over both inputs and every option: what "the same request" means."""
     document = {
         "source": source.digest,
         "target": target.digest,
-        "options": client_options(create.options),
+        "options": create.options.as_sent(),
         "callback_url": None if create.callback_url is None else str(create.callback_url),
         "callback_events": create.callback_events,
         "deadline_seconds": create.deadline_seconds,
@@ -294,7 +286,7 @@ def _new_job(
         target_key=target.key,
         source_url=source.url,
         target_url=target.url,
-        options=client_options(create.options),
+        options=create.options.as_sent(),
         priority=create.priority,
         callback_url=None if create.callback_url is None else str(create.callback_url),
         callback_events=callback_events,

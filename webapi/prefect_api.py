@@ -213,10 +213,7 @@ class PrefectAPI:
         body = {
             "name": params.job_id,
             # Only the options the client set: the flow takes the rest from its settings block.
-            "parameters": {
-                **params.model_dump(mode="json"),
-                "options": params.options.model_dump(mode="json", exclude_unset=True),
-            },
+            "parameters": {**params.model_dump(mode="json"), "options": params.options.as_sent()},
             "idempotency_key": idempotency_key(params.job_id, params.attempt),
             "tags": run_tags(params.job_id, params.owner_id),
             "job_variables": job_variables or {},

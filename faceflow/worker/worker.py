@@ -124,7 +124,7 @@ class FaceFlowGpuWorker(
 
     async def setup(self) -> None:
         """Start the warm children, the health endpoint, event pickup and signal handling."""
-        env = get_current_settings().to_environment_variables(exclude_unset=True)
+        env = self.job_configuration._base_environment()  # the runs' Prefect settings
         env = {k: v for k, v in env.items() if k.startswith("PREFECT_")}
         specs = self.settings.child_specs(extra_env=env)[: self._children]
         limits = PoolLimits(

@@ -16,6 +16,7 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
+from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
 from flows.artifacts import PROGRESS_DELAY_S, DeferredProgress
@@ -48,10 +49,17 @@ def test_the_progress_timer_writes_with_the_callers_prefect_settings(
         progress.close(100.0, "Finished: succeeded.")
         return str(run.flow_run.id)
 
-    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-        run_id = shows_progress()
-        with get_client(sync_client=True) as client:
-            artifacts: list[Any] = client.read_artifacts()
+    # Prefect keeps one events worker per client type, bound to the API URL it first saw:
+    # start this test with none and leave none, so events go to this test's server and the
+    # harness tests after it get their own.
+    EventsWorker.drain_all(timeout=5, at_exit=False)
+    try:
+        with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+            run_id = shows_progress()
+            with get_client(sync_client=True) as client:
+                artifacts: list[Any] = client.read_artifacts()
+    finally:
+        EventsWorker.drain_all(timeout=5, at_exit=False)
     assert seen == [prefect_server.api_url, prefect_server.api_url]  # timer, then close
     mine = [a for a in artifacts if str(a.flow_run_id) == run_id]
     assert [(a.key, a.data) for a in mine] == [("progress-context-test", 100.0)]

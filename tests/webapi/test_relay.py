@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -226,7 +227,8 @@ class CountingTransport(httpx.HTTPTransport):
         return super().handle_request(request)
 
 
-def outage_relay(engine: Engine, settings: Settings) -> tuple[Relay, CountingTransport]:
+@pytest.fixture
+def counted(engine: Engine, settings: Settings) -> Iterator[tuple[Relay, CountingTransport]]:
     """A relay whose Prefect requests are counted, with long row backoffs (20-30 s) and a
     short health probe (0.2 s): recovery within seconds shows rows made due, not waited."""
     timings = replace(
@@ -243,12 +245,28 @@ def outage_relay(engine: Engine, settings: Settings) -> tuple[Relay, CountingTra
         timings=timings,
         prefect=PrefectAPI(settings.prefect_api_url, transport=transport),
     )
-    return relay, transport
+    yield relay, transport
+    relay.close()
+
+
+@contextmanager
+def prefect_down_warned_once(
+    server: PrefectServer, caplog: pytest.LogCaptureFixture
+) -> Iterator[None]:
+    """Prefect stopped for the block (started again after it); the relay's logs during the
+    block hold exactly one warning, whatever it tried."""
+    server.stop()
+    try:
+        with caplog.at_level(logging.INFO, logger="webapi.relay"):
+            yield
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    finally:
+        server.start()
 
 
 def test_prefect_outage_defers_the_batch_after_one_try_and_recovery_makes_it_due(
-    engine: Engine,
-    settings: Settings,
+    counted: tuple[Relay, CountingTransport],
     owner: crud.NewUser,
     prefect_server: PrefectServer,
     caplog: pytest.LogCaptureFixture,
@@ -257,29 +275,24 @@ def test_prefect_outage_defers_the_batch_after_one_try_and_recovery_makes_it_due
     its own connection and logged a warning, and after the outage each row waited out its
     own backoff (up to 30 s) while its queue deadline ran, so jobs expired though Prefect was
     back. Now one failure defers the whole batch, and Prefect's recovery makes it due."""
-    relay, transport = outage_relay(engine, settings)
+    relay, transport = counted
+    engine = relay.engine
     other = build_relay(  # a 2nd replica
-        settings, engine=engine, store=relay.store, timings=relay.timings
+        relay.settings, engine=engine, store=relay.store, timings=relay.timings
     )
     try:
-        prefect_server.stop()
-        try:
-            jobs = [submit(engine, settings, relay.store, owner).id for _ in range(6)]
-            with caplog.at_level(logging.INFO, logger="webapi.relay"):
-                assert dispatch.run_once(relay) == 6
-                assert len(transport.sent) == 1  # one failed connection for six rows
-                deferred = [r for j in jobs for r in outbox_of(engine, j)]
-                assert all(r.lease_owner is None and r.done_at is None for r in deferred)
-                assert all(r.next_attempt_at > utcnow() + timedelta(seconds=5) for r in deferred)
-                assert dispatch.run_once(relay) == 0  # in the outage: nothing claimed ...
-                time.sleep(0.5)
-                assert dispatch.run_once(relay) == 0  # ... only the health probe is sent
-                assert transport.sent[1:] == ["/api/health"]
-                assert dispatch.run_once(other) == 0  # the other replica: nothing due
-            warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-            assert len(warnings) == 1, [r.getMessage() for r in warnings]
-        finally:
-            prefect_server.start()
+        with prefect_down_warned_once(prefect_server, caplog):
+            jobs = [submit(engine, relay.settings, relay.store, owner).id for _ in range(6)]
+            assert dispatch.run_once(relay) == 6
+            assert len(transport.sent) == 1  # one failed connection for six rows
+            deferred = [r for j in jobs for r in outbox_of(engine, j)]
+            assert all(r.lease_owner is None and r.done_at is None for r in deferred)
+            assert all(r.next_attempt_at > utcnow() + timedelta(seconds=5) for r in deferred)
+            assert dispatch.run_once(relay) == 0  # in the outage: nothing claimed ...
+            time.sleep(0.5)
+            assert dispatch.run_once(relay) == 0  # ... only the health probe is sent
+            assert transport.sent[1:] == ["/api/health"]
+            assert dispatch.run_once(other) == 0  # the other replica: nothing due
         back = time.monotonic()
         wait_for(
             lambda: (
@@ -293,13 +306,11 @@ def test_prefect_outage_defers_the_batch_after_one_try_and_recovery_makes_it_due
         assert all(len(prefect_server.runs_of_job(j)) == 1 for j in jobs)
         assert all([r.outcome for r in outbox_of(engine, j)] == ["done"] for j in jobs)
     finally:
-        relay.close()
         other.close()
 
 
 def test_cancels_wait_out_a_prefect_outage_with_one_try_and_go_at_recovery(
-    engine: Engine,
-    settings: Settings,
+    counted: tuple[Relay, CountingTransport],
     owner: crud.NewUser,
     prefect_server: PrefectServer,
     caplog: pytest.LogCaptureFixture,
@@ -308,44 +319,36 @@ def test_cancels_wait_out_a_prefect_outage_with_one_try_and_go_at_recovery(
     tried its own connection and waited out its own backoff afterwards. Now one failure
     defers the batch, nothing is claimed while the outage lasts, and recovery makes the
     rows due at once."""
-    relay, transport = outage_relay(engine, settings)
-    try:
-        jobs = [dispatched(relay, owner) for _ in range(4)]
-        with Session(engine, expire_on_commit=False) as session:
-            for job_id in jobs:
-                assert (
-                    crud.cancel_job(session, owner=owner.user, job_id=job_id).status
-                    is JobStatus.cancelled
-                )
-        runs = [str(job(engine, j).flow_run_id) for j in jobs]
-        prefect_server.stop()
-        try:
-            sent_before = len(transport.sent)
-            with caplog.at_level(logging.INFO, logger="webapi.relay"):
-                assert reap.cancel_runs(relay) == 4
-                assert len(transport.sent) == sent_before + 1  # one failed call for 4 rows
-                assert relay.outage.active
-                rows = [r for j in jobs for r in outbox_of(engine, j) if r.kind == "cancel_run"]
-                assert len(rows) == 4
-                assert all(r.done_at is None and r.lease_owner is None for r in rows)
-                assert all(r.next_attempt_at > utcnow() + timedelta(seconds=5) for r in rows)
-                assert reap.cancel_runs(relay) == 0  # nothing claimed in the outage
-                assert len(transport.sent) == sent_before + 1
-            warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-            assert len(warnings) == 1, [r.getMessage() for r in warnings]
-        finally:
-            prefect_server.start()
-        back = time.monotonic()
-        wait_for(lambda: dispatch.run_once(relay) >= 0 and not relay.outage.active, timeout_s=10)
-        assert reap.cancel_runs(relay) == 4  # due at once, not after their 20-30 s backoff
-        assert time.monotonic() - back < 5
-        for run_id in runs:
-            run = relay.prefect.read_flow_run(run_id)
-            assert run is not None and run.state_type is StateType.CANCELLED
-        done = [r for j in jobs for r in outbox_of(engine, j) if r.kind == "cancel_run"]
-        assert [r.outcome for r in done] == ["done"] * 4
-    finally:
-        relay.close()
+    relay, transport = counted
+    engine = relay.engine
+    jobs = [dispatched(relay, owner) for _ in range(4)]
+    with Session(engine, expire_on_commit=False) as session:
+        for job_id in jobs:
+            assert (
+                crud.cancel_job(session, owner=owner.user, job_id=job_id).status
+                is JobStatus.cancelled
+            )
+    runs = [str(job(engine, j).flow_run_id) for j in jobs]
+    with prefect_down_warned_once(prefect_server, caplog):
+        sent_before = len(transport.sent)
+        assert reap.cancel_runs(relay) == 4
+        assert len(transport.sent) == sent_before + 1  # one failed call for 4 rows
+        assert relay.outage.active
+        rows = [r for j in jobs for r in outbox_of(engine, j) if r.kind == "cancel_run"]
+        assert len(rows) == 4
+        assert all(r.done_at is None and r.lease_owner is None for r in rows)
+        assert all(r.next_attempt_at > utcnow() + timedelta(seconds=5) for r in rows)
+        assert reap.cancel_runs(relay) == 0  # nothing claimed in the outage
+        assert len(transport.sent) == sent_before + 1
+    back = time.monotonic()
+    wait_for(lambda: dispatch.run_once(relay) >= 0 and not relay.outage.active, timeout_s=10)
+    assert reap.cancel_runs(relay) == 4  # due at once, not after their 20-30 s backoff
+    assert time.monotonic() - back < 5
+    for run_id in runs:
+        run = relay.prefect.read_flow_run(run_id)
+        assert run is not None and run.state_type is StateType.CANCELLED
+    done = [r for j in jobs for r in outbox_of(engine, j) if r.kind == "cancel_run"]
+    assert [r.outcome for r in done] == ["done"] * 4
 
 
 def test_dispatch_rejected_by_the_parameter_schema_fails_the_job(

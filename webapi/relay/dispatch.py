@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -68,9 +69,17 @@ def run_once(relay: Relay) -> int:
     passes only probe Prefect's health until it answers (``webapi.relay.outage``)."""
     if relay.outage.active and not prefect_back(relay):
         return 0
-    rows = claim_due(relay)
+    return until_prefect_down(relay, claim_due(relay), dispatch_row)
+
+
+def until_prefect_down(
+    relay: Relay, rows: list[Outbox], handle: Callable[[Relay, Outbox], bool]
+) -> int:
+    """``handle`` each leased row in turn until one finds Prefect unreachable (it returns
+    False), then defer the rest untried; returns how many rows were leased. Shared by the
+    rows that call Prefect: dispatch and ``cancel_run``."""
     for index, row in enumerate(rows):
-        if not dispatch_row(relay, row):
+        if not handle(relay, row):
             defer_untried(relay, rows[index + 1 :], row.last_error or "Prefect unavailable")
             break
     return len(rows)

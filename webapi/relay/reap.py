@@ -61,14 +61,7 @@ def cancel_runs(relay: Relay) -> int:
     (one failed connection and one warning, not one per row); recovery makes them due."""
     if relay.outage.active:
         return 0
-    rows = relay.claim("cancel_run")
-    for index, row in enumerate(rows):
-        if not _cancel_row(relay, row):
-            dispatch.defer_untried(
-                relay, rows[index + 1 :], row.last_error or "Prefect unavailable"
-            )
-            break
-    return len(rows)
+    return dispatch.until_prefect_down(relay, relay.claim("cancel_run"), _cancel_row)
 
 
 def _cancel_row(relay: Relay, row: Outbox) -> bool:
