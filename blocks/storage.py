@@ -101,6 +101,18 @@ def write_to(store: ByteStore, key: str, data: bytes) -> None:
         raise TransientError("Storage could not be written.", detail=type(exc).__name__) from exc
 
 
+def exists(store: ByteStore, key: str) -> bool:
+    """Whether an object is stored under ``key`` (a small object: it is read whole).
+    A storage failure other than "no such key" is a ``TransientError``."""
+    try:
+        store.read_path(key)
+    except Exception as exc:
+        if _is_missing(exc):
+            return False
+        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
+    return True
+
+
 def read_bytes(block_name: str, key: str) -> bytes:
     """Read ``key`` from the storage block ``block_name``."""
     return read_from(load_storage(block_name), key)

@@ -157,13 +157,7 @@ class OperatorView:
 
     def start(self) -> None:
         """Set up the progress artifact of this flow run (written later, see the module)."""
-        run = FlowRunContext.get()
-        if run is None or run.flow_run is None:
-            logger.warning("No flow run: the operator view publishes no progress.")
-            return
-        self.progress = DeferredProgress(
-            get_client(sync_client=True), run.flow_run.id, artifact_key(self.job_id, "progress")
-        )
+        self.progress = start_progress(artifact_key(self.job_id, "progress"))
         self._progress(0.0, f"Job {self.job_id} attempt {self.attempt}: starting.")
 
     def stage_started(self, stage: str) -> None:
@@ -209,30 +203,20 @@ class OperatorView:
         def publish() -> None:
             if self.progress is not None:
                 self.progress.close(*progress)
-            _safely(
+            safely(
                 create_table_artifact,
                 table=table,
                 key=artifact_key(self.job_id, "timings"),
                 description=f"Job {self.job_id} attempt {self.attempt}: stage timings and device.",
             )
-            _safely(
+            safely(
                 create_markdown_artifact,
                 markdown="\n".join(lines),
                 key=artifact_key(self.job_id, "result"),
                 description=f"Job {self.job_id} attempt {self.attempt}: result.",
             )
 
-        if self.progress is None:
-            publish()
-            return
-        thread = threading.Thread(
-            target=in_this_context(publish), name="faceflow-operator-view", daemon=True
-        )
-        for run_id, old in list(_FINISHING.items()):  # runs whose hooks never ran
-            if not old.is_alive():
-                _FINISHING.pop(run_id, None)
-        _FINISHING[self.progress.flow_run_id] = thread
-        thread.start()
+        publish_at_end(self.progress, publish)
 
     def table(self, *, device: str, gpu: GpuStats, faces: dict[str, int]) -> list[dict[str, Any]]:
         """Rows: one per stage, then faces, device and GPU memory."""
@@ -266,6 +250,32 @@ class OperatorView:
             self.progress.show(value, description)
 
 
+def publish_at_end(progress: DeferredProgress | None, publish: Callable[[], None]) -> None:
+    """Run ``publish`` (the final artifacts) in a thread with this run's context while the
+    engine records the run's final state; ``wait_for_operator_view`` joins it. Without a
+    flow run (no progress artifact) it runs here and now."""
+    if progress is None:
+        publish()
+        return
+    thread = threading.Thread(
+        target=in_this_context(publish), name="faceflow-operator-view", daemon=True
+    )
+    for run_id, old in list(_FINISHING.items()):  # runs whose hooks never ran
+        if not old.is_alive():
+            _FINISHING.pop(run_id, None)
+    _FINISHING[progress.flow_run_id] = thread
+    thread.start()
+
+
+def start_progress(key: str) -> DeferredProgress | None:
+    """The deferred progress artifact of the current flow run (None outside a flow run)."""
+    run = FlowRunContext.get()
+    if run is None or run.flow_run is None:
+        logger.warning("No flow run: the operator view publishes no progress.")
+        return None
+    return DeferredProgress(get_client(sync_client=True), run.flow_run.id, key)
+
+
 def in_this_context(fn: Callable[[], None]) -> Callable[[], None]:
     """``fn``, to be called from another thread in a copy of this context: the flow run's
     context and Prefect's settings travel with it. Where those settings live only in a
@@ -274,7 +284,7 @@ def in_this_context(fn: Callable[[], None]) -> Callable[[], None]:
     return partial(contextvars.copy_context().run, fn)
 
 
-def _safely(fn: Any, *args: Any, **kwargs: Any) -> Any:
+def safely(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call an artifact function; log and swallow any failure."""
     try:
         return fn(*args, **kwargs)

@@ -104,16 +104,30 @@ def _tag_flow_run(job_id: str, owner_id: str) -> None:
         get_run_logger().warning("Could not tag flow run %s: %r", run_id, exc)
 
 
-@flow(
-    name=FLOW_NAME,
-    flow_run_name="{job_id}",
-    persist_result=False,
-    retries=0,
-    validate_parameters=True,
-    log_prints=False,
-    on_completion=[wait_for_operator_view],
-    on_failure=[wait_for_operator_view],
-)
+JOB_FLOW_OPTIONS: dict[str, Any] = {
+    "persist_result": False,  # results are images in storage; the run returns a small ref
+    "retries": 0,  # a failed attempt is re-dispatched by the relay, under the same deadline
+    "validate_parameters": True,
+    "log_prints": False,
+    "on_completion": [wait_for_operator_view],
+    "on_failure": [wait_for_operator_view],
+}
+"""``@flow`` options shared by the job flows (``fuse-faces`` and ``fuse-batch``)."""
+
+
+def failed(exc: Exception, what: str) -> State[Any]:
+    """The ``Failed`` state a job flow ends in for ``exc`` (logged): its typed error's
+    ``[code] message``, or ``internal_error`` for anything unexpected."""
+    logger = get_run_logger()
+    if isinstance(exc, FaceFlowError):
+        logger.error("%s failed: %s", what, exc)
+        return Failed(message=str(exc), data=exc)
+    logger.error("%s failed unexpectedly", what, exc_info=exc)
+    internal = FaceFlowError(detail=type(exc).__name__)
+    return Failed(message=str(internal), data=internal)
+
+
+@flow(name=FLOW_NAME, flow_run_name="{job_id}", **JOB_FLOW_OPTIONS)
 def fuse_faces(
     job_id: str,
     owner_id: str,
@@ -153,13 +167,8 @@ def fuse_faces(
             storage_block=storage_block,
             settings_block=settings_block,
         )
-    except FaceFlowError as error:
-        logger.error("Job %s attempt %d failed: %s", job_id, attempt, error)
-        return Failed(message=str(error), data=error)
     except Exception as exc:
-        logger.exception("Job %s attempt %d failed unexpectedly", job_id, attempt)
-        internal = FaceFlowError(detail=type(exc).__name__)
-        return Failed(message=str(internal), data=internal)
+        return failed(exc, f"Job {job_id} attempt {attempt}")
 
 
 def _fuse(

@@ -19,6 +19,8 @@ DEFAULT_STORAGE_BLOCK = "local-file-system/faceflow-storage"
 DEFAULT_SETTINGS_BLOCK = "fusion-settings/default"
 FLOW_NAME = "fuse-faces"
 DEPLOYMENT_NAME = "fuse-faces"
+BATCH_FLOW_NAME = "fuse-batch"
+BATCH_DEPLOYMENT_NAME = "fuse-batch"
 
 StageName = Literal["load", "detect", "align", "fuse", "postprocess", "store"]
 """The flow's stages, in order: load (read + decode inputs) … store (write result)."""
@@ -27,20 +29,52 @@ FINAL_STAGE: StageName = STAGES[-1]
 """The stage a succeeded job last went through (the relay records it on success)."""
 
 
-class FuseFacesParams(BaseModel):
-    """Parameters of one ``fuse-faces`` flow run, as the relay sends them."""
+class JobAttempt(BaseModel):
+    """One job attempt as a flow receives it: a ``fuse-faces`` run's parameters (with the
+    blocks) or one entry of a ``fuse-batch`` run's ``jobs``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    job_id: str = Field(description="The job's id (UUID string); also the flow-run name.")
+    job_id: str = Field(description="The job's id (UUID string).")
     owner_id: str = Field(description="The owning user's id, for tags and audit.")
     source_key: str = Field(description="Storage key of the source (face) image.")
     target_key: str = Field(description="Storage key of the target photo.")
     options: FusionOptions = Field(default_factory=FusionOptions, description="Fusion options.")
-    deadline_at: datetime = Field(description="Absolute UTC deadline shared by every attempt.")
+    deadline_at: datetime = Field(description="This job's absolute UTC deadline.")
     attempt: int = Field(1, ge=1, description="Flow-run attempt number for this job (1-based).")
+
+
+class FuseFacesParams(JobAttempt):
+    """Parameters of one ``fuse-faces`` flow run, as the relay sends them."""
+
     storage_block: str = Field(DEFAULT_STORAGE_BLOCK, description="Storage block document name.")
     settings_block: str = Field(DEFAULT_SETTINGS_BLOCK, description="FusionSettings block name.")
+
+
+class FuseBatchParams(BaseModel):
+    """Parameters of one ``fuse-batch`` flow run: several job attempts that share a run.
+
+    ``deadline_at`` is the latest of the jobs' deadlines: the warm worker kills the run
+    past it (plus grace); each job's own deadline is enforced inside the flow.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    jobs: list[JobAttempt] = Field(min_length=1, description="The job attempts of this run.")
+    deadline_at: datetime = Field(description="Latest deadline of the jobs (the run's limit).")
+    storage_block: str = Field(DEFAULT_STORAGE_BLOCK, description="Storage block document name.")
+    settings_block: str = Field(DEFAULT_SETTINGS_BLOCK, description="FusionSettings block name.")
+
+
+class JobFailure(BaseModel):
+    """Why one job of a batch failed, written as ``result_error_key`` by the flow (the
+    single-job flow fails its run instead). ``retryable``: a transient failure the relay may
+    re-dispatch while attempts and time remain."""
+
+    code: str = Field(description="Stable error code (tasks.errors codes, deadline_exceeded).")
+    message: str = Field(description="Safe public message.")
+    retryable: bool = Field(False, description="Whether another attempt may succeed.")
+    stage: str | None = Field(None, description="The stage the job failed in.")
 
 
 class ResultRef(BaseModel):
@@ -70,12 +104,36 @@ def result_meta_key(job_id: str, attempt: int) -> str:
     return f"results/{job_id}/attempt-{attempt}.json"
 
 
+def result_error_key(job_id: str, attempt: int) -> str:
+    """Storage key of the JSON ``JobFailure`` of a job attempt that failed inside a batch."""
+    return f"results/{job_id}/attempt-{attempt}.error.json"
+
+
+def stop_marker_key(job_id: str) -> str:
+    """Storage key the relay writes when a job that shares its run with other jobs ends
+    early (cancelled, expired, overdue): a ``fuse-batch`` run skips that job when it sees
+    the marker, instead of the whole run being cancelled."""
+    return f"results/{job_id}/stop"
+
+
 def run_tags(job_id: str, owner_id: str) -> list[str]:
     """Tags of a job's flow runs (set by the relay at creation), so operators can find
     them in the Prefect UI. Task runs do not carry them: Prefect looks up tag concurrency
     limits for every tag of every task run, a per-job tag costs a lease round trip per
     stage (and stalled runs for ≈ 2 s under a burst)."""
     return [f"job:{job_id}", f"owner:{owner_id}"]
+
+
+def batch_tags(jobs: list[JobAttempt]) -> list[str]:
+    """Tags of a ``fuse-batch`` run: every job's and owner's tag, so an operator with a job
+    id finds the run that carried it (``job:<id>`` in the UI's tag filter)."""
+    tags = {tag for job in jobs for tag in run_tags(job.job_id, job.owner_id)}
+    return ["batch", *sorted(tags)]
+
+
+def batch_run_name(jobs: list[JobAttempt]) -> str:
+    """Name of a ``fuse-batch`` run: its first job's id and how many more it carries."""
+    return f"{jobs[0].job_id}+{len(jobs) - 1}" if len(jobs) > 1 else jobs[0].job_id
 
 
 def idempotency_key(job_id: str, attempt: int) -> str:

@@ -8,8 +8,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from blocks.storage import load_storage, location_of, read_from, write_to
+from blocks.storage import ByteStore, load_storage, location_of, read_from, write_to
 from flows.params import ResultRef, result_meta_key
+from tasks.batch import Each, each
 from tasks.pipeline import PipelineContext, decode_stage
 from tasks.types import RGBImage
 
@@ -31,7 +32,37 @@ def store_task(storage_block: str, job_id: str, attempt: int, ref: ResultRef, da
 
     The sidecar is written last, so its presence means the image is complete.
     """
-    store = load_storage(storage_block)
+    return write_result(load_storage(storage_block), job_id, attempt, ref, data)
+
+
+def write_result(store: ByteStore, job_id: str, attempt: int, ref: ResultRef, data: bytes) -> str:
+    """Write a job attempt's result image, then its ``ResultRef`` sidecar (last, so its
+    presence means the image is complete); returns the image's URI."""
     write_to(store, ref.key, data)
     write_to(store, result_meta_key(job_id, attempt), ref.model_dump_json().encode())
     return location_of(store, ref.key)
+
+
+@task(name="load-batch", task_run_name="load", persist_result=False, cache_policy=NO_CACHE)
+def load_batch_task(
+    storage_block: str, keys: list[tuple[str, str]], ctx: PipelineContext
+) -> list[Each[tuple[RGBImage, RGBImage]]]:
+    """``load_task`` of every job (source and target keys); one job's missing or invalid
+    image ends that job only. The block itself failing to load fails the stage."""
+    store = load_storage(storage_block)
+    return each(
+        lambda pair: (
+            decode_stage(read_from(store, pair[0]), ctx),
+            decode_stage(read_from(store, pair[1]), ctx),
+        ),
+        keys,
+    )
+
+
+@task(name="store-batch", task_run_name="store", persist_result=False, cache_policy=NO_CACHE)
+def store_batch_task(
+    storage_block: str, results: list[tuple[str, int, ResultRef, bytes]]
+) -> list[Each[str]]:
+    """``store_task`` of every job (job id, attempt, ref, image bytes): image, then sidecar."""
+    store = load_storage(storage_block)
+    return each(lambda result: write_result(store, *result), results)

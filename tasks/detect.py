@@ -6,7 +6,7 @@ the coordinates of the image passed in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import cv2
@@ -30,25 +30,53 @@ def detect_faces(
     max_side: int = DEFAULT_DETECT_MAX_SIDE,
 ) -> list[Face]:
     """All faces in ``image``, largest first, in ``image``'s pixel coordinates."""
-    height, width = image.shape[:2]
-    scale = min(1.0, max_side / max(height, width))
-    work = image
-    if scale < 1.0:
-        size = (max(1, round(width * scale)), max(1, round(height * scale)))
-        work = np.asarray(cv2.resize(image, size, interpolation=cv2.INTER_AREA), dtype=np.uint8)
-    if detector == "mtcnn":
-        from tasks.mtcnn import detect_with_mtcnn
+    return detect_faces_batch(
+        [image], detector=detector, device=device, model_dir=model_dir, pins=pins, max_side=max_side
+    )[0]
 
-        faces = detect_with_mtcnn(work, device=device)
+
+def detect_faces_batch(
+    images: Sequence[RGBImage],
+    *,
+    detector: DetectorName = "mtcnn",
+    device: str = "cpu",
+    model_dir: str | Path | None = None,
+    pins: Mapping[str, str] | None = None,
+    max_side: int = DEFAULT_DETECT_MAX_SIDE,
+) -> list[list[Face]]:
+    """``detect_faces`` of several images; MTCNN runs them as one batch (its R-Net and
+    O-Net on every image's crops at once, P-Net per pyramid level of same-size images)."""
+    scales = [min(1.0, max_side / max(image.shape[:2])) for image in images]
+    work = [_downscale(image, scale) for image, scale in zip(images, scales, strict=True)]
+    if detector == "mtcnn":
+        from tasks.mtcnn import detect_batch_with_mtcnn
+
+        found = detect_batch_with_mtcnn(work, device=device)
     elif detector == "scrfd":
         from tasks.scrfd import detect_with_scrfd
 
-        faces = detect_with_scrfd(work, device=device, model_dir=model_dir, pins=pins)
+        found = [
+            detect_with_scrfd(image, device=device, model_dir=model_dir, pins=pins)
+            for image in work
+        ]
     else:  # pragma: no cover - the Literal type makes this unreachable for typed callers
         raise InvalidInput(f"Unknown detector {detector!r}.")
-    if scale < 1.0:
-        faces = [face.scaled(1.0 / scale) for face in faces]
-    return sorted(faces, key=lambda f: f.box.area, reverse=True)
+    return [
+        sorted(
+            faces if scale >= 1.0 else [face.scaled(1.0 / scale) for face in faces],
+            key=lambda f: f.box.area,
+            reverse=True,
+        )
+        for faces, scale in zip(found, scales, strict=True)
+    ]
+
+
+def _downscale(image: RGBImage, scale: float) -> RGBImage:
+    if scale >= 1.0:
+        return image
+    height, width = image.shape[:2]
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    return np.asarray(cv2.resize(image, size, interpolation=cv2.INTER_AREA), dtype=np.uint8)
 
 
 def select_faces(faces: list[Face], choice: FaceChoice, *, role: str = "target") -> list[Face]:

@@ -14,6 +14,7 @@ MTCNN (facenet-pytorch clips and stretches them instead).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -222,9 +223,10 @@ def prepare_mtcnn(
 
 
 def forward_pnet(pnet: PNet, level: Tensor) -> tuple[Tensor, Tensor]:
-    """P-Net on one pyramid level (1 x 3 x h x w): regression 4 x h' x w', face probability."""
+    """P-Net on one pyramid level of N images (N x 3 x h x w): regression N x 4 x h' x w',
+    face probability N x h' x w'."""
     reg, prob = pnet(level.contiguous(memory_format=CHANNELS_LAST))
-    return reg[0], prob[0, 1]
+    return reg, prob[:, 1]
 
 
 def _run_batched(net: nn.Module, crops: Tensor) -> list[Tensor]:
@@ -337,29 +339,26 @@ def _valid(boxes: Tensor) -> Tensor:
     return (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
 
 
-def propose_pnet(nets: MTCNNNets, prepared: MTCNNInput, threshold: float) -> Tensor:
-    """Stage 1: P-Net over the pyramid; squared candidate boxes N x 5 (x1, y1, x2, y2, score)."""
-    found: list[Tensor] = []
-    for scale in prepared.scales:
-        level_h = math.ceil(prepared.height * scale)
-        level_w = math.ceil(prepared.width * scale)
-        # The pyramid is made as facenet-pytorch makes it (torch "area" = adaptive average
-        # pooling); an exact fractional-area pyramid let through one more weak false positive
-        # (0.87) on skimage's astronaut, as cv2.INTER_AREA does.
-        level = F.interpolate(prepared.pixels, size=(level_h, level_w), mode="area")
-        reg, prob = forward_pnet(nets.pnet, level)
-        iy, ix = torch.nonzero(prob >= threshold, as_tuple=True)
-        if iy.numel() == 0:
-            continue
-        cell = torch.stack([ix, iy], dim=1).to(torch.float32) * PNET_STRIDE
-        to_image = torch.tensor(
-            [prepared.width / level_w, prepared.height / level_h], device=cell.device
-        )
-        boxes = torch.cat([cell * to_image, (cell + PNET_CELL) * to_image], dim=1)
-        score = prob[iy, ix]
-        offsets = reg[:, iy, ix].T
-        pick = nms(boxes, score, NMS_PNET_SCALE)
-        found.append(torch.cat([boxes[pick], score[pick, None], offsets[pick]], dim=1))
+def _level_boxes(
+    prepared: MTCNNInput, level_h: int, level_w: int, reg: Tensor, prob: Tensor, threshold: float
+) -> Tensor | None:
+    """One image's P-Net candidates at one pyramid level, after the level's NMS."""
+    iy, ix = torch.nonzero(prob >= threshold, as_tuple=True)
+    if iy.numel() == 0:
+        return None
+    cell = torch.stack([ix, iy], dim=1).to(torch.float32) * PNET_STRIDE
+    to_image = torch.tensor(
+        [prepared.width / level_w, prepared.height / level_h], device=cell.device
+    )
+    boxes = torch.cat([cell * to_image, (cell + PNET_CELL) * to_image], dim=1)
+    score = prob[iy, ix]
+    offsets = reg[:, iy, ix].T
+    pick = nms(boxes, score, NMS_PNET_SCALE)
+    return torch.cat([boxes[pick], score[pick, None], offsets[pick]], dim=1)
+
+
+def _merge_levels(prepared: MTCNNInput, found: list[Tensor]) -> Tensor:
+    """Candidates of every level → NMS across levels, regressed, squared boxes N x 5."""
     if not found:
         return prepared.pixels.new_zeros((0, 5))
     candidates = torch.cat(found)
@@ -370,39 +369,96 @@ def propose_pnet(nets: MTCNNNets, prepared: MTCNNInput, threshold: float) -> Ten
     return result[_valid(result)]
 
 
-def refine_rnet(
-    nets: MTCNNNets, prepared: MTCNNInput, candidates: Tensor, threshold: float
-) -> Tensor:
-    """Stage 2: R-Net on 24 x 24 crops; kept, regressed, squared boxes N x 5."""
-    if candidates.shape[0] == 0:
-        return candidates
-    reg, score = forward_rnet(
-        nets.rnet, area_resample(prepared.integral, candidates[:, :4], RNET_SIZE, RNET_SIZE)
+def propose_pnet(nets: MTCNNNets, prepared: Sequence[MTCNNInput], threshold: float) -> list[Tensor]:
+    """Stage 1: P-Net over each image's pyramid; squared candidate boxes N x 5
+    (x1, y1, x2, y2, score) per image. Images of the same size share one forward per
+    pyramid level (stacked on the batch dimension)."""
+    found: list[list[Tensor]] = [[] for _ in prepared]
+    by_size: dict[tuple[int, int], list[int]] = {}
+    for index, item in enumerate(prepared):
+        by_size.setdefault((item.height, item.width), []).append(index)
+    for (height, width), indices in by_size.items():
+        group = [prepared[i] for i in indices]
+        pixels = group[0].pixels if len(group) == 1 else torch.cat([g.pixels for g in group])
+        for scale in group[0].scales:
+            level_h, level_w = math.ceil(height * scale), math.ceil(width * scale)
+            # The pyramid is made as facenet-pytorch makes it (torch "area" = adaptive
+            # average pooling); an exact fractional-area pyramid let through one more weak
+            # false positive (0.87) on skimage's astronaut, as cv2.INTER_AREA does.
+            level = F.interpolate(pixels, size=(level_h, level_w), mode="area")
+            regs, probs = forward_pnet(nets.pnet, level)
+            for row, index in enumerate(indices):
+                boxes = _level_boxes(
+                    prepared[index], level_h, level_w, regs[row], probs[row], threshold
+                )
+                if boxes is not None:
+                    found[index].append(boxes)
+    return [_merge_levels(item, boxes) for item, boxes in zip(prepared, found, strict=True)]
+
+
+def _crops(prepared: Sequence[MTCNNInput], candidates: Sequence[Tensor], size: int) -> Tensor:
+    """Every image's candidate crops resampled to ``size``, concatenated in image order."""
+    return torch.cat(
+        [
+            area_resample(item.integral, boxes[:, :4], size, size)
+            for item, boxes in zip(prepared, candidates, strict=True)
+        ]
     )
-    passed = score > threshold
-    boxes, score, reg = candidates[passed, :4], score[passed], reg[passed]
-    pick = nms(boxes, score, NMS_RNET)
-    result = torch.cat([square(apply_regression(boxes[pick], reg[pick])), score[pick, None]], dim=1)
-    return result[_valid(result)]
+
+
+def _split(values: Sequence[Tensor], candidates: Sequence[Tensor]) -> list[list[Tensor]]:
+    """Per-image slices of batched net outputs (in ``_crops`` order)."""
+    counts = [int(c.shape[0]) for c in candidates]
+    parts = [torch.split(v, counts) for v in values]
+    return [[part[i] for part in parts] for i in range(len(counts))]
+
+
+def refine_rnet(
+    nets: MTCNNNets, prepared: Sequence[MTCNNInput], candidates: list[Tensor], threshold: float
+) -> list[Tensor]:
+    """Stage 2: R-Net on the 24 x 24 crops of every image in one batch; kept, regressed,
+    squared boxes N x 5 per image."""
+    if sum(int(c.shape[0]) for c in candidates) == 0:
+        return candidates
+    reg, score = forward_rnet(nets.rnet, _crops(prepared, candidates, RNET_SIZE))
+    refined = []
+    for boxes_in, (reg_i, score_i) in zip(
+        candidates, _split([reg, score], candidates), strict=True
+    ):
+        passed = score_i > threshold
+        boxes, score_p, reg_p = boxes_in[passed, :4], score_i[passed], reg_i[passed]
+        pick = nms(boxes, score_p, NMS_RNET)
+        result = torch.cat(
+            [square(apply_regression(boxes[pick], reg_p[pick])), score_p[pick, None]], dim=1
+        )
+        refined.append(result[_valid(result)])
+    return refined
 
 
 def output_onet(
-    nets: MTCNNNets, prepared: MTCNNInput, candidates: Tensor, threshold: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Stage 3: O-Net on 48 x 48 crops; boxes N x 4, scores N, landmarks N x 5 x 2 (pixels)."""
-    if candidates.shape[0] == 0:
-        return candidates[:, :4], candidates[:, 4], candidates.new_zeros((0, 5, 2))
-    crops = area_resample(prepared.integral, candidates[:, :4], ONET_SIZE, ONET_SIZE)
-    reg, marks, score = forward_onet(nets.onet, crops)
-    passed = score > threshold
-    boxes, score, reg, marks = candidates[passed, :4], score[passed], reg[passed], marks[passed]
-    size = boxes[:, 2:4] - boxes[:, 0:2]
-    landmarks = (
-        boxes[:, None, 0:2] + torch.stack([marks[:, :5], marks[:, 5:]], dim=2) * size[:, None]
-    )
-    boxes = apply_regression(boxes, reg)
-    pick = nms(boxes, score, NMS_ONET, mode="min")
-    return boxes[pick], score[pick], landmarks[pick]
+    nets: MTCNNNets, prepared: Sequence[MTCNNInput], candidates: list[Tensor], threshold: float
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Stage 3: O-Net on the 48 x 48 crops of every image in one batch; per image boxes
+    N x 4, scores N, landmarks N x 5 x 2 (pixels)."""
+    if sum(int(c.shape[0]) for c in candidates) == 0:
+        return [(c[:, :4], c[:, 4], c.new_zeros((0, 5, 2))) for c in candidates]
+    reg, marks, score = forward_onet(nets.onet, _crops(prepared, candidates, ONET_SIZE))
+    outputs = []
+    for boxes_in, (reg_i, marks_i, score_i) in zip(
+        candidates, _split([reg, marks, score], candidates), strict=True
+    ):
+        passed = score_i > threshold
+        boxes, score_p = boxes_in[passed, :4], score_i[passed]
+        reg_p, marks_p = reg_i[passed], marks_i[passed]
+        size = boxes[:, 2:4] - boxes[:, 0:2]
+        landmarks = (
+            boxes[:, None, 0:2]
+            + torch.stack([marks_p[:, :5], marks_p[:, 5:]], dim=2) * size[:, None]
+        )
+        boxes = apply_regression(boxes, reg_p)
+        pick = nms(boxes, score_p, NMS_ONET, mode="min")
+        outputs.append((boxes[pick], score_p[pick], landmarks[pick]))
+    return outputs
 
 
 def normalize_mtcnn(
@@ -430,16 +486,40 @@ def detect_with_mtcnn(
     thresholds: tuple[float, float, float] = DEFAULT_THRESHOLDS,
 ) -> list[Face]:
     """Faces in ``image`` (H x W x 3 uint8 RGB) with boxes, scores and 5 landmarks, best first."""
+    return detect_batch_with_mtcnn(
+        [image], device=device, min_face_size=min_face_size, thresholds=thresholds
+    )[0]
+
+
+def detect_batch_with_mtcnn(
+    images: Sequence[RGBImage],
+    *,
+    device: str = "cpu",
+    min_face_size: int = DEFAULT_MIN_FACE_SIZE,
+    thresholds: tuple[float, float, float] = DEFAULT_THRESHOLDS,
+) -> list[list[Face]]:
+    """``detect_with_mtcnn`` of several images at once: P-Net shares a forward per pyramid
+    level among images of the same size, R-Net and O-Net run on the crops of every image
+    in one batch. The faces found are those each image gives alone."""
     if len(thresholds) != 3 or not all(0.0 <= t <= 1.0 for t in thresholds):
         raise InvalidInput("MTCNN needs three thresholds in [0, 1].", detail=f"got {thresholds}")
+    if not images:
+        return []
     with torch.inference_mode():
-        prepared = prepare_mtcnn(image, device=device, min_face_size=min_face_size)
-        if not prepared.scales:
-            return []
+        prepared = [
+            prepare_mtcnn(image, device=device, min_face_size=min_face_size) for image in images
+        ]
+        work = [i for i, item in enumerate(prepared) if item.scales]
+        faces: list[list[Face]] = [[] for _ in images]
+        if not work:
+            return faces
         nets = load_mtcnn(device)
-        candidates = propose_pnet(nets, prepared, thresholds[0])
-        candidates = refine_rnet(nets, prepared, candidates, thresholds[1])
-        boxes, scores, landmarks = output_onet(nets, prepared, candidates, thresholds[2])
-        return normalize_mtcnn(
-            boxes, scores, landmarks, width=prepared.width, height=prepared.height
-        )
+        active = [prepared[i] for i in work]
+        candidates = propose_pnet(nets, active, thresholds[0])
+        candidates = refine_rnet(nets, active, candidates, thresholds[1])
+        outputs = output_onet(nets, active, candidates, thresholds[2])
+        for index, item, (boxes, scores, landmarks) in zip(work, active, outputs, strict=True):
+            faces[index] = normalize_mtcnn(
+                boxes, scores, landmarks, width=item.width, height=item.height
+            )
+        return faces

@@ -8,16 +8,23 @@ stage functions as tasks (``tasks.prefect_tasks``), so there is one implementati
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from tasks.align import align_face
-from tasks.detect import DEFAULT_DETECT_MAX_SIDE, detect_faces, select_faces
-from tasks.errors import NoFaceFound
+from tasks.batch import as_error
+from tasks.detect import (
+    DEFAULT_DETECT_MAX_SIDE,
+    detect_faces,
+    detect_faces_batch,
+    select_faces,
+)
+from tasks.errors import FaceFlowError, NoFaceFound
 from tasks.images import decode_image, encode_image
 from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits
 from tasks.postprocess import color_transfer, face_mask, image_mask, paste_back, sharpen
@@ -96,17 +103,55 @@ def detect_stage(
     source: RGBImage, target: RGBImage, options: FusionOptions, ctx: PipelineContext
 ) -> Detections:
     """Detect faces in both images; the source's largest face and the chosen target faces."""
-    kwargs = {
-        "detector": options.detector,
+    source_faces, target_faces = detect_faces_batch(
+        [source, target], **_detector_kwargs(options.detector, ctx)
+    )
+    return _detections(source_faces, target_faces, options)
+
+
+def detect_stage_batch(
+    jobs: Sequence[tuple[RGBImage, RGBImage, FusionOptions]], ctx: PipelineContext
+) -> list[Detections | FaceFlowError]:
+    """``detect_stage`` of several jobs: the images of all jobs that use the same detector
+    go through it as one batch. Per job, its detections or the error that ends it (no face,
+    bad face index, or the detector's own failure for every job that uses it)."""
+    found: list[Detections | FaceFlowError | None] = [None] * len(jobs)
+    by_detector: dict[DetectorName, list[int]] = {}
+    for index, (_source, _target, options) in enumerate(jobs):
+        by_detector.setdefault(options.detector, []).append(index)
+    for detector, indices in by_detector.items():
+        images = [image for i in indices for image in jobs[i][:2]]
+        try:
+            faces = detect_faces_batch(images, **_detector_kwargs(detector, ctx))
+        except TimeoutError:
+            raise
+        except Exception as exc:
+            for i in indices:
+                found[i] = as_error(exc)
+            continue
+        for n, i in enumerate(indices):
+            try:
+                found[i] = _detections(faces[2 * n], faces[2 * n + 1], jobs[i][2])
+            except FaceFlowError as error:
+                found[i] = error
+    return [f for f in found if f is not None]
+
+
+def _detector_kwargs(detector: DetectorName, ctx: PipelineContext) -> dict[str, Any]:
+    return {
+        "detector": detector,
         "device": ctx.device,
         "model_dir": ctx.model_dir,
         "pins": ctx.pins,
         "max_side": ctx.detect_max_side,
     }
-    source_faces = detect_faces(source, **kwargs)  # type: ignore[arg-type]
+
+
+def _detections(
+    source_faces: list[Face], target_faces: list[Face], options: FusionOptions
+) -> Detections:
     if not source_faces:
         raise NoFaceFound("No face was found in the source image.")
-    target_faces = detect_faces(target, **kwargs)  # type: ignore[arg-type]
     chosen = select_faces(target_faces, options.face, role="target")
     return Detections(source_faces[0], chosen, len(source_faces), len(target_faces))
 

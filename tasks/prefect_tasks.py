@@ -9,12 +9,14 @@ implementation serves the flow, the CLI and the benchmark.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks import pipeline
+from tasks.batch import Each, each, shared
 from tasks.options import FusionOptions
 from tasks.pipeline import Aligned, Detections, Fused, PipelineContext
 from tasks.types import RGBImage
@@ -63,3 +65,47 @@ def postprocess_task(
     image = pipeline.postprocess_stage(target, fused, options, ctx)
     data = pipeline.encode_stage(image, options)
     return EncodedImage(data=data, width=int(image.shape[1]), height=int(image.shape[0]))
+
+
+# --------------------------------------------------------------------------- batches
+# One task run per stage for a whole ``fuse-batch`` run; per job, an ``Each`` with its
+# value or the error that ended it (``tasks.batch``): one job's failure is not the batch's.
+
+
+@task(name="detect-batch", task_run_name="detect", persist_result=False, cache_policy=NO_CACHE)
+def detect_batch_task(
+    jobs: list[tuple[RGBImage, RGBImage, FusionOptions]], ctx: PipelineContext
+) -> list[Each[Detections]]:
+    """``detect_task`` of every job, the images of each detector in one batch."""
+    start = time.perf_counter()
+    found = pipeline.detect_stage_batch(jobs, ctx)
+    return shared(found, (time.perf_counter() - start) * 1e3)
+
+
+@task(name="align-batch", task_run_name="align", persist_result=False, cache_policy=NO_CACHE)
+def align_batch_task(
+    jobs: list[tuple[RGBImage, RGBImage, Detections, FusionOptions]], ctx: PipelineContext
+) -> list[Each[Aligned]]:
+    """``align_task`` of every job."""
+    return each(lambda job: pipeline.align_stage(*job, ctx), jobs)
+
+
+@task(name="fuse-batch", task_run_name="fuse", persist_result=False, cache_policy=NO_CACHE)
+def fuse_batch_task(
+    jobs: list[tuple[Aligned, FusionOptions]], ctx: PipelineContext
+) -> list[Each[Fused]]:
+    """``fuse_task`` of every job."""
+    return each(lambda job: pipeline.fuse_stage(*job, ctx), jobs)
+
+
+@task(
+    name="postprocess-batch",
+    task_run_name="postprocess",
+    persist_result=False,
+    cache_policy=NO_CACHE,
+)
+def postprocess_batch_task(
+    jobs: list[tuple[RGBImage, Fused, FusionOptions]], ctx: PipelineContext
+) -> list[Each[EncodedImage]]:
+    """``postprocess_task`` of every job."""
+    return each(lambda job: postprocess_task.fn(*job, ctx), jobs)

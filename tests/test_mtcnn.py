@@ -61,6 +61,31 @@ def test_group_photo_finds_the_six_people_best_score_first() -> None:
         assert 40 < face.box.width < 300  # people at a table, none tiny or huge
 
 
+def test_a_batch_finds_what_each_image_finds_alone() -> None:
+    """Batched detection (same-size images share P-Net forwards, R-Net and O-Net run on
+    every image's crops at once) gives each image the faces it gives alone."""
+    images = [
+        samples.astronaut_rgb(),
+        samples.t1_rgb(),
+        samples.grace_hopper_rgb(),
+        np.ascontiguousarray(samples.astronaut_rgb()[:, ::-1]),  # same size as the first
+        np.zeros((64, 64, 3), np.uint8),
+        np.zeros((8, 8, 3), np.uint8),  # too small for the pyramid: no work, no face
+    ]
+    alone = [mtcnn.detect_with_mtcnn(image) for image in images]
+    together = mtcnn.detect_batch_with_mtcnn(images)
+    assert [len(faces) for faces in together] == [len(faces) for faces in alone]
+    assert len(alone[1]) >= 5 and len(alone[4]) == 0
+    for batch_faces, single_faces in zip(together, alone, strict=True):
+        for a, b in zip(batch_faces, single_faces, strict=True):
+            box_a = (a.box.x1, a.box.y1, a.box.x2, a.box.y2)
+            box_b = (b.box.x1, b.box.y1, b.box.x2, b.box.y2)
+            assert np.allclose(box_a, box_b, atol=1e-3)
+            assert a.score == pytest.approx(b.score, abs=1e-5)
+            assert np.allclose(a.landmarks, b.landmarks, atol=1e-3)
+    assert mtcnn.detect_batch_with_mtcnn([]) == []
+
+
 def test_no_face_in_a_coffee_cup() -> None:
     assert mtcnn.detect_with_mtcnn(samples.no_face_rgb()) == []
 

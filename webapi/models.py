@@ -185,8 +185,9 @@ class Job(JobBase, table=True):
 
     Attempts: ``attempts`` counts flow runs created (0 until the first dispatch);
     ``flow_run_id`` is the *current* attempt's Prefect flow run — the only run allowed to
-    write (``jobstate.transition(expected_flow_run_id=...)``). ``max_attempts`` caps
-    re-dispatches. Deadlines are fixed at submit: ``queue_deadline_at`` (must have started
+    write (``jobstate.transition(expected_flow_run_id=...)``); several jobs share it when
+    the relay dispatched them as one ``fuse-batch`` run (``dispatch_key`` names that
+    batch). ``max_attempts`` caps re-dispatches. Deadlines are fixed at submit: ``queue_deadline_at`` (must have started
     by then, else ``expired``) and ``deadline_at`` (shared by every attempt).
 
     Outcome: ``result_*`` from the flow's ``ResultRef``; ``error_code`` is a stable code
@@ -219,6 +220,13 @@ class Job(JobBase, table=True):
     attempts: int = Field(default=0, ge=0)
     max_attempts: int = Field(default=2, ge=1)
     flow_run_id: uuid.UUID | None = Field(default=None, index=True)
+    dispatch_key: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Prefect idempotency key of the batch run planned for this attempt "
+        "(written before the run is created, so a relay that dies in between re-creates "
+        "the same run); None for a run of its own.",
+    )
 
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)

@@ -1,0 +1,154 @@
+"""The fuse-batch flow in-process under a real (test-harness) Prefect server: one run, several
+jobs, each with its own outcome."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import numpy as np
+import pytest
+from PIL import Image
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from blocks.storage import read_bytes, write_bytes
+from flows.batch import fuse_batch
+from flows.params import (
+    DEFAULT_STORAGE_BLOCK,
+    FuseBatchParams,
+    JobFailure,
+    ResultRef,
+    result_error_key,
+    result_meta_key,
+    stop_marker_key,
+)
+from tests.orchestration.conftest import Home
+from tests.orchestration.helpers import job_params, task_runs
+from tests.samples import (
+    astronaut_jpeg_bytes,
+    grace_hopper_jpeg_bytes,
+    grace_hopper_rgb,
+    no_face_jpeg_bytes,
+)
+
+
+def _batch(*jobs: dict[str, Any]) -> dict[str, Any]:
+    for job in jobs:
+        job.setdefault("attempt", 1)
+    params = {"jobs": list(jobs), "deadline_at": max(j["deadline_at"] for j in jobs)}
+    FuseBatchParams.model_validate(params)  # what the test sends is what the relay sends
+    return params
+
+
+def _exists(key: str) -> bool:
+    try:
+        read_bytes(DEFAULT_STORAGE_BLOCK, key)
+    except Exception:
+        return False
+    return True
+
+
+def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
+    """Good jobs succeed beside a no-face job, a job whose deadline is about to pass and a
+    job the relay stopped; one task run per stage for the whole batch."""
+    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
+    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    no_face = prefect_harness.put_input(no_face_jpeg_bytes())
+    good = job_params(astronaut, grace)
+    good_jpeg = job_params(grace, astronaut, options={"output_format": "jpeg"}, attempt=2)
+    faceless = job_params(no_face, grace)
+    late = job_params(astronaut, grace, seconds=0.3)  # below detect's expected cost
+    stopped = job_params(astronaut, grace)
+    write_bytes(DEFAULT_STORAGE_BLOCK, stop_marker_key(stopped["job_id"]), b"cancelled")
+
+    state = fuse_batch(**_batch(good, good_jpeg, faceless, late, stopped), return_state=True)
+
+    assert state.is_completed(), state.message
+    outcomes = state.result()
+    assert outcomes == {
+        good["job_id"]: "succeeded",
+        good_jpeg["job_id"]: "succeeded",
+        faceless["job_id"]: "no_face_found",
+        late["job_id"]: "deadline_exceeded",
+        stopped["job_id"]: "stopped",
+    }
+    ref = ResultRef.model_validate_json(
+        read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(good["job_id"], 1))
+    )
+    image = np.asarray(Image.open(io.BytesIO(read_bytes(DEFAULT_STORAGE_BLOCK, ref.key))))
+    target = grace_hopper_rgb()
+    assert image.shape == target.shape and ref.faces_replaced == 1
+    assert np.abs(image.astype(int) - target.astype(int)).mean() > 0.5
+    assert set(ref.timings_ms) == {"load", "detect", "align", "fuse", "postprocess"}
+    ref2 = ResultRef.model_validate_json(
+        read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(good_jpeg["job_id"], 2))
+    )
+    assert ref2.content_type == "image/jpeg" and ref2.key.endswith("attempt-2.jpeg")
+
+    failure = JobFailure.model_validate_json(
+        read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(faceless["job_id"], 1))
+    )
+    assert (failure.code, failure.retryable, failure.stage) == ("no_face_found", False, "detect")
+    late_failure = JobFailure.model_validate_json(
+        read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(late["job_id"], 1))
+    )
+    assert late_failure.code == "deadline_exceeded" and not late_failure.retryable
+    for job in (stopped, late, faceless):
+        assert not _exists(result_meta_key(job["job_id"], 1))
+    assert not _exists(result_error_key(stopped["job_id"], 1))
+
+    run_id = state.state_details.flow_run_id
+    stage_runs = task_runs(run_id)
+    assert set(stage_runs) == {"load", "detect", "align", "fuse", "postprocess", "store"}
+    with get_client(sync_client=True) as client:
+        assert run_id is not None
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+        )
+    by_type = {str(a.type): a for a in artifacts}
+    assert sorted(by_type) == ["markdown", "progress", "table"]
+    table = by_type["table"].data
+    rows = cast(list[dict[str, Any]], json.loads(table) if isinstance(table, str) else table)
+    by_job = {row["job"]: row for row in rows}
+    assert by_job[good["job_id"]]["outcome"] == "succeeded"
+    assert by_job[good["job_id"]]["result"].endswith(ref.key)
+    assert by_job[faceless["job_id"]]["stage"] == "detect"
+    assert by_job[stopped["job_id"]]["outcome"] == "stopped"
+    assert by_type["progress"].data == 100.0
+    assert "2 succeeded" in str(by_type["markdown"].data)
+
+
+def test_a_batch_whose_every_job_fails_still_completes(prefect_harness: Home) -> None:
+    no_face = prefect_harness.put_input(no_face_jpeg_bytes())
+    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    jobs = [job_params(no_face, grace), job_params(grace, "inputs/missing/nothing.jpg")]
+    state = fuse_batch(**_batch(*jobs), return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result() == {
+        jobs[0]["job_id"]: "no_face_found",
+        jobs[1]["job_id"]: "invalid_input",
+    }
+    assert set(task_runs(state.state_details.flow_run_id)) == {"load", "detect"}
+
+
+def test_a_batch_that_cannot_load_its_settings_fails_as_a_whole(prefect_harness: Home) -> None:
+    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    params = _batch(job_params(grace, grace))
+    state = fuse_batch(**params, settings_block="fusion-settings/absent", return_state=True)
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[")
+
+
+@pytest.mark.parametrize("seconds", [-1.0])
+def test_a_batch_past_every_deadline_spends_nothing(prefect_harness: Home, seconds: float) -> None:
+    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    job = job_params(grace, grace, seconds=seconds)
+    params = _batch(job)
+    params["deadline_at"] = datetime.now(UTC) + timedelta(seconds=seconds)
+    state = fuse_batch(**params, return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result() == {job["job_id"]: "deadline_exceeded"}
+    assert task_runs(state.state_details.flow_run_id) == {}
