@@ -1,9 +1,11 @@
 """``faceflow up``: the whole service on one machine, with embedded defaults.
 
 Prefect server (SQLite under the home, unless ``PREFECT_API_URL`` names one) → work pool
-from ``work_pools/gpu-process.json`` → blocks → ``prefect --no-prompt deploy --all`` →
-worker(s) → job-store migrations → webapi with its relay. Every child runs in its own
-process group with a log under ``<home>/logs/`` and is stopped by PID.
+from ``work_pools/gpu-process.json`` and its priority work queue → blocks → ``prefect
+--no-prompt deploy --all`` → worker(s) → job-store migrations → webapi with its relay.
+Every child runs in its own process group with a log under ``<home>/logs/`` and is stopped
+by PID. While it runs, a part that exits is started again (and said so on the console);
+each start is counted under ``<home>/services/`` for the API's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from types import FrameType
 import httpx
 
 from faceflow.supervisor import Service, ServiceFailed, Supervisor
+from webapi import services
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POOL_NAME = "gpu"
 CONTROL_POOL = "control"
+PRIORITY_QUEUE = os.environ.get("FACEFLOW_PRIORITY_WORK_QUEUE", "priority")
 POOL_TEMPLATES = {"process": "gpu-process.json", "faceflow-gpu": "faceflow-gpu.json"}
 """Base job template of the ``gpu`` pool for each supported worker type."""
 
@@ -61,6 +65,11 @@ class StackConfig:
     @property
     def logs(self) -> Path:
         return self.home / "logs"
+
+    @property
+    def services(self) -> Path:
+        """Start records of the parts (``webapi.services``; the API's default too)."""
+        return self.home / "services"
 
     def env(self) -> dict[str, str]:
         """Environment shared by every child process."""
@@ -114,7 +123,7 @@ class Stack:
 
     def __init__(self, config: StackConfig, progress: Progress | None = None) -> None:
         self.config = config
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(records=config.services)
         self.progress = progress or (lambda message: print(message, flush=True))
 
     def _run_step(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> None:
@@ -150,6 +159,8 @@ class Stack:
         """Start every part, waiting for each to be ready."""
         cfg = self.config
         cfg.home.mkdir(parents=True, exist_ok=True)
+        cfg.services.mkdir(parents=True, exist_ok=True)
+        services.reset(cfg.services)
         prefect = _bin("prefect")
         faceflow = _bin("faceflow")
         if cfg.external_prefect:
@@ -191,6 +202,7 @@ class Stack:
             "work-pool-limit",
             [prefect, "work-pool", "set-concurrency-limit", POOL_NAME, str(cfg.workers)],
         )
+        self._priority_queue()
         self._run_step(
             "control-pool",
             [prefect, "work-pool", "create", CONTROL_POOL, "--type", "process", "--overwrite"],
@@ -248,6 +260,18 @@ class Stack:
         self.supervisor.check_alive()
         self.progress(f"ready: API {cfg.api_url}/docs  Prefect UI {cfg.prefect_ui_url}")
 
+    def _priority_queue(self) -> None:
+        """The priority lane: a work queue of the GPU pool that workers take first."""
+        from webapi.prefect_api import PrefectAPI, PrefectError
+
+        log = self.config.logs / "work-queue.log"
+        try:
+            with PrefectAPI(self.config.prefect_api_url) as api:
+                api.ensure_work_queue(POOL_NAME, PRIORITY_QUEUE, priority=1)
+        except PrefectError as exc:
+            log.write_text(f"{exc}\n")
+            raise ServiceFailed("work-queue", f"could not be created: {exc}", log) from exc
+
     def stop(self) -> None:
         """Stop every child by PID, workers first."""
         self.supervisor.stop_all()
@@ -264,8 +288,9 @@ class Stack:
         self.stop()
 
 
-def serve_forever(stack: Stack) -> None:
-    """Watch the children until SIGINT/SIGTERM or one of them dies; then stop all."""
+def serve_forever(stack: Stack, poll_s: float = 0.5) -> None:
+    """Watch the children until SIGINT/SIGTERM, restarting any that exits (and saying so);
+    then stop all. One that keeps exiting ends the stack (``Supervisor.restart_exited``)."""
     stopping = False
 
     def _stop(signum: int, frame: FrameType | None) -> None:
@@ -276,8 +301,12 @@ def serve_forever(stack: Stack) -> None:
     signal.signal(signal.SIGINT, _stop)
     try:
         while not stopping:
-            stack.supervisor.check_alive()
-            time.sleep(0.5)
+            for restarted in stack.supervisor.restart_exited():
+                stack.progress(
+                    f"restarted {restarted.name}: it had {restarted.reason} "
+                    f"(restart {restarted.restarts}; log {stack.config.logs / restarted.name}.log)"
+                )
+            time.sleep(poll_s)
     finally:
         stack.progress("stopping the stack")
         stack.stop()

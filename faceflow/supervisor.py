@@ -1,7 +1,10 @@
-"""Start, watch and stop the local stack's processes by PID (no orphans).
+"""Start, watch, restart and stop the local stack's processes by PID (no orphans).
 
 Each service runs in its own process group with its output in a log file; stopping sends
-SIGTERM to the group, waits for a grace period, then SIGKILL.
+SIGTERM to the group, waits for a grace period, then SIGKILL. ``Supervisor.restart_exited``
+starts a service that exited again (with a backoff; one that keeps failing is given up
+on) and, when the supervisor has a ``records`` directory, counts every start there
+(``webapi.services``: the API's ``/metrics`` exports them as restart counters).
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ import os
 import signal
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from webapi import services
 
 
 class ServiceFailed(RuntimeError):
@@ -111,17 +117,91 @@ class Service:
         self.stop(grace)
         self.start()
 
+    def exit_reason(self) -> str:
+        """How the process ended: ``exited with code N`` or ``killed by SIGNAME``."""
+        code = self.process.returncode if self.process else None
+        if code is not None and code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """One automatic restart: which service, why it had stopped, and its restart count."""
+
+    name: str
+    reason: str
+    restarts: int
+
 
 @dataclass
 class Supervisor:
-    """The services of one stack, stopped in reverse start order."""
+    """The services of one stack, stopped in reverse start order.
+
+    ``records``: a directory where every start is counted (``webapi.services``). A service
+    that exits is started again by ``restart_exited`` after ``restart_backoff_s`` (doubling
+    while it keeps exiting), unless it exited ``max_restarts`` times within
+    ``restart_window_s``: then it is given up on (``ServiceFailed``)."""
 
     services: list[Service] = field(default_factory=list)
+    records: Path | None = None
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
+    restart_backoff_s: float = 1.0
+    _exits: dict[str, deque[float]] = field(default_factory=dict)
+    _due: dict[str, float] = field(default_factory=dict)
 
     def start(self, service: Service) -> Service:
         self.services.append(service)
-        service.start()
+        self._start(service)
         return service
+
+    def _start(self, service: Service) -> int:
+        service.start()
+        if self.records is None:
+            return 0
+        return services.record_start(self.records, service.name).restarts
+
+    def restart_exited(self, now: float | None = None) -> list[Restarted]:
+        """Start again every service that has exited and whose backoff is over; returns
+        what was restarted. ``ServiceFailed`` for one that exited too often."""
+        now = time.monotonic() if now is None else now
+        done: list[Restarted] = []
+        for service in self.services:
+            if service.alive():
+                continue
+            due = self._due.get(service.name)
+            if due is None:
+                due = self._note_exit(service, now)
+            if now < due:
+                continue
+            del self._due[service.name]
+            reason = service.exit_reason()
+            if self.records is not None:
+                services.record_exit(self.records, service.name, reason)
+            service.stop(grace=2.0)  # its group may hold children that outlived it
+            restarts = self._start(service)
+            done.append(Restarted(service.name, reason, restarts))
+        return done
+
+    def _note_exit(self, service: Service, now: float) -> float:
+        exits = self._exits.setdefault(service.name, deque())
+        exits.append(now)
+        while exits and now - exits[0] > self.restart_window_s:
+            exits.popleft()
+        if len(exits) > self.max_restarts:
+            raise ServiceFailed(
+                service.name,
+                f"{service.exit_reason()}, its {len(exits)}th exit within "
+                f"{self.restart_window_s:.0f} s: not restarted again",
+                service.log,
+            )
+        due = now + self.restart_backoff_s * 2 ** (len(exits) - 1)
+        self._due[service.name] = due
+        return due
 
     def get(self, name: str) -> Service:
         """The service called ``name``; ``KeyError`` if there is none."""

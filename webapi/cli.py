@@ -1,35 +1,80 @@
 """``faceflow users ...`` and ``faceflow db ...``: the ``app`` here is mounted by faceflow.cli.
 
-``users create NAME [--quota N]`` prints the API key and the webhook secret once (they
-cannot be shown again); ``db upgrade`` applies the Alembic migrations.
+``users create NAME [--quota N] [--priority high] [--input-retention S] [--result-retention S]``
+prints the API key and the webhook secret once (they cannot be shown again); ``users set
+NAME ...`` changes those settings; ``db upgrade`` applies the Alembic migrations;
+``retention run`` runs one retention pass (what the ``retention`` deployment schedules).
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Any, get_args
 
+import click
 import typer
 from sqlmodel import Session
 
 from webapi import crud
 from webapi.config import get_settings
 from webapi.db import get_engine
-from webapi.errors import InvalidRequest
+from webapi.errors import InvalidRequest, NotFound
 from webapi.migrations import DatabaseNotMigrated, check_migrated, upgrade
+from webapi.models import Priority, User
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Job store administration.")
 users_app = typer.Typer(no_args_is_help=True, help="API users and their keys.")
 db_app = typer.Typer(no_args_is_help=True, help="The job store database.")
+retention_app = typer.Typer(no_args_is_help=True, help="Deleting expired inputs and results.")
 app.add_typer(users_app, name="users")
 app.add_typer(db_app, name="db")
+app.add_typer(retention_app, name="retention")
 
 DatabaseOption = Annotated[
     str | None, typer.Option("--database-url", help="Default: FACEFLOW_DATABASE_URL.")
 ]
 
 
+PriorityOption = Annotated[
+    str | None,
+    typer.Option(
+        click_type=click.Choice(get_args(Priority)),
+        help="Priority class: 'high' may use the priority lane (default: the setting).",
+    ),
+]
+InputRetentionOption = Annotated[
+    int | None,
+    typer.Option(
+        "--input-retention", min=-1, help="Seconds inputs are kept after a job ends (-1: setting)."
+    ),
+]
+ResultRetentionOption = Annotated[
+    int | None,
+    typer.Option(
+        "--result-retention",
+        min=-1,
+        help="Seconds results are kept after a job ends (-1: setting).",
+    ),
+]
+
+
 def _url(database_url: str | None) -> str:
     return database_url or get_settings().database_url
+
+
+def _retention(value: int | None) -> int | None:
+    """``-1`` on the command line means "the setting" (stored as NULL)."""
+    return None if value is None or value < 0 else value
+
+
+def _describe(user: User) -> str:
+    def seconds(value: int | None) -> str:
+        return "setting" if value is None else f"{value}s"
+
+    return (
+        f"quota {user.quota}, priority {user.priority}, inputs kept "
+        f"{seconds(user.input_retention_s)}, results kept {seconds(user.result_retention_s)}"
+    )
 
 
 @users_app.command("create")
@@ -38,6 +83,9 @@ def create_user(
     quota: Annotated[
         int | None, typer.Option(min=0, help="Unfinished jobs allowed at once.")
     ] = None,
+    priority: PriorityOption = None,
+    input_retention: InputRetentionOption = None,
+    result_retention: ResultRetentionOption = None,
     database_url: DatabaseOption = None,
 ) -> None:
     """Create a user; prints its API key and webhook secret (shown only now)."""
@@ -51,14 +99,51 @@ def create_user(
                 name=name,
                 quota=settings.default_quota if quota is None else quota,
                 pepper=settings.api_key_pepper.get_secret_value(),
+                priority=priority or settings.default_priority,  # type: ignore[arg-type]
+                input_retention_s=_retention(input_retention),
+                result_retention_s=_retention(result_retention),
             )
     except (DatabaseNotMigrated, InvalidRequest) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
-    typer.echo(f"user:           {new.user.name} ({new.user.id}), quota {new.user.quota}")
+    typer.echo(f"user:           {new.user.name} ({new.user.id}), {_describe(new.user)}")
     typer.echo(f"api key:        {new.api_key}")
     typer.echo(f"webhook secret: {new.webhook_secret}")
     typer.echo("Store both now: they are not shown again.", err=True)
+
+
+@users_app.command("set")
+def set_user(
+    name: Annotated[str, typer.Argument(help="The user to change.")],
+    quota: Annotated[
+        int | None, typer.Option(min=0, help="Unfinished jobs allowed at once.")
+    ] = None,
+    priority: PriorityOption = None,
+    input_retention: InputRetentionOption = None,
+    result_retention: ResultRetentionOption = None,
+    database_url: DatabaseOption = None,
+) -> None:
+    """Change a user's quota, priority class or retention times (for jobs submitted next)."""
+    changes: dict[str, Any] = {}
+    if quota is not None:
+        changes["quota"] = quota
+    if priority is not None:
+        changes["priority"] = priority
+    if input_retention is not None:
+        changes["input_retention_s"] = _retention(input_retention)
+    if result_retention is not None:
+        changes["result_retention_s"] = _retention(result_retention)
+    if not changes:
+        typer.echo("error: nothing to change", err=True)
+        raise typer.Exit(2)
+    engine = get_engine(_url(database_url))
+    try:
+        with Session(engine, expire_on_commit=False) as session:
+            user = crud.update_user(session, name=name, **changes)
+    except (NotFound, InvalidRequest) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"user {user.name}: {_describe(user)}")
 
 
 @users_app.command("list")
@@ -68,7 +153,9 @@ def list_users(database_url: DatabaseOption = None) -> None:
     with Session(engine) as session:
         for user in crud.list_users(session):
             state = " (disabled)" if user.disabled else ""
-            typer.echo(f"{user.name}\t{user.id}\tquota={user.quota}{state}")
+            typer.echo(
+                f"{user.name}\t{user.id}\tquota={user.quota}\tpriority={user.priority}{state}"
+            )
 
 
 @db_app.command("upgrade")
@@ -88,3 +175,26 @@ def db_check(database_url: DatabaseOption = None) -> None:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
     typer.echo("job store is up to date")
+
+
+@retention_app.command("run")
+def retention_run(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Run one retention pass now (the ``retention`` deployment runs one every 5 minutes)."""
+    from webapi.retention import run_pass_from_settings
+
+    try:
+        report = run_pass_from_settings()
+    except DatabaseNotMigrated as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if as_json:
+        typer.echo(json.dumps(report.as_dict()))
+        return
+    typer.echo(
+        f"inputs: {report.input_objects} objects deleted for {report.input_jobs} jobs "
+        f"({report.inputs_shared} kept: still used); results: {report.result_jobs} jobs "
+        f"({report.results_expired} expired); rows deleted: {report.rows_deleted}; "
+        f"{report.seconds:.2f} s"
+    )

@@ -84,6 +84,38 @@ class Settings(BaseSettings):
         "threads only contend); their jobs are then admitted in batches (webapi.admission).",
     )
     public_base_url: str | None = Field(None, description="External URL of the API.")
+    default_priority: Literal["normal", "high"] = Field(
+        "normal", description="Priority class of new users (faceflow users create)."
+    )
+    priority_work_queue: str = Field(
+        "priority",
+        description="Work queue of the GPU pool that high-priority jobs go to (created "
+        "with a higher priority than the normal queue: workers take its runs first).",
+    )
+    input_retention_seconds: int = Field(
+        0, ge=0, description="Inputs kept after a job ends (0: deleted at the next pass)."
+    )
+    result_retention_seconds: int = Field(
+        86400, ge=0, description="Results kept after a job ends (then GET /result is 410)."
+    )
+    job_retention_seconds: int = Field(
+        30 * 86400,
+        ge=0,
+        description="Job rows (with their outbox and webhook attempts) kept after the end, "
+        "for audit; never less than the result is kept.",
+    )
+    retention_batch: int = Field(500, ge=1, description="Jobs one retention step handles.")
+    autoscale_target_wait_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Wait the autoscaling signal aims for: faceflow_gpu_workers_wanted asks "
+        "for enough workers to start every queued job within it.",
+    )
+    services_dir: Path | None = Field(
+        None,
+        description="Where supervised services record their starts (default: <home>/services); "
+        "/metrics exports them as restart counters.",
+    )
 
     @model_validator(mode="after")
     def _defaults_and_production(self) -> Self:
@@ -91,6 +123,8 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{(self.home / 'webapi.db').resolve()}"
         if not self.storage_url:
             self.storage_url = (self.home / "storage").resolve().as_uri()
+        if self.services_dir is None:
+            self.services_dir = (self.home / "services").resolve()
         if self.environment == "production":
             if self.api_key_pepper.get_secret_value() == DEV_API_KEY_PEPPER:
                 raise SettingsError("set FACEFLOW_API_KEY_PEPPER: the default is for development")

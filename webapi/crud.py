@@ -18,10 +18,10 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, get_args
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -32,10 +32,12 @@ from webapi.config import Settings
 from webapi.errors import (
     ApiError,
     IdempotencyKeyReused,
+    InputsPurged,
     InvalidRequest,
     JobNotCancellable,
     NotFound,
     Overloaded,
+    PriorityNotAllowed,
     QuotaExceeded,
 )
 from webapi.inputs import InputRef
@@ -48,6 +50,7 @@ from webapi.models import (
     JobCreate,
     JobStatus,
     Outbox,
+    Priority,
     User,
     WebhookDelivery,
     utcnow,
@@ -56,6 +59,11 @@ from webapi.models import (
 SERVICE_TIME_SAMPLE = 50
 SERVICE_TIME_TTL_S = 5.0
 MAX_PAGE = 100
+#: Lanes of the queue, one per priority class; ``high`` jobs go to the priority work queue.
+LANES: tuple[Priority, ...] = get_args(Priority)
+#: How far back a retention pass's deletion of an input counts against a submit that
+#: found the input already stored (clock skew between replicas, a slow submit).
+INPUT_PURGE_MARGIN_S = 60.0
 
 # --------------------------------------------------------------------------- users
 
@@ -69,10 +77,28 @@ class NewUser:
     webhook_secret: str
 
 
-def create_user(session: Session, *, name: str, quota: int, pepper: str) -> NewUser:
-    """Create a user with one API key and a webhook secret; commits."""
+def create_user(
+    session: Session,
+    *,
+    name: str,
+    quota: int,
+    pepper: str,
+    priority: Priority = "normal",
+    input_retention_s: int | None = None,
+    result_retention_s: int | None = None,
+) -> NewUser:
+    """Create a user with one API key and a webhook secret; commits. ``priority`` is the
+    user's priority class; the retention times (seconds) override the settings' for this
+    user's jobs when given."""
     api_key = new_api_key()
-    user = User(name=name, quota=quota, webhook_secret=new_webhook_secret())
+    user = User(
+        name=name,
+        quota=quota,
+        priority=priority,
+        input_retention_s=input_retention_s,
+        result_retention_s=result_retention_s,
+        webhook_secret=new_webhook_secret(),
+    )
     session.add(user)
     try:
         session.flush()  # users before api_keys (no ORM relationship orders them)
@@ -88,6 +114,29 @@ def create_user(session: Session, *, name: str, quota: int, pepper: str) -> NewU
         session.rollback()
         raise InvalidRequest(f"a user named {name!r} already exists") from exc
     return NewUser(user=user, api_key=api_key, webhook_secret=user.webhook_secret)
+
+
+#: What ``update_user`` may change.
+USER_SETTINGS = frozenset({"quota", "priority", "input_retention_s", "result_retention_s"})
+
+
+def update_user(session: Session, *, name: str, **changes: Any) -> User:
+    """Change a user's quota, priority class or retention times (``None`` for a retention
+    time: back to the settings'); commits. New values apply to jobs submitted afterwards
+    (within ``auth_cache_seconds`` on a running API)."""
+    unknown = sorted(set(changes) - USER_SETTINGS)
+    if unknown:
+        raise InvalidRequest(f"not user settings: {', '.join(unknown)}")
+    user = session.exec(select(User).where(col(User.name) == name)).first()
+    if user is None:
+        raise NotFound(f"no user named {name!r}")
+    values = User.model_validate({**user.model_dump(), **changes})
+    for key in changes:
+        setattr(user, key, getattr(values, key))
+    session.add(user)
+    session.commit()
+    session.refresh(user)
+    return user
 
 
 def list_users(session: Session) -> Sequence[User]:
@@ -114,8 +163,11 @@ def authenticate(session: Session, *, api_key: str, pepper: str) -> User | None:
 # --------------------------------------------------------------------------- submit
 
 
-def request_digest(create: JobCreate, source: InputRef, target: InputRef) -> str:
-    """sha256 hex over both inputs and every option: what "the same request" means."""
+def request_digest(
+    create: JobCreate, source: InputRef, target: InputRef, priority: Priority | None = None
+) -> str:
+    """sha256 hex over both inputs and every option: what "the same request" means
+    (``priority``: the job's lane, when the request left it to the key's class)."""
     document = {
         "source": source.digest,
         "target": target.digest,
@@ -124,7 +176,7 @@ def request_digest(create: JobCreate, source: InputRef, target: InputRef) -> str
         "callback_events": create.callback_events,
         "deadline_seconds": create.deadline_seconds,
         "queue_timeout_seconds": create.queue_timeout_seconds,
-        "priority": create.priority,
+        "priority": priority or create.priority or "normal",
     }
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
@@ -138,6 +190,9 @@ class Submission:
     source: InputRef
     target: InputRef
     idempotency_key: str | None = None
+    prepared_at: datetime = field(default_factory=utcnow)
+    """When the inputs were stored (before the existence check that may skip the upload):
+    a retention pass that deleted one of them since then forces a new upload."""
 
 
 @dataclass(frozen=True)
@@ -217,18 +272,59 @@ class _Batch:
 def _admit(
     session: Session, submissions: Sequence[Submission], settings: Settings
 ) -> list[Admission]:
-    _serialise_backlog(session)
+    serialise_admission(session)
     for owner_id in sorted({submission.owner.id for submission in submissions}):
         _lock_user(session, owner_id)
     batch = _Batch(backlog(session, settings=settings))
+    purged = inputs_purged_since(
+        session,
+        keys=[key for s in submissions for key in (s.source.key, s.target.key) if key],
+        since=min(s.prepared_at for s in submissions),
+    )
     admissions: list[Admission] = []
     with session.no_autoflush:  # new rows are inserted together at commit
         for submission in submissions:
             try:
+                _check_inputs(submission, purged)
                 admissions.append(_admit_one(session, submission, batch, settings))
             except ApiError as exc:
                 admissions.append(Admission(None, error=exc))
     return admissions
+
+
+def inputs_purged_since(
+    session: Session, *, keys: Sequence[str], since: datetime
+) -> dict[str, datetime]:
+    """The input keys among ``keys`` that a retention pass deleted after ``since`` (less
+    ``INPUT_PURGE_MARGIN_S``), with the newest deletion time.
+
+    A retention pass deletes an input while holding the admission lock and marks the jobs
+    it deleted it for (``inputs_purged_at``) in the same transaction; an admission runs
+    under the same lock, so it sees every deletion that could have followed its own
+    existence check."""
+    if not keys:
+        return {}
+    wanted = sorted(set(keys))
+    floor = since - timedelta(seconds=INPUT_PURGE_MARGIN_S)
+    found: dict[str, datetime] = {}
+    for column in (Job.source_key, Job.target_key):
+        rows = session.exec(
+            select(column, sa.func.max(Job.inputs_purged_at))
+            .where(col(column).in_(wanted), col(Job.inputs_purged_at) >= floor)
+            .group_by(column)
+        ).all()
+        for key, at in rows:
+            if key is not None and at is not None:
+                found[key] = max(found.get(key, at), at)
+    return found
+
+
+def _check_inputs(submission: Submission, purged: Mapping[str, datetime]) -> None:
+    floor = submission.prepared_at - timedelta(seconds=INPUT_PURGE_MARGIN_S)
+    for ref in (submission.source, submission.target):
+        at = purged.get(ref.key) if ref.key else None
+        if at is not None and at >= floor:
+            raise InputsPurged(retry_after=1)
 
 
 def _admit_one(
@@ -236,7 +332,8 @@ def _admit_one(
 ) -> Admission:
     create, owner, key = submission.create, submission.owner, submission.idempotency_key
     deadline_s, queue_s = _timeouts(create, settings)
-    digest = request_digest(create, submission.source, submission.target)
+    lane = job_lane(create, owner)
+    digest = request_digest(create, submission.source, submission.target, lane)
     if key is not None:
         existing = batch.fresh.get((owner.id, key)) or _by_idempotency_key(
             session, owner_id=owner.id, key=key
@@ -249,10 +346,11 @@ def _admit_one(
         active=batch.active[owner.id],
         owner=owner,
         load=batch.load,
+        lane=lane,
         queue_timeout_s=queue_s,
         settings=settings,
     )
-    job = _new_job(submission, digest, deadline_s, queue_s, settings)
+    job = _new_job(submission, digest, lane, deadline_s, queue_s, settings)
     session.add(job)
     session.add(
         Outbox(
@@ -263,17 +361,32 @@ def _admit_one(
             next_attempt_at=job.created_at,
         )
     )
-    batch.load = replace(batch.load, queued=batch.load.queued + 1)
+    batch.load = batch.load.admitted(lane)
     batch.active[owner.id] += 1
     if key is not None:
         batch.fresh[(owner.id, key)] = job
     return Admission(job, created=True)
 
 
+def job_lane(create: JobCreate, owner: User) -> Priority:
+    """The lane of a new job: the request's priority, else the key's priority class.
+    Only a key of the high class may ask for ``high`` (``PriorityNotAllowed``, 403)."""
+    lane = create.priority or owner.priority
+    if lane == "high" and owner.priority != "high":
+        raise PriorityNotAllowed()
+    return lane
+
+
 def _new_job(
-    submission: Submission, digest: str, deadline_s: int, queue_s: int, settings: Settings
+    submission: Submission,
+    digest: str,
+    lane: Priority,
+    deadline_s: int,
+    queue_s: int,
+    settings: Settings,
 ) -> Job:
     create, source, target = submission.create, submission.source, submission.target
+    owner = submission.owner
     now = utcnow()
     callback_events = (
         list(create.callback_events or DEFAULT_CALLBACK_EVENTS) if create.callback_url else []
@@ -287,7 +400,9 @@ def _new_job(
         source_url=source.url,
         target_url=target.url,
         options=create.options.as_sent(),
-        priority=create.priority,
+        priority=lane,
+        input_retention_s=_or(owner.input_retention_s, settings.input_retention_seconds),
+        result_retention_s=_or(owner.result_retention_s, settings.result_retention_seconds),
         callback_url=None if create.callback_url is None else str(create.callback_url),
         callback_events=callback_events,
         max_attempts=settings.max_attempts,
@@ -296,6 +411,10 @@ def _new_job(
         deadline_at=now + timedelta(seconds=deadline_s),
         queue_deadline_at=now + timedelta(seconds=min(queue_s, deadline_s)),
     )
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _timeouts(create: JobCreate, settings: Settings) -> tuple[int, int]:
@@ -334,37 +453,64 @@ def _replay(existing: Job, digest: str) -> Job:
 
 @dataclass(frozen=True)
 class Backlog:
-    """What is waiting and how fast it drains."""
+    """What is waiting, in each lane, and how fast it drains.
 
-    queued: int
+    Workers take the priority work queue first, so a ``high`` job waits only for the
+    ``high`` jobs queued before it and for a running job to finish; a ``normal`` job waits
+    for every queued job."""
+
+    queued_by_lane: Mapping[str, int]
     running: int
     service_s: float
     slots: int
     measured: bool = True  # service_s comes from recent jobs, not the configured default
 
     @property
+    def queued(self) -> int:
+        """Queued jobs in every lane."""
+        return sum(self.queued_by_lane.values())
+
+    def ahead(self, lane: str) -> int:
+        """Queued jobs a new job of ``lane`` waits behind."""
+        if lane == "high":
+            return self.queued_by_lane.get("high", 0)
+        return self.queued
+
+    def wait_s(self, lane: str) -> float:
+        """Estimated time before one more job of ``lane`` would start."""
+        return (self.ahead(lane) + self.running / 2) * self.service_s / self.slots
+
+    @property
     def expected_wait_s(self) -> float:
-        """Estimated time before one more job would start."""
-        return (self.queued + self.running / 2) * self.service_s / self.slots
+        """Estimated time before one more normal job would start."""
+        return self.wait_s("normal")
+
+    def admitted(self, lane: str) -> Backlog:
+        """This backlog with one more job queued in ``lane``."""
+        counts = dict(self.queued_by_lane)
+        counts[lane] = counts.get(lane, 0) + 1
+        return replace(self, queued_by_lane=counts)
 
 
 def backlog(session: Session, *, settings: Settings) -> Backlog:
-    """Counts of queued and running jobs and the recent service time."""
-    counts = dict(
-        session.exec(
-            select(Job.status, sa.func.count())
-            .where(
-                col(Job.status).in_(
-                    [JobStatus.queued, JobStatus.running, JobStatus.cancel_requested]
-                )
-            )
-            .group_by(col(Job.status))
-        ).all()
-    )
-    running = counts.get(JobStatus.running, 0) + counts.get(JobStatus.cancel_requested, 0)
+    """Counts of queued jobs per lane and of running jobs, and the recent service time."""
+    rows = session.exec(
+        select(Job.status, Job.priority, sa.func.count())
+        .where(
+            col(Job.status).in_([JobStatus.queued, JobStatus.running, JobStatus.cancel_requested])
+        )
+        .group_by(col(Job.status), col(Job.priority))
+    ).all()
+    queued: dict[str, int] = dict.fromkeys(LANES, 0)
+    running = 0
+    for status, lane, count in rows:
+        if JobStatus(status) is JobStatus.queued:
+            queued[lane] = queued.get(lane, 0) + int(count)
+        else:
+            running += int(count)
     service_s, measured = service_estimate(session, settings=settings)
     return Backlog(
-        queued=counts.get(JobStatus.queued, 0),
+        queued_by_lane=queued,
         running=running,
         service_s=service_s,
         slots=settings.worker_slots,
@@ -425,7 +571,7 @@ def service_estimate(session: Session, *, settings: Settings) -> tuple[float, bo
 BACKLOG_LOCK_KEY = 0x46414345  # "FACE"
 
 
-def _serialise_backlog(session: Session) -> None:
+def serialise_admission(session: Session) -> None:
     """Hold a transaction-scoped lock around the global backlog check and the insert.
 
     The user-row lock only orders one user's submits; without this, a burst from many
@@ -449,23 +595,32 @@ def _count_active(session: Session, owner: User) -> int:
 
 
 def _check_capacity(
-    *, active: int, owner: User, load: Backlog, queue_timeout_s: int, settings: Settings
+    *,
+    active: int,
+    owner: User,
+    load: Backlog,
+    lane: str,
+    queue_timeout_s: int,
+    settings: Settings,
 ) -> None:
-    """429 over the owner's quota, 503 when a new job would not start in time."""
+    """429 over the owner's quota, 503 when a new job of ``lane`` would not start in time
+    (each lane judged by the jobs it waits behind: a normal burst does not refuse a
+    priority job)."""
     if active >= owner.quota:
         raise QuotaExceeded(
             f"Too many unfinished jobs: the quota of this API key is {owner.quota}.",
-            retry_after=load.expected_wait_s + load.service_s,
+            retry_after=load.wait_s(lane) + load.service_s,
         )
-    over_cap = settings.max_backlog is not None and load.queued >= settings.max_backlog
+    ahead = load.ahead(lane)
+    over_cap = settings.max_backlog is not None and ahead >= settings.max_backlog
     # The service time measured before a burst understates what each job costs during one
     # (a host shared with the API and the relay, a busier Prefect server): keep headroom.
     # The configured default (no history yet) is a deliberate guess and used as it is.
     safety = settings.admission_safety if load.measured else 1.0
-    expected_wait_s = load.expected_wait_s * safety
+    expected_wait_s = load.wait_s(lane) * safety
     if over_cap or expected_wait_s > queue_timeout_s:
         raise Overloaded(
-            f"{load.queued} jobs are queued; a new one would not start within {queue_timeout_s} s.",
+            f"{ahead} jobs are queued ahead; a new one would not start within {queue_timeout_s} s.",
             retry_after=max(expected_wait_s - queue_timeout_s, 0) + load.service_s,
         )
 
@@ -551,6 +706,16 @@ def job_status(session: Session, *, job_id: uuid.UUID) -> JobStatus | None:
     """Just the status of a job (cheap poll for ``Prefer: wait``)."""
     value = session.exec(select(Job.status).where(col(Job.id) == job_id)).first()
     return None if value is None else JobStatus(value)
+
+
+def oldest_queued(session: Session) -> dict[str, datetime]:
+    """When the oldest queued job of each lane was created (lanes with none are absent)."""
+    rows = session.exec(
+        select(Job.priority, sa.func.min(Job.created_at))
+        .where(col(Job.status) == JobStatus.queued)
+        .group_by(col(Job.priority))
+    ).all()
+    return {lane: created for lane, created in rows if created is not None}
 
 
 def status_counts(session: Session) -> dict[JobStatus, int]:

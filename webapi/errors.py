@@ -55,6 +55,25 @@ class NotFound(ApiError):
     default_message = "No such job."
 
 
+class Forbidden(ApiError):
+    status_code = 403
+    code = "forbidden"
+    default_message = "This API key may not do that."
+
+
+class PriorityNotAllowed(Forbidden):
+    code = "priority_not_allowed"
+    default_message = (
+        "This API key's priority class is normal: it cannot submit high-priority jobs."
+    )
+
+
+class ResultExpired(ApiError):
+    status_code = 410
+    code = "result_expired"
+    default_message = "The result was deleted when its retention period ended."
+
+
 class Conflict(ApiError):
     status_code = 409
     code = "conflict"
@@ -102,6 +121,17 @@ class Overloaded(ApiError):
     status_code = 503
     code = "overloaded"
     default_message = "The service cannot finish more work within the queue timeout."
+
+
+class InputsPurged(ApiError):
+    """An input stored for this submit was deleted by a retention pass before the job was
+    admitted (the same image, uploaded earlier by a job that has since expired). The
+    route stores the input again and admits once more; a client only sees this (503)
+    when that keeps happening."""
+
+    status_code = 503
+    code = "inputs_purged"
+    default_message = "An input was removed by retention while the job was being admitted."
 
 
 class NotReady(ApiError):

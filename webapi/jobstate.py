@@ -8,14 +8,16 @@ can never both win. Its side effects are written in the same transaction:
 - the webhook outbox row, when the new status has an event the job subscribed to;
 - a ``cancel_run`` outbox row, when a job holding a flow run is cancel-requested, or is
   cancelled/expired while still queued (the relay then cancels the Prefect flow run);
-- pending ``dispatch`` outbox rows are closed as ``obsolete`` when the job goes terminal.
+- pending ``dispatch`` outbox rows are closed as ``obsolete`` when the job goes terminal;
+- the retention clock starts when the job goes terminal: ``inputs_purge_at`` and
+  ``result_purge_at`` = now + the job's retention times (``webapi.retention`` acts on them).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Collection, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 import sqlalchemy as sa
@@ -151,6 +153,15 @@ def _side_effects(
             )
         )
     if status.is_terminal:
+        session.execute(
+            sa.update(Job)
+            .where(col(Job.id) == job.id)
+            .values(
+                inputs_purge_at=now + timedelta(seconds=job.input_retention_s),
+                result_purge_at=now + timedelta(seconds=job.result_retention_s),
+            )
+            .execution_options(synchronize_session=False)
+        )
         session.execute(
             sa.update(Outbox)
             .where(

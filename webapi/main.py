@@ -60,7 +60,7 @@ def create_app(settings: Settings | None = None, *, json_logs: bool | None = Non
     app.state.engine = get_engine(settings.database_url)
     app.state.read_engine = read_only(app.state.engine)
     app.state.store = open_store(settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url)
-    app.state.metrics = ApiMetrics(app.state.engine)
+    app.state.metrics = ApiMetrics(app.state.engine, settings)
     app.state.users = KeyCache[User](settings.auth_cache_seconds)
     app.state.submit_limiter = anyio.CapacityLimiter(settings.submit_threads)
     app.state.admitter = Admitter(app.state.engine, settings)

@@ -1,35 +1,55 @@
-"""Prometheus metrics of the API: jobs by status, queue depth, submit latency.
+"""Prometheus metrics of the API: jobs by status, queue depth, submit latency, the
+autoscaling signal and the restart counters of supervised services.
 
 One registry per app (``ApiMetrics``), so test apps do not share series. Job counts are
 read from the job store at scrape time (every replica reports the same truth). The
 relay's counters and dispatch-lag histogram (``webapi.relay.metrics.METRICS``, in-process)
 are appended to the same response when the relay module is present.
+
+Autoscaling (``docs/operations.md``): per lane, the queued jobs, the oldest one's age and
+the estimated wait of a new job (``crud.Backlog.wait_s``: jobs ahead plus half the running
+ones, times the measured service time, over ``worker_slots``); jobs running; and
+``faceflow_gpu_workers_wanted`` = ⌈running + queued * service time / target wait⌉, the
+workers that would start every queued job within ``autoscale_target_wait_seconds``
+(what the KEDA ScaledObject in ``work_pools/keda/`` scales the GPU workers to).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from webapi import crud
-from webapi.models import JobStatus
+from webapi.config import Settings
+from webapi.models import JobStatus, utcnow
+from webapi.services import read_records
 
 log = logging.getLogger(__name__)
 
 SUBMIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class JobStoreCollector(Collector):
-    """Jobs by status and queue depth, queried when scraped."""
+def workers_wanted(*, running: int, queued: int, service_s: float, target_wait_s: float) -> int:
+    """GPU workers that would start every queued job within ``target_wait_s``: one per
+    running job, plus the queued jobs' work (``queued * service_s``) spread over the target
+    wait. Zero when nothing is queued or running (scale to zero)."""
+    return math.ceil(running + queued * service_s / target_wait_s - 1e-9)
 
-    def __init__(self, engine: Engine) -> None:
+
+class JobStoreCollector(Collector):
+    """Jobs by status, queue depth, the autoscaling signal per lane, queried when scraped."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine = engine
+        self.settings = settings
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         by_status = GaugeMetricFamily(
@@ -39,6 +59,9 @@ class JobStoreCollector(Collector):
         try:
             with Session(self.engine) as session:
                 counts = crud.status_counts(session)
+                load = crud.backlog(session, settings=self.settings)
+                oldest = crud.oldest_queued(session)
+                session.commit()
         except Exception:  # a scrape must not fail because the database is down
             log.warning("metrics: job store unavailable", exc_info=True)
             return
@@ -47,12 +70,80 @@ class JobStoreCollector(Collector):
         depth.add_metric([], counts[JobStatus.queued])
         yield by_status
         yield depth
+        yield from self._autoscaling(load, oldest)
+
+    def _autoscaling(
+        self, load: crud.Backlog, oldest: Mapping[str, datetime]
+    ) -> Iterator[GaugeMetricFamily]:
+        now = utcnow()
+        queued = GaugeMetricFamily(
+            "faceflow_lane_queued_jobs", "Jobs queued per lane.", labels=["lane"]
+        )
+        age = GaugeMetricFamily(
+            "faceflow_lane_oldest_queued_age_seconds",
+            "Age of the oldest queued job per lane (0 when none).",
+            labels=["lane"],
+        )
+        wait = GaugeMetricFamily(
+            "faceflow_lane_estimated_wait_seconds",
+            "Estimated wait before a new job of the lane starts.",
+            labels=["lane"],
+        )
+        for lane in crud.LANES:
+            queued.add_metric([lane], load.queued_by_lane.get(lane, 0))
+            created = oldest.get(lane)
+            seconds = (now - created).total_seconds() if created is not None else 0.0
+            age.add_metric([lane], max(0.0, seconds))
+            wait.add_metric([lane], load.wait_s(lane))
+        running = GaugeMetricFamily("faceflow_jobs_running", "Jobs running (or being cancelled).")
+        running.add_metric([], load.running)
+        service = GaugeMetricFamily(
+            "faceflow_service_time_seconds",
+            "Worker time one job costs (measured on recent jobs, else the configured default).",
+        )
+        service.add_metric([], load.service_s)
+        wanted = GaugeMetricFamily(
+            "faceflow_gpu_workers_wanted",
+            "GPU workers that would start every queued job within the target wait.",
+        )
+        wanted.add_metric(
+            [],
+            workers_wanted(
+                running=load.running,
+                queued=load.queued,
+                service_s=load.service_s,
+                target_wait_s=self.settings.autoscale_target_wait_seconds,
+            ),
+        )
+        yield from (queued, age, wait, running, service, wanted)
+
+
+class ServiceCollector(Collector):
+    """Start and restart counts of the supervised services (``webapi.services``)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        starts = CounterMetricFamily(
+            "faceflow_service_starts", "Starts of each supervised service.", labels=["service"]
+        )
+        restarts = CounterMetricFamily(
+            "faceflow_service_restarts",
+            "Restarts of each supervised service (starts after the first).",
+            labels=["service"],
+        )
+        for record in read_records(self.settings.services_dir):
+            starts.add_metric([record.service], record.starts)
+            restarts.add_metric([record.service], record.restarts)
+        yield starts
+        yield restarts
 
 
 class ApiMetrics:
     """The metrics of one app; ``extra`` renderers add text (the relay's counters)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, settings: Settings) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.submit_latency = Histogram(
             "faceflow_submit_latency_seconds",
@@ -61,7 +152,8 @@ class ApiMetrics:
             buckets=SUBMIT_BUCKETS_S,
             registry=self.registry,
         )
-        self.registry.register(JobStoreCollector(engine))
+        self.registry.register(JobStoreCollector(engine, settings))
+        self.registry.register(ServiceCollector(settings))
         self.extra: list[Callable[[], str]] = []
         relay_metrics = _relay_metrics()
         if relay_metrics is not None:

@@ -124,6 +124,21 @@ class UserBase(SQLModel):
     quota: int = Field(
         default=10, ge=0, description="Most non-terminal (queued/running) jobs at once."
     )
+    priority: Priority = Field(
+        default="normal",
+        sa_type=sa.String(10),
+        description="Priority class: 'high' may submit jobs to the priority lane.",
+    )
+    input_retention_s: int | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds the inputs of a finished job are kept (None: the setting).",
+    )
+    result_retention_s: int | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds the result of a finished job is kept (None: the setting).",
+    )
 
 
 class User(UserBase, table=True):
@@ -193,6 +208,14 @@ class Job(JobBase, table=True):
     Outcome: ``result_*`` from the flow's ``ResultRef``; ``error_code`` is a stable code
     (``tasks.errors`` codes, ``deadline_exceeded``, ``worker_lost``, ...) and
     ``error_message`` is safe to show. ``stage`` is the pipeline stage last reported.
+
+    Retention (``webapi.retention``): ``input_retention_s``/``result_retention_s`` are fixed
+    at submit (the owner's, else the settings'); when the job ends, ``jobstate`` sets
+    ``inputs_purge_at``/``result_purge_at`` = end + retention. A retention pass deletes the
+    objects that are due, clears the ``*_purge_at`` it handled (NULL: nothing pending —
+    before the end as after the purge) and records ``inputs_purged_at`` and
+    ``result_expired_at``. A job that has not ended has no purge time: nothing of it is
+    deleted.
     """
 
     __tablename__ = "jobs"
@@ -201,6 +224,12 @@ class Job(JobBase, table=True):
         sa.Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
         sa.Index("ix_jobs_status_created", "status", "created_at"),
         sa.Index("ix_jobs_owner_status", "owner_id", "status"),
+        sa.Index("ix_jobs_status_priority", "status", "priority"),
+        sa.Index("ix_jobs_inputs_purge_at", "inputs_purge_at"),
+        sa.Index("ix_jobs_result_purge_at", "result_purge_at"),
+        sa.Index("ix_jobs_finished_at", "finished_at"),
+        sa.Index("ix_jobs_source_key", "source_key"),
+        sa.Index("ix_jobs_target_key", "target_key"),
     )
 
     id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
@@ -246,6 +275,17 @@ class Job(JobBase, table=True):
     error_code: str | None = Field(default=None, max_length=64)
     error_message: str | None = Field(default=None, max_length=500)
 
+    input_retention_s: int = Field(default=0, ge=0, description="Inputs kept after the end.")
+    result_retention_s: int = Field(default=86400, ge=0, description="Result kept after the end.")
+    inputs_purge_at: datetime | None = Field(
+        default=None, sa_type=UTCDateTime, description="When retention deletes the inputs."
+    )
+    result_purge_at: datetime | None = Field(
+        default=None, sa_type=UTCDateTime, description="When retention deletes the result."
+    )
+    inputs_purged_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    result_expired_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
     @property
     def fusion_options(self) -> FusionOptions:
         """``options`` as the typed contract."""
@@ -276,7 +316,11 @@ class JobCreate(BaseModel):
     queue_timeout_seconds: int | None = Field(
         default=None, ge=1, description="Time allowed to start (default from settings)."
     )
-    priority: Priority = "normal"
+    priority: Priority | None = Field(
+        default=None,
+        description="Lane: 'high' (keys of the high priority class only) or 'normal' "
+        "(default: the key's priority class).",
+    )
 
     @field_validator("callback_events")
     @classmethod
@@ -336,6 +380,8 @@ class JobPublic(BaseModel):
     finished_at: datetime | None
     error: JobError | None
     result: JobResult | None
+    result_expires_at: datetime | None = None
+    result_expired: bool = False
     timings: dict[str, float]
     urls: JobUrls
     callback_url: str | None

@@ -203,12 +203,18 @@ class PrefectAPI:
             self._deployment_id = None
 
     def create_flow_run(
-        self, params: FuseFacesParams, *, job_variables: dict[str, Any] | None = None
+        self,
+        params: FuseFacesParams,
+        *,
+        job_variables: dict[str, Any] | None = None,
+        work_queue_name: str | None = None,
     ) -> FlowRun:
         """Create (or find, by idempotency key) the flow run of one job attempt.
 
         Name = job id, tags ``job:<id>`` and ``owner:<id>``, idempotency key
         ``job-<id>-attempt-<n>``: a repeat returns the same run (200 instead of 201).
+        ``work_queue_name``: a queue of the deployment's pool (its lane; Prefect creates a
+        missing one at the lowest priority), else the deployment's queue.
         """
         body = {
             "name": params.job_id,
@@ -218,6 +224,8 @@ class PrefectAPI:
             "tags": run_tags(params.job_id, params.owner_id),
             "job_variables": job_variables or {},
         }
+        if work_queue_name:
+            body["work_queue_name"] = work_queue_name
         deployment_id = self.deployment_id()
         try:
             response = self._request(
@@ -227,6 +235,17 @@ class PrefectAPI:
             self.forget_deployment()  # a 404 means the deployment was re-created
             raise
         return FlowRun.from_api(response.json())
+
+    def ensure_work_queue(self, pool: str, name: str, *, priority: int = 1) -> None:
+        """Create work queue ``name`` in ``pool`` at ``priority`` (1 = taken first), or move
+        an existing one there; Prefect renumbers the pool's other queues behind it."""
+        body = {"name": name, "priority": priority}
+        try:
+            self._request("POST", f"work_pools/{pool}/queues", json=body)
+        except PrefectRejected as exc:
+            if exc.status_code != 409:
+                raise
+            self._request("PATCH", f"work_pools/{pool}/queues/{name}", json={"priority": priority})
 
     def read_flow_runs(self, ids: Iterable[str]) -> dict[str, FlowRun]:
         """The flow runs with these ids (batched); unknown ids are absent from the result."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
@@ -39,6 +40,15 @@ class ObjectStore(Protocol):
     def exists(self, key: str) -> bool:
         """Whether an object is stored under ``key``."""
         ...
+
+    def delete(self, keys: Iterable[str]) -> int:
+        """Delete the objects under ``keys`` (missing ones are skipped); how many requests
+        or unlinks it took is the store's business, the count of keys it handled is returned."""
+        ...
+
+
+#: Keys one S3 DeleteObjects request may name.
+S3_DELETE_BATCH = 1000
 
 
 def check_key(key: str) -> str:
@@ -78,6 +88,22 @@ class LocalObjectStore:
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def delete(self, keys: Iterable[str]) -> int:
+        count = 0
+        parents: set[Path] = set()
+        for key in keys:
+            path = self._path(key)
+            path.unlink(missing_ok=True)
+            parents.add(path.parent)
+            count += 1
+        for parent in sorted(parents, reverse=True):  # e.g. results/<job>/ once empty
+            if parent != self.basepath:
+                try:
+                    parent.rmdir()
+                except OSError:
+                    pass
+        return count
 
     def __repr__(self) -> str:
         return f"LocalObjectStore({str(self.basepath)!r})"
@@ -126,6 +152,23 @@ class S3ObjectStore:
                 return False
             raise
         return True
+
+    def delete(self, keys: Iterable[str]) -> int:
+        names = [self._key(key) for key in keys]
+        for start in range(0, len(names), S3_DELETE_BATCH):
+            batch = names[start : start + S3_DELETE_BATCH]
+            response = self.client.delete_objects(
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": name} for name in batch], "Quiet": True},
+            )
+            errors = response.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"S3 refused to delete {len(errors)} objects, e.g. {first.get('Key')}: "
+                    f"{first.get('Code')} {first.get('Message')}"
+                )
+        return len(names)
 
     def __repr__(self) -> str:
         return f"S3ObjectStore({self.bucket!r}, {self.prefix!r})"

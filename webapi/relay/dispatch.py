@@ -8,7 +8,9 @@ with no run. While Prefect is unreachable the job stays queued: the first failed
 defers the row (exponential backoff, jitter, capped) and the rest of the claimed batch
 untried, and dispatch pauses until Prefect's health check answers, which makes the deferred
 rows due at once (``webapi.relay.outage``). A permanent refusal fails the job with
-``dispatch_rejected``.
+``dispatch_rejected``. A ``high`` job's run goes to the GPU pool's priority work queue
+(``settings.priority_work_queue``), which workers take first; others go to the
+deployment's own queue (``default`` in prefect.yaml).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from flows.params import (
 )
 from tasks.errors import FaceFlowError
 from tasks.options import FusionOptions
+from webapi import crud
 from webapi.errors import ApiError
 from webapi.inputs import store_image
 from webapi.jobstate import transition
@@ -60,6 +63,7 @@ class _Plan:
     source_url: str | None
     target_url: str | None
     options: dict[str, object]
+    priority: str
 
 
 def run_once(relay: Relay) -> int:
@@ -140,7 +144,7 @@ def dispatch_row(relay: Relay, row: Outbox) -> bool:
         settings_block=DEFAULT_SETTINGS_BLOCK,
     )
     try:
-        run = relay.prefect.create_flow_run(params)
+        run = relay.prefect.create_flow_run(params, work_queue_name=work_queue(relay, plan))
     except PrefectUnavailable as exc:
         prefect_down(relay, row, str(exc))
         return False
@@ -151,6 +155,11 @@ def dispatch_row(relay: Relay, row: Outbox) -> bool:
     relay.outage.dispatched()
     _record_run(relay, row, plan, uuid.UUID(run.id))
     return True
+
+
+def work_queue(relay: Relay, plan: _Plan) -> str | None:
+    """The GPU pool's work queue of the job's lane (None: the deployment's queue)."""
+    return relay.settings.priority_work_queue if plan.priority == "high" else None
 
 
 def _plan(relay: Relay, row: Outbox) -> _Plan | None:
@@ -176,6 +185,7 @@ def _plan(relay: Relay, row: Outbox) -> _Plan | None:
             source_url=job.source_url,
             target_url=job.target_url,
             options=dict(job.options),
+            priority=job.priority,
         )
         session.commit()  # end the read transaction before any network call
     return plan
@@ -183,6 +193,7 @@ def _plan(relay: Relay, row: Outbox) -> _Plan | None:
 
 def _fetch_inputs(relay: Relay, row: Outbox, plan: _Plan) -> _Plan | None:
     """Fetch, validate and store URL inputs; write their keys on the job."""
+    fetched_at = utcnow()  # before any input is found already stored
     try:
         source_key = plan.source_key or _fetch_and_store(relay, plan.source_url, "source")
         target_key = plan.target_key or _fetch_and_store(relay, plan.target_url, "target")
@@ -198,7 +209,19 @@ def _fetch_inputs(relay: Relay, row: Outbox, plan: _Plan) -> _Plan | None:
     except FetchError as exc:
         _back_off(relay, row, str(exc))
         return None
+    fetched = [
+        key
+        for key, had in ((source_key, plan.source_key), (target_key, plan.target_key))
+        if not had
+    ]
     with relay.session() as session:
+        # Under the admission lock, like a submit: retention may have deleted an input that
+        # was found already stored; then fetch it again later.
+        crud.serialise_admission(session)
+        if crud.inputs_purged_since(session, keys=fetched, since=fetched_at):
+            session.rollback()
+            _back_off(relay, row, "an input was deleted by retention while it was stored")
+            return None
         stored = _update_queued(session, plan, source_key=source_key, target_key=target_key)
     if not stored:  # cancelled or expired meanwhile
         _close(relay, row, "obsolete")

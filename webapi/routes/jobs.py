@@ -28,9 +28,11 @@ from webapi.deps import CurrentUser, EngineDep, ReadSessionDep, SessionDep, Sett
 from webapi.errors import (
     ApiError,
     BlockedUrl,
+    InputsPurged,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
+    ResultExpired,
     UnsupportedMediaType,
     describe_validation,
 )
@@ -49,6 +51,7 @@ from webapi.models import (
     JobUrls,
     User,
     WebhookDelivery,
+    utcnow,
 )
 from webapi.storage import ObjectNotFound, ObjectStore
 from webapi.urls import check_url
@@ -56,6 +59,8 @@ from webapi.urls import check_url
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
+#: Times a submit stores its inputs again when retention deleted one meanwhile.
+PURGED_INPUT_RETRIES = 3
 _WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"description": "Missing or invalid API key."},
@@ -64,6 +69,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 SUBMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "Idempotent replay: the job created earlier with this key."},
     401: _ERRORS[401],
+    403: {"description": "priority 'high' asked by a key of the normal priority class."},
     409: {"description": "Idempotency-Key reused with a different request."},
     413: {"description": "A body or image too large."},
     415: {"description": "Unsupported content type or image format."},
@@ -136,11 +142,16 @@ async def create_job(
             raw_target=target,
             idempotency_key=idempotency_key,
         )
-        # A few threads, not the shared pool: validating inputs is CPU work, and more
-        # threads only contend for the GIL.
-        submission = await anyio.to_thread.run_sync(work, limiter=request.app.state.submit_limiter)
         admitter: Admitter = request.app.state.admitter
-        admitted = await asyncio.wrap_future(admitter.submit(submission))
+        for _ in range(PURGED_INPUT_RETRIES):
+            # A few threads, not the shared pool: validating inputs is CPU work, and more
+            # threads only contend for the GIL.
+            submission = await anyio.to_thread.run_sync(
+                work, limiter=request.app.state.submit_limiter
+            )
+            admitted = await asyncio.wrap_future(admitter.submit(submission))
+            if not isinstance(admitted.admission.error, InputsPurged):
+                break  # else retention deleted an input meanwhile: store it again
         if admitted.admission.error is not None:
             raise admitted.admission.error
         assert admitted.admission.job is not None
@@ -180,6 +191,7 @@ def _prepare(
     idempotency_key: str | None,
 ) -> crud.Submission:
     """Check the callback URL, validate and store both inputs: a submission to admit."""
+    prepared_at = utcnow()  # before any input is found already stored
     if create.callback_url is not None:
         try:
             check_url(str(create.callback_url), allow_private=settings.allow_private_urls)
@@ -192,7 +204,7 @@ def _prepare(
     }
     source = accept_input(raw_source, name="source", **common)  # type: ignore[arg-type]
     target = accept_input(raw_target, name="target", **common)  # type: ignore[arg-type]
-    return crud.Submission(user, create, source, target, idempotency_key)
+    return crud.Submission(user, create, source, target, idempotency_key, prepared_at)
 
 
 async def _read_submission(
@@ -385,6 +397,7 @@ def cancel_job(
     responses={
         **_ERRORS,
         200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}},
+        410: {"description": "The result was deleted: its retention period is over."},
     },
 )
 def read_result(
@@ -392,6 +405,11 @@ def read_result(
 ) -> Response:
     job = crud.get_job(session, owner=user, job_id=job_id)
     session.commit()
+    if job.result_expired_at is not None:
+        raise ResultExpired(
+            f"The result was deleted at {job.result_expired_at.isoformat()}, when its "
+            f"retention period of {job.result_retention_s} s after the job ended was over."
+        )
     if job.status is not JobStatus.succeeded or not job.result_key:
         raise NotFound(f"The job has no result (it is {job.status.value}).")
     try:
@@ -415,7 +433,8 @@ def to_public(job: Job, *, base_url: str, callbacks: Sequence[WebhookDelivery] =
     """The API view of a job (absolute URLs under ``base_url``)."""
     self_url = f"{base_url}/v1/jobs/{job.id}"
     result = None
-    if job.status is JobStatus.succeeded and job.result_key:
+    expired = job.result_expired_at is not None
+    if job.status is JobStatus.succeeded and job.result_key and not expired:
         result = JobResult(
             url=f"{self_url}/result",
             content_type=job.result_content_type or "application/octet-stream",
@@ -439,6 +458,8 @@ def to_public(job: Job, *, base_url: str, callbacks: Sequence[WebhookDelivery] =
         finished_at=job.finished_at,
         error=error,
         result=result,
+        result_expires_at=job.result_purge_at if job.result_key and not expired else None,
+        result_expired=expired,
         timings=job.timings or {},
         urls=JobUrls(self=self_url, cancel=f"{self_url}/cancel", result=f"{self_url}/result"),
         callback_url=job.callback_url,
