@@ -3,19 +3,21 @@
 ``users create NAME [--quota N] [--priority high] [--input-retention S] [--result-retention S]``
 prints the API key and the webhook secret once (they cannot be shown again); ``users set
 NAME ...`` changes those settings; ``db upgrade`` applies the Alembic migrations;
-``retention run`` runs one retention pass (what the ``retention`` deployment schedules).
+``retention run`` runs one retention pass (what the ``retention`` deployment schedules);
+``services record-start|record-exit|list|wait-ready`` serve the systemd units (deploy/systemd).
 """
 
 from __future__ import annotations
 
 import json
+import time
+from enum import StrEnum
 from typing import Annotated, Any, get_args
 
-import click
 import typer
 from sqlmodel import Session
 
-from webapi import crud
+from webapi import crud, services
 from webapi.config import get_settings
 from webapi.db import get_engine
 from webapi.errors import InvalidRequest, NotFound
@@ -26,21 +28,23 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="Job store ad
 users_app = typer.Typer(no_args_is_help=True, help="API users and their keys.")
 db_app = typer.Typer(no_args_is_help=True, help="The job store database.")
 retention_app = typer.Typer(no_args_is_help=True, help="Deleting expired inputs and results.")
+services_app = typer.Typer(
+    no_args_is_help=True, help="Supervised services: start records, readiness (systemd units)."
+)
 app.add_typer(users_app, name="users")
 app.add_typer(db_app, name="db")
 app.add_typer(retention_app, name="retention")
+app.add_typer(services_app, name="services")
 
 DatabaseOption = Annotated[
     str | None, typer.Option("--database-url", help="Default: FACEFLOW_DATABASE_URL.")
 ]
 
 
+PriorityChoice = StrEnum("PriorityChoice", {name: name for name in get_args(Priority)})  # type: ignore[misc]
 PriorityOption = Annotated[
-    str | None,
-    typer.Option(
-        click_type=click.Choice(get_args(Priority)),
-        help="Priority class: 'high' may use the priority lane (default: the setting).",
-    ),
+    PriorityChoice | None,
+    typer.Option(help="Priority class: 'high' may use the priority lane (default: the setting)."),
 ]
 InputRetentionOption = Annotated[
     int | None,
@@ -99,7 +103,7 @@ def create_user(
                 name=name,
                 quota=settings.default_quota if quota is None else quota,
                 pepper=settings.api_key_pepper.get_secret_value(),
-                priority=priority or settings.default_priority,  # type: ignore[arg-type]
+                priority=priority.value if priority else settings.default_priority,  # type: ignore[arg-type]
                 input_retention_s=_retention(input_retention),
                 result_retention_s=_retention(result_retention),
             )
@@ -128,7 +132,7 @@ def set_user(
     if quota is not None:
         changes["quota"] = quota
     if priority is not None:
-        changes["priority"] = priority
+        changes["priority"] = priority.value
     if input_retention is not None:
         changes["input_retention_s"] = _retention(input_retention)
     if result_retention is not None:
@@ -198,3 +202,66 @@ def retention_run(
         f"({report.results_expired} expired); rows deleted: {report.rows_deleted}; "
         f"{report.seconds:.2f} s"
     )
+
+
+@services_app.command("record-start")
+def services_record_start(
+    name: Annotated[str, typer.Argument(help="Service name (systemd: %N).")],
+) -> None:
+    """Count one start of a supervised service (systemd ``ExecStartPre``)."""
+    settings = get_settings()
+    assert settings.services_dir is not None
+    record = services.record_start(settings.services_dir, name)
+    typer.echo(f"{record.service}: start {record.starts} (restarts {record.restarts})")
+
+
+@services_app.command("record-exit")
+def services_record_exit(
+    name: Annotated[str, typer.Argument(help="Service name (systemd: %N).")],
+    result: Annotated[str, typer.Option(help="systemd's $SERVICE_RESULT.")] = "",
+    code: Annotated[str, typer.Option(help="systemd's $EXIT_CODE.")] = "",
+    status: Annotated[str, typer.Option(help="systemd's $EXIT_STATUS.")] = "",
+) -> None:
+    """Note why a supervised service stopped (systemd ``ExecStopPost``)."""
+    settings = get_settings()
+    assert settings.services_dir is not None
+    reason = " ".join(part for part in (result, code, status) if part) or "stopped"
+    services.record_exit(settings.services_dir, name, reason)
+
+
+@services_app.command("list")
+def services_list() -> None:
+    """Starts, restarts and last exit of every supervised service on this host."""
+    settings = get_settings()
+    for record in services.read_records(settings.services_dir):
+        typer.echo(
+            f"{record.service}\tstarts={record.starts}\trestarts={record.restarts}\t"
+            f"last_start={record.last_start}\tlast_exit={record.last_exit or '-'}"
+        )
+
+
+@services_app.command("wait-ready")
+def services_wait_ready(
+    url: Annotated[str, typer.Argument(help="Readiness URL: 200 means ready.")],
+    timeout: Annotated[float, typer.Option(min=0, help="Seconds to wait at most.")] = 120.0,
+    interval: Annotated[float, typer.Option(min=0.05, help="Seconds between tries.")] = 0.5,
+) -> None:
+    """Wait until URL answers 200 (systemd ``ExecStartPost``: the unit counts as started,
+    and units ordered after it start, only once it is ready); exit 1 on timeout."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        try:
+            response = httpx.get(url, timeout=min(5.0, max(interval, 1.0)))
+            if response.status_code == 200:
+                typer.echo(f"ready: {url}")
+                return
+            last = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        if time.monotonic() >= deadline:
+            typer.echo(f"error: {url} not ready after {timeout:.0f} s ({last})", err=True)
+            raise typer.Exit(1)
+        time.sleep(interval)

@@ -258,6 +258,8 @@ class ChildPool:
         self.closing = False
         self.waiting = 0
         """Runs claimed ahead, waiting in ``acquire`` for a child."""
+        self.priority_waiting = 0
+        """Of those, runs of the priority lane: they take the next free child first."""
         self.on_idle: Callable[[], None] | None = None
         """Called whenever a child becomes idle (the worker polls for runs at once)."""
 
@@ -401,19 +403,24 @@ class ChildPool:
             1 for s in self.slots if s.state is SlotState.IDLE and s.child and not s.child.gone
         )
 
-    async def acquire(self, flow_run_id: str, timeout: float) -> Slot:
-        """An idle warm slot, marked busy for ``flow_run_id``."""
+    async def acquire(self, flow_run_id: str, timeout: float, *, priority: bool = False) -> Slot:
+        """An idle warm slot, marked busy for ``flow_run_id``; a ``priority`` run gets the
+        next free child before any other waiting run."""
         end = time.monotonic() + timeout
         self.waiting += 1
+        self.priority_waiting += priority
         try:
-            return await self._acquire(flow_run_id, end)
+            return await self._acquire(flow_run_id, end, priority)
         finally:
             self.waiting -= 1
+            self.priority_waiting -= priority
 
-    async def _acquire(self, flow_run_id: str, end: float) -> Slot:
+    async def _acquire(self, flow_run_id: str, end: float, priority: bool) -> Slot:
         async with self._idle:
             while True:
                 for slot in self.slots:
+                    if not priority and self.priority_waiting:
+                        break  # a priority run is waiting: it goes first
                     if slot.state is SlotState.IDLE and slot.child and not slot.child.gone:
                         slot.state, slot.flow_run_id = SlotState.BUSY, flow_run_id
                         slot.run_queue = asyncio.Queue()

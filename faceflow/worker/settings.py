@@ -74,6 +74,12 @@ class WorkerSettings(BaseSettings):
         description="Runs claimed ahead while every child is busy (started the moment one "
         "is free); 0 leaves queued runs to other workers.",
     )
+    priority_queue: str = Field(
+        default="priority",
+        description="The pool's priority work queue: its runs start before runs claimed "
+        "ahead from other queues, and one of them may be claimed while every prefetch place "
+        "is taken (so a burst of normal runs delays it by one run at most).",
+    )
     query_seconds: float = Field(
         default=1.0, gt=0, description="Polling interval for scheduled runs."
     )

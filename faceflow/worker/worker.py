@@ -26,13 +26,14 @@ import signal
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 from prefect.client.schemas.objects import StateType
+from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, get_current_settings, temporary_settings
 from prefect.states import Cancelled, Crashed, Scheduled
 from prefect.workers.base import BaseWorker, BaseWorkerResult
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from uuid import UUID
 
     from prefect.client.schemas.objects import FlowRun, State
+    from prefect.client.schemas.responses import WorkerFlowRunResponse
 
 WORKER_TYPE = "faceflow-gpu"
 DEADLINE_CODE = "deadline_exceeded"
@@ -85,7 +87,8 @@ class FaceFlowGpuWorker(
         if kwargs.get("limit") is not None:  # --limit caps the runs executing at once
             children = max(1, min(int(kwargs["limit"]), children))
         self._children = children
-        kwargs["limit"] = children + self.settings.prefetch_runs
+        # One place more than children + prefetch: kept for a run of the priority queue.
+        kwargs["limit"] = children + self.settings.prefetch_runs + 1
         super().__init__(*args, **kwargs)
         self._pool: ChildPool | None = None
         self._draining = False
@@ -94,6 +97,7 @@ class FaceFlowGpuWorker(
         self._health: HealthServer | None = None
         self._poll_now = asyncio.Event()
         self._prefetch_paused = False
+        self._priority_only = False
         self._last_poll_ok = time.monotonic()
         self._journal: ClaimJournal | None = None
         self._labelling: set[asyncio.Task[None]] = set()
@@ -352,13 +356,45 @@ class FaceFlowGpuWorker(
                 and not self._prefetch_paused
             )
         )
-        if self._draining or not free:
+        # Every place taken: still claim one run of the priority queue (none waiting yet).
+        self._priority_only = not free and pool is not None and pool.priority_waiting == 0
+        if self._draining or not (free or self._priority_only):
             self._last_polled_time = datetime.now(UTC)
             self._last_poll_ok = time.monotonic()
             return []
         runs = await super().get_and_submit_flow_runs()
         self._last_poll_ok = time.monotonic()
         return runs
+
+    async def _get_scheduled_flow_runs(self) -> list[WorkerFlowRunResponse]:
+        """Prefect's poll, cut to the places this poll may fill: children and prefetch
+        places (one place is kept for the priority queue), or only that one place, on the
+        priority queue alone, when every other place is taken. The server returns runs of
+        higher-priority queues first."""
+        limiter = self._limiter
+        free = (
+            self.limiter.total_tokens - self.limiter.borrowed_tokens if limiter is not None else 1
+        )
+        if not self._priority_only:
+            places = int(free) - 1
+            queues = list(self._work_queues)
+        else:
+            places = min(1, int(free))
+            queues = [self.settings.priority_queue]
+            if self._work_queues and self.settings.priority_queue not in self._work_queues:
+                places = 0
+        if places <= 0:
+            return []
+        scheduled_before = datetime.now(UTC) + timedelta(seconds=int(self._prefetch_seconds))
+        try:
+            runs = await self.client.get_scheduled_flow_runs_for_work_pool(
+                work_pool_name=self._work_pool_name,
+                scheduled_before=scheduled_before,
+                work_queue_names=queues,
+            )
+        except ObjectNotFound:
+            return []
+        return runs[:places]
 
     def _child_idle(self) -> None:
         """A child is free: claim ahead again, and poll now."""
@@ -430,8 +466,11 @@ class FaceFlowGpuWorker(
         task_status: anyio.abc.TaskStatus[int] | None,
     ) -> FaceFlowWorkerResult:
         started = time.time()
+        priority = flow_run.work_queue_name == self.settings.priority_queue
         try:
-            slot = await self.pool.acquire(str(flow_run.id), self.settings.acquire_timeout_s)
+            slot = await self.pool.acquire(
+                str(flow_run.id), self.settings.acquire_timeout_s, priority=priority
+            )
         except NoChildReady as exc:  # claimed ahead, but no child came free: give it back
             self._prefetch_paused = True  # (and claim nothing ahead until a child is free)
             await self._reschedule(flow_run, f"no warm child became free ({exc})")

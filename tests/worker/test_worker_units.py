@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 
 from faceflow.worker import WORKER_TYPE, FaceFlowGpuWorker, FaceFlowJobConfiguration
 from faceflow.worker.job import deployment_directory
+from faceflow.worker.pool import ChildPool, PoolLimits, SlotState
+from faceflow.worker.protocol import ChildSpec
 from faceflow.worker.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,13 +83,44 @@ def test_without_gpus_one_unpinned_child(monkeypatch: pytest.MonkeyPatch) -> Non
     assert len(specs) == 1 and "CUDA_VISIBLE_DEVICES" not in specs[0].env
 
 
-def test_worker_limit_is_children_plus_prefetch() -> None:
+def test_worker_limit_is_children_plus_prefetch_plus_the_priority_place() -> None:
     two = WorkerSettings(children=2, prefetch_runs=0)
-    assert FaceFlowGpuWorker(work_pool_name="p", settings=two, limit=8)._limit == 2
+    assert FaceFlowGpuWorker(work_pool_name="p", settings=two, limit=8)._limit == 2 + 1
     three = WorkerSettings(children=3, prefetch_runs=1)
-    assert FaceFlowGpuWorker(work_pool_name="p", settings=three)._limit == 4
+    assert FaceFlowGpuWorker(work_pool_name="p", settings=three)._limit == 4 + 1
     capped = FaceFlowGpuWorker(work_pool_name="p", settings=three, limit=1)
-    assert (capped._children, capped._limit) == (1, 2)  # --limit caps the executing runs
+    assert (capped._children, capped._limit) == (1, 2 + 1)  # --limit caps the executing runs
+
+
+def test_a_priority_run_takes_the_next_free_child_before_runs_claimed_ahead() -> None:
+    class Child:
+        gone = False
+
+    async def scenario() -> list[str]:
+        pool = ChildPool([ChildSpec(index=0)], PoolLimits())
+        slot = pool.slots[0]
+        slot.state, slot.child = SlotState.BUSY, Child()  # type: ignore[assignment]
+        order: list[str] = []
+
+        async def take(name: str, priority: bool) -> None:
+            await pool.acquire(name, timeout=5, priority=priority)
+            order.append(name)
+
+        normal = asyncio.create_task(take("normal", False))
+        await asyncio.sleep(0.05)
+        urgent = asyncio.create_task(take("urgent", True))
+        await asyncio.sleep(0.05)
+        assert (pool.waiting, pool.priority_waiting) == (2, 1)
+        await pool._set_idle(slot)  # the busy run ends: the priority run, claimed last, goes
+        await asyncio.wait_for(urgent, 2)
+        await asyncio.sleep(0.1)
+        assert not normal.done()
+        await pool._set_idle(slot)
+        await asyncio.wait_for(normal, 2)
+        assert pool.priority_waiting == 0
+        return order
+
+    assert asyncio.run(scenario()) == ["urgent", "normal"]
 
 
 def test_run_environment_is_prefects_and_follows_temporary_settings() -> None:
