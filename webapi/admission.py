@@ -25,6 +25,7 @@ from sqlmodel import Session
 from webapi import crud
 from webapi.config import Settings
 from webapi.models import WebhookDelivery
+from webapi.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,16 @@ class Admitter:
     """Admits submissions in batches on one daemon thread (started on first use)."""
 
     def __init__(
-        self, engine: Engine, settings: Settings, *, max_batch: int = DEFAULT_MAX_BATCH
+        self,
+        engine: Engine,
+        settings: Settings,
+        *,
+        store: ObjectStore | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
         self.engine = engine
         self.settings = settings
+        self.store = store
         self.max_batch = max_batch
         self._queue: queue.SimpleQueue[tuple[crud.Submission, Future[Admitted]] | None] = (
             queue.SimpleQueue()
@@ -104,6 +111,7 @@ class Admitter:
                     session,
                     submissions=[submission for submission, _ in batch],
                     settings=self.settings,
+                    store=self.store,
                 )
                 replayed: list[uuid.UUID] = [
                     a.job.id for a in admissions if a.job is not None and not a.created

@@ -55,6 +55,7 @@ from webapi.models import (
     WebhookDelivery,
     utcnow,
 )
+from webapi.storage import ObjectStore
 
 SERVICE_TIME_SAMPLE = 50
 SERVICE_TIME_TTL_S = 5.0
@@ -213,6 +214,7 @@ def submit_job(
     target: InputRef,
     settings: Settings,
     idempotency_key: str | None = None,
+    store: ObjectStore | None = None,
 ) -> tuple[Job, bool]:
     """Create the job and its dispatch outbox row in one transaction.
 
@@ -221,7 +223,7 @@ def submit_job(
     ``QuotaExceeded`` (429), ``Overloaded`` (503) or ``InvalidRequest`` (422).
     """
     submission = Submission(owner, create, source, target, idempotency_key)
-    (admission,) = submit_jobs(session, submissions=[submission], settings=settings)
+    (admission,) = submit_jobs(session, submissions=[submission], settings=settings, store=store)
     if admission.error is not None:
         raise admission.error
     assert admission.job is not None
@@ -229,9 +231,17 @@ def submit_job(
 
 
 def submit_jobs(
-    session: Session, *, submissions: Sequence[Submission], settings: Settings
+    session: Session,
+    *,
+    submissions: Sequence[Submission],
+    settings: Settings,
+    store: ObjectStore | None = None,
 ) -> list[Admission]:
     """Admit several submissions in one transaction (group commit), in order.
+
+    ``store``: where the inputs are, to look again at an input that a retention pass may
+    have deleted since the submit found it stored (``inputs_purged_since``); without it
+    such a submission is refused with ``InputsPurged`` (the route stores it again).
 
     Each is judged as if submitted alone after the ones before it: replays first, then
     the owner's quota and the global backlog, both counting the jobs this batch already
@@ -240,7 +250,7 @@ def submit_jobs(
     transaction), each submission is retried on its own.
     """
     try:
-        admissions = _admit(session, submissions, settings)
+        admissions = _admit(session, submissions, settings, store)
         session.commit()
         return admissions
     except IntegrityError:
@@ -249,12 +259,14 @@ def submit_jobs(
             return [
                 one
                 for submission in submissions
-                for one in submit_jobs(session, submissions=[submission], settings=settings)
+                for one in submit_jobs(
+                    session, submissions=[submission], settings=settings, store=store
+                )
             ]
         if submissions[0].idempotency_key is None:
             raise
         # A concurrent duplicate committed first: judged again, it is now a replay (or 409).
-        admissions = _admit(session, submissions, settings)
+        admissions = _admit(session, submissions, settings, store)
         session.commit()
         return admissions
 
@@ -270,7 +282,10 @@ class _Batch:
 
 
 def _admit(
-    session: Session, submissions: Sequence[Submission], settings: Settings
+    session: Session,
+    submissions: Sequence[Submission],
+    settings: Settings,
+    store: ObjectStore | None,
 ) -> list[Admission]:
     serialise_admission(session)
     for owner_id in sorted({submission.owner.id for submission in submissions}):
@@ -285,7 +300,7 @@ def _admit(
     with session.no_autoflush:  # new rows are inserted together at commit
         for submission in submissions:
             try:
-                _check_inputs(submission, purged)
+                _check_inputs(submission, purged, store)
                 admissions.append(_admit_one(session, submission, batch, settings))
             except ApiError as exc:
                 admissions.append(Admission(None, error=exc))
@@ -295,13 +310,14 @@ def _admit(
 def inputs_purged_since(
     session: Session, *, keys: Sequence[str], since: datetime
 ) -> dict[str, datetime]:
-    """The input keys among ``keys`` that a retention pass deleted after ``since`` (less
-    ``INPUT_PURGE_MARGIN_S``), with the newest deletion time.
+    """The input keys among ``keys`` that a retention pass may have deleted after ``since``
+    (less ``INPUT_PURGE_MARGIN_S``, for clocks that differ), with the newest deletion time.
 
     A retention pass deletes an input while holding the admission lock and marks the jobs
     it deleted it for (``inputs_purged_at``) in the same transaction; an admission runs
     under the same lock, so it sees every deletion that could have followed its own
-    existence check."""
+    existence check, and looks at those objects again (``_check_inputs``): one that exists
+    now stays until this admission commits, since the next pass then sees its job."""
     if not keys:
         return {}
     wanted = sorted(set(keys))
@@ -319,11 +335,15 @@ def inputs_purged_since(
     return found
 
 
-def _check_inputs(submission: Submission, purged: Mapping[str, datetime]) -> None:
+def _check_inputs(
+    submission: Submission, purged: Mapping[str, datetime], store: ObjectStore | None
+) -> None:
     floor = submission.prepared_at - timedelta(seconds=INPUT_PURGE_MARGIN_S)
     for ref in (submission.source, submission.target):
         at = purged.get(ref.key) if ref.key else None
-        if at is not None and at >= floor:
+        if at is None or at < floor:
+            continue
+        if store is None or not store.exists(ref.key or ""):
             raise InputsPurged(retry_after=1)
 
 

@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None, *, json_logs: bool | None = Non
     app.state.metrics = ApiMetrics(app.state.engine, settings)
     app.state.users = KeyCache[User](settings.auth_cache_seconds)
     app.state.submit_limiter = anyio.CapacityLimiter(settings.submit_threads)
-    app.state.admitter = Admitter(app.state.engine, settings)
+    app.state.admitter = Admitter(app.state.engine, settings, store=app.state.store)
     app.state.relay = None
     errors.install(app)
     app.add_middleware(RequestIdMiddleware)

@@ -148,3 +148,32 @@ def live_url(app: FastAPI) -> Iterator[str]:
     """The app served by uvicorn on loopback."""
     with serve(app) as url:
         yield url
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 with bucket ``faceflow``."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (
+            ("AWS_ACCESS_KEY_ID", "testing"),
+            ("AWS_SECRET_ACCESS_KEY", "testing"),
+            ("AWS_DEFAULT_REGION", "us-east-1"),
+        ):
+            patch.setenv(name, value)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="faceflow")
+        yield endpoint
+    server.stop()

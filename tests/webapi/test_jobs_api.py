@@ -84,7 +84,7 @@ def test_submit_json_returns_202_location_and_commits_job_with_dispatch(
 
 
 def test_submit_multipart(client: TestClient, engine: Engine, settings: Settings) -> None:
-    user = make_user(engine, settings)
+    user = make_user(engine, settings, priority="high")  # may ask for the priority lane
     response = client.post(
         "/v1/jobs",
         headers=auth(user),

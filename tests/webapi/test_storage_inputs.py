@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,35 +23,6 @@ from webapi.storage import (
 )
 
 LIMITS = ImageLimits.model_validate({})
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 with bucket ``faceflow``."""
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in (
-            ("AWS_ACCESS_KEY_ID", "testing"),
-            ("AWS_SECRET_ACCESS_KEY", "testing"),
-            ("AWS_DEFAULT_REGION", "us-east-1"),
-        ):
-            patch.setenv(name, value)
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="faceflow")
-        yield endpoint
-    server.stop()
 
 
 @pytest.fixture(params=["local", "s3"])

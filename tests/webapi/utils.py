@@ -19,11 +19,18 @@ from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 from webapi import crud
 from webapi.config import Settings
 from webapi.jobstate import transition
-from webapi.models import Job, JobStatus, Outbox
+from webapi.models import Job, JobStatus, Outbox, Priority
 
 
 def make_user(
-    engine: Engine, settings: Settings, *, name: str | None = None, quota: int = 10
+    engine: Engine,
+    settings: Settings,
+    *,
+    name: str | None = None,
+    quota: int = 10,
+    priority: Priority = "normal",
+    input_retention_s: int | None = None,
+    result_retention_s: int | None = None,
 ) -> crud.NewUser:
     """A new user with its API key and webhook secret."""
     with Session(engine, expire_on_commit=False) as session:
@@ -32,6 +39,9 @@ def make_user(
             name=name or f"user-{uuid.uuid4().hex[:8]}",
             quota=quota,
             pepper=settings.api_key_pepper.get_secret_value(),
+            priority=priority,
+            input_retention_s=input_retention_s,
+            result_retention_s=result_retention_s,
         )
 
 

@@ -218,7 +218,8 @@ def _fetch_inputs(relay: Relay, row: Outbox, plan: _Plan) -> _Plan | None:
         # Under the admission lock, like a submit: retention may have deleted an input that
         # was found already stored; then fetch it again later.
         crud.serialise_admission(session)
-        if crud.inputs_purged_since(session, keys=fetched, since=fetched_at):
+        purged = crud.inputs_purged_since(session, keys=fetched, since=fetched_at)
+        if any(not relay.store.exists(key) for key in purged):
             session.rollback()
             _back_off(relay, row, "an input was deleted by retention while it was stored")
             return None

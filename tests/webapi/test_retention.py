@@ -1,0 +1,262 @@
+"""Retention (``webapi.retention``) on SQLite and PostgreSQL, local storage and a moto S3
+server: inputs go when the job ends, results after their retention (then 410), rows after
+theirs; shared inputs and jobs that have not ended are never touched."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from flows.params import result_key, result_meta_key
+from tests.webapi.conftest import make_settings
+from tests.webapi.utils import (
+    auth,
+    image_bytes,
+    jobs_of,
+    make_user,
+    move,
+    source_jpeg,
+    succeed,
+    target_jpeg,
+)
+from webapi import crud
+from webapi.config import Settings
+from webapi.errors import InputsPurged
+from webapi.inputs import InputRef, store_image
+from webapi.main import create_app
+from webapi.models import Job, JobCreate, JobStatus, utcnow
+from webapi.retention import result_keys, run_pass
+from webapi.storage import ObjectStore, open_store
+
+HOUR = 3600
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | None]:
+    """Where inputs and results live: a local directory or a prefix in a moto bucket."""
+    if request.param == "local":
+        return (tmp_path / "storage").as_uri(), None
+    endpoint: str = request.getfixturevalue("s3_endpoint")
+    return f"s3://faceflow/{uuid.uuid4().hex}", endpoint
+
+
+@pytest.fixture
+def settings(database_url: str, tmp_path: Path, storage_url: tuple[str, str | None]) -> Settings:
+    url, endpoint = storage_url
+    return make_settings(
+        database_url,
+        tmp_path,
+        storage_url=url,
+        s3_endpoint_url=endpoint,
+        result_retention_seconds=HOUR,
+        job_retention_seconds=2 * HOUR,
+    )
+
+
+@pytest.fixture
+def store(settings: Settings) -> ObjectStore:
+    return open_store(settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url)
+
+
+def _stored(store: ObjectStore, data: bytes, name: str, settings: Settings) -> InputRef:
+    return store_image(data, name=name, limits=settings.image_limits, store=store)
+
+
+def _job(
+    engine: Engine,
+    settings: Settings,
+    user: crud.NewUser,
+    source: InputRef,
+    target: InputRef,
+) -> Job:
+    with Session(engine, expire_on_commit=False) as session:
+        job, _ = crud.submit_job(
+            session,
+            owner=user.user,
+            create=JobCreate.model_validate({}),
+            source=source,
+            target=target,
+            settings=settings,
+        )
+    return job
+
+
+def _finish_with_result(engine: Engine, store: ObjectStore, job: Job) -> str:
+    key = result_key(str(job.id), 1, "png")
+    store.put(key, image_bytes(64, 48))
+    store.put(result_meta_key(str(job.id), 1), b"{}")
+    succeed(engine, job.id, result_key=key)
+    return key
+
+
+def _get(engine: Engine, job_id: uuid.UUID) -> Job | None:
+    with Session(engine, expire_on_commit=False) as session:
+        return session.get(Job, job_id)
+
+
+def test_inputs_results_and_rows_expire_in_turn_and_nothing_else(
+    engine: Engine, settings: Settings, store: ObjectStore
+) -> None:
+    user = make_user(engine, settings)
+    shared = _stored(store, source_jpeg(), "source", settings)
+    own = _stored(store, target_jpeg(), "target", settings)
+    other = _stored(store, image_bytes(200, 160, "PNG"), "target", settings)
+    done = _job(engine, settings, user, shared, own)
+    waiting = _job(engine, settings, user, shared, other)  # never ends in this test
+    result = _finish_with_result(engine, store, done)
+    ended = _get(engine, done.id)
+    assert ended is not None and ended.finished_at is not None
+    assert ended.inputs_purge_at == ended.finished_at
+    assert ended.result_purge_at == ended.finished_at + timedelta(seconds=HOUR)
+
+    # At the end: the job's own input goes; the input shared with a queued job stays.
+    report = run_pass(engine, store, settings)
+    assert (report.input_jobs, report.input_objects, report.inputs_shared) == (1, 1, 1)
+    assert not store.exists(own.key or "") and store.exists(shared.key or "")
+    assert store.exists(other.key or "") and store.exists(result)
+    assert report.result_jobs == 0 and report.rows_deleted == 0
+
+    app = create_app(settings)
+    with TestClient(app) as client:
+        assert client.get(f"/v1/jobs/{done.id}/result", headers=auth(user)).status_code == 200
+        body = client.get(f"/v1/jobs/{done.id}", headers=auth(user)).json()
+        assert body["result_expires_at"] is not None and body["result_expired"] is False
+
+        # After the result's retention: every attempt file goes, and the result is 410.
+        later = utcnow() + timedelta(seconds=HOUR + 1)
+        report = run_pass(engine, store, settings, now=later)
+        assert (report.result_jobs, report.results_expired) == (1, 1)
+        assert not store.exists(result) and not store.exists(result_meta_key(str(done.id), 1))
+        response = client.get(f"/v1/jobs/{done.id}/result", headers=auth(user))
+        assert response.status_code == 410
+        assert response.json()["error"]["code"] == "result_expired"
+        body = client.get(f"/v1/jobs/{done.id}", headers=auth(user)).json()
+        assert body["status"] == "succeeded" and body["result"] is None
+        assert body["result_expired"] is True
+
+    # After the audit time the row goes; the queued job and its inputs are untouched.
+    much_later = utcnow() + timedelta(seconds=2 * HOUR + 1)
+    report = run_pass(engine, store, settings, now=much_later)
+    assert report.rows_deleted == 1 and _get(engine, done.id) is None
+    still = _get(engine, waiting.id)
+    assert still is not None and still.status is JobStatus.queued
+    assert still.inputs_purge_at is None and still.inputs_purged_at is None
+    assert store.exists(shared.key or "") and store.exists(other.key or "")
+    assert run_pass(engine, store, settings, now=much_later + timedelta(days=365)).rows_deleted == 0
+
+
+def test_the_owner_s_retention_times_override_the_settings(
+    engine: Engine, settings: Settings, store: ObjectStore
+) -> None:
+    keeper = make_user(engine, settings, input_retention_s=600, result_retention_s=60)
+    job = _job(
+        engine,
+        settings,
+        keeper,
+        _stored(store, source_jpeg(), "source", settings),
+        _stored(store, target_jpeg(), "target", settings),
+    )
+    assert (job.input_retention_s, job.result_retention_s) == (600, 60)
+    _finish_with_result(engine, store, job)
+    ended = _get(engine, job.id)
+    assert ended is not None and ended.finished_at is not None
+    assert ended.inputs_purge_at == ended.finished_at + timedelta(seconds=600)
+    report = run_pass(engine, store, settings, now=ended.finished_at + timedelta(seconds=61))
+    assert (report.input_jobs, report.result_jobs) == (0, 1)  # inputs are not due yet
+    assert store.exists(job.source_key or "")
+
+
+def test_a_failed_job_loses_its_inputs_and_attempt_files_but_is_not_result_expired(
+    engine: Engine, settings: Settings, store: ObjectStore
+) -> None:
+    user = make_user(engine, settings)
+    job = _job(
+        engine,
+        settings,
+        user,
+        _stored(store, source_jpeg(), "source", settings),
+        _stored(store, target_jpeg(), "target", settings),
+    )
+    sidecar = result_meta_key(str(job.id), 1)
+    store.put(sidecar, b"{}")  # a first attempt wrote its sidecar, then the job failed
+    move(engine, job.id, JobStatus.failed, JobStatus.queued, error_code="x", error_message="y")
+    report = run_pass(engine, store, settings, now=utcnow() + timedelta(seconds=HOUR + 1))
+    assert (report.input_objects, report.result_jobs, report.results_expired) == (2, 1, 0)
+    assert not store.exists(sidecar)
+    ended = _get(engine, job.id)
+    assert ended is not None and ended.result_expired_at is None
+    assert ended.inputs_purged_at is not None
+
+
+def test_a_submit_reusing_an_input_deleted_meanwhile_is_told_to_store_it_again(
+    engine: Engine, settings: Settings, store: ObjectStore
+) -> None:
+    user = make_user(engine, settings)
+    source = _stored(store, source_jpeg(), "source", settings)
+    target = _stored(store, target_jpeg(), "target", settings)
+    old = _job(engine, settings, user, source, target)
+    move(engine, old.id, JobStatus.cancelled, JobStatus.queued)
+    # A new submit found both inputs stored (its check ran before the pass)...
+    late = crud.Submission(user.user, JobCreate.model_validate({}), source, target)
+    assert run_pass(engine, store, settings).input_objects == 2  # ...then they were deleted
+    with Session(engine, expire_on_commit=False) as session:
+        (admission,) = crud.submit_jobs(session, submissions=[late], settings=settings, store=store)
+    assert isinstance(admission.error, InputsPurged) and admission.job is None
+    # Stored again (the route does this), it is admitted.
+    again = crud.Submission(
+        user.user,
+        JobCreate.model_validate({}),
+        _stored(store, source_jpeg(), "source", settings),
+        _stored(store, target_jpeg(), "target", settings),
+    )
+    assert store.exists(source.key or "")
+    with Session(engine, expire_on_commit=False) as session:
+        (admission,) = crud.submit_jobs(
+            session, submissions=[again], settings=settings, store=store
+        )
+    assert admission.error is None and admission.created
+
+
+def test_result_keys_cover_every_attempt_and_format() -> None:
+    job_id = uuid.uuid4()
+    keys = result_keys(job_id, 2)
+    assert result_key(str(job_id), 2, "webp") in keys and result_meta_key(str(job_id), 1) in keys
+    assert len(keys) == 2 * 4
+
+
+def test_a_retention_pass_over_many_jobs_touches_only_what_is_due(
+    engine: Engine, settings: Settings, store: ObjectStore
+) -> None:
+    """60 ended jobs with results and inputs of their own, 10 not yet due, 5 queued."""
+    user = make_user(engine, settings, quota=1000)
+    due, fresh, queued = [], [], []
+    for index in range(75):
+        source = _stored(store, image_bytes(120, 100 + index, "PNG"), "source", settings)
+        target = _stored(store, image_bytes(100 + index, 120, "PNG"), "target", settings)
+        job = _job(engine, settings, user, source, target)
+        if index < 70:
+            _finish_with_result(engine, store, job)
+        (due if index < 60 else fresh if index < 70 else queued).append(job.id)
+    with Session(engine) as session:  # the due ones ended two hours ago
+        for job_id in due:
+            stored = session.get(Job, job_id)
+            assert stored is not None and stored.finished_at is not None
+            stored.result_purge_at = stored.finished_at - timedelta(seconds=1)
+            session.add(stored)
+        session.commit()
+    report = run_pass(engine, store, settings.model_copy(update={"retention_batch": 16}))
+    assert report.result_jobs == 60 and report.input_jobs == 70
+    for job in jobs_of(engine, user.user.id):
+        if job.id in due:
+            assert job.result_expired_at is not None and not store.exists(job.result_key or "")
+        elif job.id in fresh:
+            assert job.result_expired_at is None and store.exists(job.result_key or "")
+        else:
+            assert job.status is JobStatus.queued
+            assert store.exists(job.source_key or "") and store.exists(job.target_key or "")
