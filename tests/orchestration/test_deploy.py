@@ -27,6 +27,7 @@ from tasks.options import FusionOptions
 from tests.orchestration.conftest import BIN, REPO_ROOT, Home, PrefectServer
 from tests.orchestration.helpers import api, prefect_cli_concurrently
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes, grace_hopper_rgb
+from webapi.prefect_api import PrefectAPI
 
 POOLS = REPO_ROOT / "work_pools"
 
@@ -54,7 +55,7 @@ def deployed(prefect_server: PrefectServer) -> dict[str, dict[str, Any]]:
     )
     return {
         name: api(prefect_server, "GET", f"/deployments/name/{name}").json()
-        for name in (f"{FLOW_NAME}/{DEPLOYMENT_NAME}", "reconcile/reconcile")
+        for name in (f"{FLOW_NAME}/{DEPLOYMENT_NAME}", "reconcile/reconcile", "retention/retention")
     }
 
 
@@ -74,7 +75,7 @@ def webapi_parameters(job_id: str, source_key: str, target_key: str) -> dict[str
     return dumped
 
 
-def test_deploy_all_creates_both_deployments(deployed: dict[str, dict[str, Any]]) -> None:
+def test_deploy_all_creates_the_deployments(deployed: dict[str, dict[str, Any]]) -> None:
     fuse = deployed[f"{FLOW_NAME}/{DEPLOYMENT_NAME}"]
     reconcile = deployed["reconcile/reconcile"]
     assert fuse["work_pool_name"] == "gpu" and reconcile["work_pool_name"] == "control"
@@ -129,6 +130,36 @@ def test_parameter_schema_accepts_what_the_webapi_sends(
         json={"parameters": {**sent, "attempt": "first"}},
     )
     assert refused.status_code == 409
+
+
+def test_retention_is_scheduled_and_priority_runs_go_to_the_priority_queue(
+    prefect_server: PrefectServer, deployed: dict[str, dict[str, Any]]
+) -> None:
+    retention = deployed["retention/retention"]
+    assert retention["work_pool_name"] == "control"
+    assert retention["entrypoint"] == "flows/retention.py:retention"
+    assert [s["schedule"]["interval"] for s in retention["schedules"]] == [300.0]
+    assert retention["global_concurrency_limit"]["limit"] == 1
+
+    params = FuseFacesParams(
+        job_id=str(uuid.uuid4()),
+        owner_id="owner-7",
+        source_key="inputs/aa/a.jpg",
+        target_key="inputs/bb/b.jpg",
+        deadline_at=datetime.now(UTC) + timedelta(minutes=5),
+    )
+    with PrefectAPI(prefect_server.api_url) as client:
+        client.ensure_work_queue("gpu", "priority", priority=1)
+        client.ensure_work_queue("gpu", "priority", priority=1)  # idempotent
+        run = client.create_flow_run(params, work_queue_name="priority")
+    try:
+        queues = api(prefect_server, "POST", "/work_pools/gpu/queues/filter", json={}).json()
+        priorities = {queue["name"]: queue["priority"] for queue in queues}
+        assert priorities["priority"] == 1 and priorities["default"] > 1  # taken first
+        stored = api(prefect_server, "GET", f"/flow_runs/{run.id}").json()
+        assert stored["work_queue_name"] == "priority"
+    finally:
+        api(prefect_server, "DELETE", f"/flow_runs/{run.id}")
 
 
 def test_work_pool_templates_are_accepted(
