@@ -39,7 +39,9 @@ def lane_worker(prefect_api: Api, tmp_path_factory: pytest.TempPathFactory) -> A
     with PrefectAPI(prefect_api.url) as client:
         client.ensure_work_queue(pool, PRIORITY_QUEUE, priority=1)
         client.ensure_work_queue(pool, PRIORITY_QUEUE, priority=1)  # again: no error
-    worker = start_warm_worker(prefect_api, tmp, pool, create_pool=False)
+    # The run claimed ahead now waits for the priority run too: give it the default time.
+    env = {"FACEFLOW_WORKER_ACQUIRE_TIMEOUT_S": "60"}
+    worker = start_warm_worker(prefect_api, tmp, pool, extra_env=env, create_pool=False)
     try:
         yield worker
     finally:
