@@ -30,37 +30,28 @@ from sqlmodel import Session, col, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.api import PG_URL, prepare_database
 from flows.params import input_key, result_key, result_meta_key
 from webapi.config import Settings
 from webapi.db import get_engine
-from webapi.migrations import upgrade
 from webapi.models import Job, JobStatus, User, utcnow
 from webapi.retention import run_pass
 from webapi.storage import ObjectStore, open_store
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-
 
 @contextmanager
 def job_store(kind: str, tmp: Path) -> Iterator[str]:
-    if kind == "sqlite":
-        url = f"sqlite:///{tmp / 'jobs.db'}"
-        upgrade(url)
-        yield url
-        return
-    schema = f"bench_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(PG_ADMIN_URL)
-    with admin.begin() as connection:
-        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    url = f"{PG_ADMIN_URL}?options=-csearch_path%3D{schema}"
-    upgrade(url)
+    """A migrated, empty job store (``bench.api.prepare_database``), dropped afterwards."""
+    url, schema = prepare_database(kind, tmp)
     try:
         yield url
     finally:
         get_engine(url).dispose()
-        with admin.begin() as connection:
-            connection.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+        if schema is not None:
+            admin = sa.create_engine(PG_URL)
+            with admin.begin() as connection:
+                connection.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+            admin.dispose()
 
 
 @contextmanager

@@ -131,9 +131,8 @@ def update_user(session: Session, *, name: str, **changes: Any) -> User:
     user = session.exec(select(User).where(col(User.name) == name)).first()
     if user is None:
         raise NotFound(f"no user named {name!r}")
-    values = User.model_validate({**user.model_dump(), **changes})
-    for key in changes:
-        setattr(user, key, getattr(values, key))
+    for key, value in changes.items():
+        setattr(user, key, value)
     session.add(user)
     session.commit()
     session.refresh(user)
