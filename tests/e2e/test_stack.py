@@ -269,6 +269,37 @@ def test_cancel_of_a_queued_job(stack: RunningStack) -> None:
     assert job["status"] == "cancelled"
 
 
+def _pid_of(home: Path, word: bytes) -> int:
+    """The stack process whose command line has ``word``."""
+    for pid in _pids_with_home(home):
+        try:
+            if word in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no stack process with {word!r} in its command line")
+
+
+def test_the_stack_restarts_a_part_that_dies_and_counts_it(stack: RunningStack) -> None:
+    # The priority lane and the retention schedule are set up by `faceflow up`.
+    queue = httpx.get(f"{stack.prefect_api}/work_pools/gpu/queues/priority", timeout=10).json()
+    assert queue["priority"] == 1
+    retention = httpx.get(f"{stack.prefect_api}/deployments/name/retention/retention", timeout=10)
+    assert retention.status_code == 200
+    os.kill(_pid_of(stack.home, b"local-control"), signal.SIGKILL)
+    log = stack.home.parent / "up.log"
+    deadline = time.monotonic() + 30
+    while b"restarted worker-control" not in log.read_bytes():
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.2)
+    assert b"killed by SIGKILL (restart 1" in log.read_bytes()
+    assert _pid_of(stack.home, b"local-control") > 0  # running again
+    metrics = httpx.get(f"{stack.api}/metrics", timeout=10).text
+    assert 'faceflow_service_restarts_total{service="worker-control"} 1.0' in metrics
+    assert 'faceflow_service_restarts_total{service="webapi"} 0.0' in metrics
+    assert 'faceflow_lane_queued_jobs{lane="high"}' in metrics
+
+
 def test_stopping_the_stack_leaves_no_process(stack: RunningStack) -> None:
     assert _pids_with_home(stack.home), "the stack's processes should be visible while it runs"
     stack.process.send_signal(signal.SIGTERM)
