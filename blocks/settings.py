@@ -26,6 +26,7 @@ DEFAULT_BUDGETS_S: dict[StageName, float] = {
     "align": 15.0,
     "fuse": 60.0,
     "postprocess": 30.0,
+    "quality": 30.0,
     "store": 30.0,
 }
 DEFAULT_EXPECTED_S: dict[StageName, float] = {
@@ -34,6 +35,7 @@ DEFAULT_EXPECTED_S: dict[StageName, float] = {
     "align": 0.2,
     "fuse": 2.0,
     "postprocess": 1.0,
+    "quality": 1.0,
     "store": 0.5,
 }
 DEFAULT_RETRIES: dict[StageName, int] = {
@@ -42,6 +44,7 @@ DEFAULT_RETRIES: dict[StageName, int] = {
     "align": 0,
     "fuse": 1,
     "postprocess": 0,
+    "quality": 0,
     "store": 2,
 }
 

@@ -79,6 +79,10 @@ def fuse(
         str, typer.Option(help="Blend: multiband, seamless or feather.")
     ] = "multiband",
     sharpen: Annotated[float, typer.Option(help="Unsharp-mask amount, 0 = off.")] = 0.0,
+    min_identity: Annotated[
+        float | None,
+        typer.Option(help="Quality floor (0..1, 0.5 = same person): below it, retry once."),
+    ] = None,
     model_dir: Annotated[
         Path | None, typer.Option(help="Directory with operator-provided models.")
     ] = None,
@@ -99,6 +103,7 @@ def fuse(
             face=_parse_face(face),
             blend=blend,  # type: ignore[arg-type]
             sharpen=sharpen,
+            min_identity=min_identity,
             output_format=fmt,  # type: ignore[arg-type]
         )
     except ValidationError as exc:
@@ -128,6 +133,7 @@ def fuse(
         "device": result.device,
         "timings_ms": {k: round(v, 1) for k, v in result.timings_ms.items()},
         "total_ms": round(sum(result.timings_ms.values()), 1),
+        "quality": result.quality.as_json() if result.quality is not None else None,
     }
     if as_json:
         typer.echo(json.dumps(summary))
@@ -136,6 +142,14 @@ def fuse(
     for stage, ms in summary["timings_ms"].items():  # type: ignore[attr-defined]
         typer.echo(f"  {stage:<12} {ms:8.1f} ms")
     typer.echo(f"  {'total':<12} {summary['total_ms']:8.1f} ms  on {result.device}")
+    if result.quality is not None:
+        q = result.quality
+        typer.echo(
+            f"quality: identity to source {q.source_similarity}, to target "
+            f"{q.target_similarity} (0.5 = same person), faces lost {q.faces_lost}, "
+            f"pose mismatch {q.pose_mismatch}, settings {q.settings.identity_weight:g} "
+            f"{q.settings.blend} ({len(q.attempts)} attempt(s))"
+        )
 
 
 @models_app.command("list")

@@ -5,7 +5,7 @@ fuser) into one ``fuse-batch`` run when more than one is waiting (``FuseBatchPar
 a job alone still gets its own ``fuse-faces`` run. The stages are those of ``fuse-faces``,
 one task run per stage for the whole batch, MTCNN on every job's images at once:
 
-    load → detect → align → fuse → postprocess → store
+    load → detect → align → fuse → postprocess → quality → store
 
 Every job keeps what a single run gives it:
 
@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -45,7 +46,7 @@ from blocks.storage import ByteStore, exists, load_storage, write_to
 from flows import faults
 from flows.batch_view import BatchView, JobRow
 from flows.deadline import Deadline, StageGuard
-from flows.fuse import JOB_FLOW_OPTIONS, failed, pipeline_context
+from flows.fuse import JOB_FLOW_OPTIONS, failed, pipeline_context, retry_cost_s
 from flows.params import (
     BATCH_FLOW_NAME,
     DEFAULT_SETTINGS_BLOCK,
@@ -69,7 +70,9 @@ from tasks.prefect_tasks import (
     detect_batch_task,
     fuse_batch_task,
     postprocess_batch_task,
+    quality_batch_task,
 )
+from tasks.report import QualityReport
 from tasks.types import RGBImage
 
 STOPPED = "stopped"
@@ -93,6 +96,7 @@ class _Job:
     aligned: Aligned | None = None
     fused: Fused | None = None
     encoded: EncodedImage | None = None
+    quality: QualityReport | None = None
 
     @property
     def live(self) -> bool:
@@ -273,7 +277,34 @@ def _postprocess(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     encoded = guard.run(postprocess_batch_task, inputs, batch.ctx)
     for job, value in zip(jobs, batch.settle(jobs, encoded, "postprocess"), strict=True):
         job.encoded = value
+
+
+def _quality(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
+    cost = retry_cost_s(batch.settings)
+    inputs = [
+        (
+            _img(job.source),
+            _img(job.target),
+            _req(job.aligned),
+            _req(job.detections),
+            _req(job.fused),
+            _req(job.encoded),
+            job.options,
+            partial(_time_for_retry, job.deadline, cost),
+        )
+        for job in jobs
+    ]
+    checked = guard.run(quality_batch_task, inputs, batch.ctx)
+    for job, value in zip(jobs, batch.settle(jobs, checked, "quality"), strict=True):
+        if value is not None:
+            job.encoded, job.fused, job.options = value.encoded, value.fused, value.options
+            job.quality = value.report
         job.source = job.target = None  # the pixels are no longer needed
+        job.aligned = None
+
+
+def _time_for_retry(deadline: Deadline, cost_s: float) -> bool:
+    return deadline.left() >= cost_s
 
 
 def _store(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
@@ -288,6 +319,7 @@ def _store(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
             faces_replaced=len(fused.crops),
             device=batch.ctx.device,
             timings_ms=dict(job.row.timings_ms),
+            quality=job.quality,
         )
         job.row.result_key = ref.key
         results.append((job.spec.job_id, job.spec.attempt, ref, encoded.data))
@@ -304,6 +336,7 @@ STAGE_STEPS: dict[StageName, Callable[[_Batch, list[_Job], StageGuard], None]] =
     "align": _align,
     "fuse": _fuse,
     "postprocess": _postprocess,
+    "quality": _quality,
     "store": _store,
 }
 

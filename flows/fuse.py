@@ -45,7 +45,14 @@ from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats, select_device
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
-from tasks.prefect_tasks import align_task, detect_task, fuse_task, postprocess_task
+from tasks.prefect_tasks import (
+    align_task,
+    detect_task,
+    fuse_task,
+    postprocess_task,
+    quality_task,
+)
+from tasks.report import QualityReport
 
 
 def pipeline_context(settings: FusionSettings) -> PipelineContext:
@@ -56,6 +63,12 @@ def pipeline_context(settings: FusionSettings) -> PipelineContext:
         pins=dict(settings.model_pins),
         limits=settings.image_limits,
     )
+
+
+def retry_cost_s(settings: FusionSettings) -> float:
+    """Seconds a quality-floor retry must find left: fuse, postprocess and quality again,
+    and the store after (expected costs)."""
+    return sum(settings.policy(s).expected_s for s in ("fuse", "postprocess", "quality", "store"))
 
 
 @dataclass
@@ -191,6 +204,7 @@ def _fuse(
     faces: dict[str, int] = {}
     outcome = "failed"
     ref: ResultRef | None = None
+    report: QualityReport | None = None
     uri: str | None = None
     try:
         ctx = pipeline_context(settings)
@@ -209,6 +223,25 @@ def _fuse(
             fused = guard.run(fuse_task, aligned, options, ctx)
         with run.stage("postprocess") as guard:
             encoded = guard.run(postprocess_task, target, fused, options, ctx)
+        with run.stage("quality") as guard:  # FaceLost: a faceless result is never returned
+            checked = guard.run(
+                quality_task,
+                source,
+                target,
+                aligned,
+                detections,
+                fused,
+                encoded,
+                options,
+                ctx,
+                may_retry=lambda: deadline.left() >= retry_cost_s(settings),
+            )
+        fused, encoded, options, report = (
+            checked.fused,
+            checked.encoded,
+            checked.options,
+            checked.report,
+        )
         ref = ResultRef(
             key=result_key(job_id, attempt, options.output_format),
             content_type=options.content_type,
@@ -217,6 +250,7 @@ def _fuse(
             faces_replaced=len(fused.crops),
             device=ctx.device,
             timings_ms=dict(run.timings_ms),
+            quality=report,
         )
         with run.stage("store") as guard:
             uri = guard.run(store_task, storage_block, job_id, attempt, ref, encoded.data)
@@ -232,6 +266,7 @@ def _fuse(
             faces=faces,
             result_key=ref.key if ref is not None and outcome == "succeeded" else None,
             result_uri=uri,
+            quality=report,
         )
     logging.getLogger("faceflow.flows.fuse").debug("timings %s", run.timings_ms)
     return ref.model_dump(mode="json")

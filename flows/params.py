@@ -14,6 +14,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.options import FusionOptions
+from tasks.report import QualityReport
 
 DEFAULT_STORAGE_BLOCK = "local-file-system/faceflow-storage"
 DEFAULT_SETTINGS_BLOCK = "fusion-settings/default"
@@ -22,8 +23,9 @@ DEPLOYMENT_NAME = "fuse-faces"
 BATCH_FLOW_NAME = "fuse-batch"
 BATCH_DEPLOYMENT_NAME = "fuse-batch"
 
-StageName = Literal["load", "detect", "align", "fuse", "postprocess", "store"]
-"""The flow's stages, in order: load (read + decode inputs) … store (write result)."""
+StageName = Literal["load", "detect", "align", "fuse", "postprocess", "quality", "store"]
+"""The flow's stages, in order: load (read + decode inputs) … quality (the report, and
+the quality-floor retry's fuse and postprocess) … store (write result)."""
 STAGES: tuple[StageName, ...] = get_args(StageName)
 FINAL_STAGE: StageName = STAGES[-1]
 """The stage a succeeded job last went through (the relay records it on success)."""
@@ -87,6 +89,7 @@ class ResultRef(BaseModel):
     faces_replaced: int = 0
     device: str = "cpu"
     timings_ms: dict[str, float] = Field(default_factory=dict)
+    quality: QualityReport | None = Field(None, description="The result's quality report.")
 
 
 def input_key(digest: str, ext: str) -> str:

@@ -76,6 +76,13 @@ class NoFaceFound(PermanentError):
     default_message = "No face was found in the image."
 
 
+class FaceLost(PermanentError):
+    """The fused face is no longer detected in the result (every fuser setting tried)."""
+
+    code = "face_lost"
+    default_message = "The fused face could not be found in the result."
+
+
 class ModelUnavailable(PermanentError):
     """A model file is missing or does not match its pinned SHA-256."""
 
@@ -98,6 +105,7 @@ PERMANENT_CODES: frozenset[str] = frozenset(
         ImageTooLarge,
         ImageTooSmall,
         NoFaceFound,
+        FaceLost,
         ModelUnavailable,
         DeadlineExceeded,
     )

@@ -54,6 +54,14 @@ class FusionOptions(BaseModel):
     blend: BlendMode = Field("multiband", description="How the face is blended back.")
     color_transfer: bool = Field(True, description="Match the source face's colour to the target.")
     sharpen: float = Field(0.0, ge=0.0, le=2.0, description="Unsharp-mask amount (0 = off).")
+    min_identity: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Quality floor on the result's identity similarity to the source (0.5 is "
+        "the same-person threshold): below it the job retries once with the next fuser "
+        "settings and returns the better result.",
+    )
     output_format: OutputFormat = Field("png", description="Encoding of the result image.")
     jpeg_quality: int = Field(92, ge=50, le=100, description="Quality for JPEG and WebP output.")
 

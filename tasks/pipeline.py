@@ -8,7 +8,7 @@ stage functions as tasks (``tasks.prefect_tasks``), so there is one implementati
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +24,17 @@ from tasks.detect import (
     detect_faces_batch,
     select_faces,
 )
-from tasks.errors import FaceFlowError, NoFaceFound
+from tasks.errors import FaceFlowError, FaceLost, NoFaceFound
+from tasks.identity import load_dlib_models
 from tasks.images import decode_image, encode_image
 from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits
 from tasks.postprocess import color_transfer, face_mask, image_mask, paste_back, sharpen
+from tasks.quality import IdentityReference, assess, better, identity_reference, target_indices
+from tasks.registry import next_fuser_settings
+from tasks.report import FuserSettings, QualityReport
 from tasks.types import AlignedFace, Face, FloatArray, FusionResult, RGBImage, StageTimings
 
-STAGES: tuple[str, ...] = ("decode", "detect", "align", "fuse", "postprocess")
+STAGES: tuple[str, ...] = ("decode", "detect", "align", "fuse", "postprocess", "quality")
 
 CLASSIC_CROP_SIZE = 256
 INSWAPPER_CROP_SIZE = 128
@@ -231,6 +235,149 @@ def postprocess_stage(
     return out
 
 
+def fuser_settings(options: FusionOptions) -> FuserSettings:
+    """The fuser settings of ``options`` (what a quality-floor retry changes)."""
+    return FuserSettings(
+        fuser=options.fuser, identity_weight=options.identity_weight, blend=options.blend
+    )
+
+
+def reference_stage(
+    source: RGBImage,
+    target: RGBImage,
+    detections: Detections,
+    options: FusionOptions,
+    ctx: PipelineContext,
+) -> IdentityReference:
+    """Embed and pose the source and target faces once per job, for ``quality_stage``."""
+    return identity_reference(
+        source,
+        target,
+        detections.source_face,
+        detections.target_faces,
+        target_indices(options.face, detections.target_count),
+        pins=ctx.pins,
+    )
+
+
+def quality_stage(
+    image: RGBImage,
+    reference: IdentityReference,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    *,
+    earlier: QualityReport | None = None,
+) -> QualityReport:
+    """The quality report of a blended result (``earlier``: the report of the attempt
+    before a quality-floor retry, listed in ``attempts``)."""
+    return assess(
+        image,
+        reference,
+        fuser_settings(options),
+        detector=options.detector,
+        device=ctx.device,
+        model_dir=ctx.model_dir,
+        pins=ctx.pins,
+        min_identity=options.min_identity,
+        earlier=earlier.attempts if earlier is not None else (),
+    )
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """A result's quality report and the job's identity reference (reused by a retry)."""
+
+    report: QualityReport
+    reference: IdentityReference
+
+
+def assess_stage(
+    source: RGBImage,
+    target: RGBImage,
+    image: RGBImage,
+    detections: Detections,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    *,
+    reference: IdentityReference | None = None,
+    earlier: QualityReport | None = None,
+) -> Assessment:
+    """``reference_stage`` (unless a reference is given) then ``quality_stage``."""
+    if reference is None:
+        reference = reference_stage(source, target, detections, options, ctx)
+    report = quality_stage(image, reference, options, ctx, earlier=earlier)
+    return Assessment(report, reference)
+
+
+def retry_options(options: FusionOptions, report: QualityReport) -> FusionOptions | None:
+    """Options of the one quality retry: the next fuser settings the registry lists, when
+    a fused face was lost or the result is below ``min_identity``; else None."""
+    if len(report.attempts) > 1 or (report.faces_lost == 0 and not report.below_floor):
+        return None
+    settings = next_fuser_settings(report.settings)
+    if settings is None:
+        return None
+    return options.model_copy(
+        update={"identity_weight": settings.identity_weight, "blend": settings.blend}
+    )
+
+
+def pick(first: QualityReport, second: QualityReport) -> tuple[int, QualityReport]:
+    """Which of two attempts wins (0 or 1) and its report, listing both attempts."""
+    if better(first, second):
+        return 1, second
+    return 0, first.model_copy(update={"attempts": second.attempts})
+
+
+def check_faces(report: QualityReport) -> QualityReport:
+    """``report`` unchanged, or ``FaceLost`` when a fused face is missing from the result."""
+    if report.faces_lost:
+        lost = [f.index for f in report.faces if not f.found]
+        raise FaceLost(
+            detail=f"target face(s) {lost} not detected after {len(report.attempts)} attempt(s)"
+        )
+    return report
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The result that passed the quality stage: pixels, crops, options and report."""
+
+    image: RGBImage
+    fused: Fused
+    options: FusionOptions
+    report: QualityReport
+
+
+def checked_stage(
+    source: RGBImage,
+    target: RGBImage,
+    aligned: Aligned,
+    detections: Detections,
+    fused: Fused,
+    image: RGBImage,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    *,
+    may_retry: Callable[[], bool] = lambda: True,
+) -> Checked:
+    """Assess a blended result; when a face was lost or the result is below the floor,
+    fuse and blend once more with the next fuser settings (if ``may_retry()``: the flows
+    ask the deadline) and keep the better result. ``FaceLost`` if a face is still missing."""
+    assessed = assess_stage(source, target, image, detections, options, ctx)
+    report = assessed.report
+    retry = retry_options(options, report)
+    if retry is not None and may_retry():
+        fused_again = fuse_stage(aligned, retry, ctx)
+        image_again = postprocess_stage(target, fused_again, retry, ctx)
+        second = quality_stage(image_again, assessed.reference, retry, ctx, earlier=report)
+        winner, report = pick(report, second)
+        if winner == 1:
+            fused, image, options = fused_again, image_again, retry
+    check_faces(report)
+    return Checked(image, fused, options, report)
+
+
 def encode_stage(image: RGBImage, options: FusionOptions) -> bytes:
     """Encode the result (metadata stripped)."""
     return encode_image(image, options.output_format, options.jpeg_quality)
@@ -266,6 +413,10 @@ def fuse_images(
         fused = fuse_stage(aligned, options, ctx)
     with _timed(timings, "postprocess"):
         image = postprocess_stage(target, fused, options, ctx)
+    with _timed(timings, "quality"):  # with the quality-floor retry, if one runs
+        checked = checked_stage(source, target, aligned, detections, fused, image, options, ctx)
+    image, fused, options, report = checked.image, checked.fused, checked.options, checked.report
+    with _timed(timings, "postprocess"):
         data = encode_stage(image, options)
     return FusionResult(
         data=data,
@@ -277,6 +428,7 @@ def fuse_images(
         target_faces=detections.target_count,
         device=ctx.device,
         timings_ms=dict(timings.ms),
+        quality=report,
     )
 
 
@@ -289,6 +441,7 @@ def warm_up(
     detect_faces(
         probe, detector=detector, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
     )
+    load_dlib_models(ctx.pins)  # the quality report's identity model
     if fuser == "inswapper":
         from tasks.arcface import embed_with_arcface
         from tasks.inswapper import swap_with_inswapper

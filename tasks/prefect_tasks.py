@@ -10,6 +10,7 @@ implementation serves the flow, the CLI and the benchmark.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefect import task
@@ -19,6 +20,7 @@ from tasks import pipeline
 from tasks.batch import Each, each, shared
 from tasks.options import FusionOptions
 from tasks.pipeline import Aligned, Detections, Fused, PipelineContext
+from tasks.report import QualityReport
 from tasks.types import RGBImage
 
 
@@ -29,6 +31,7 @@ class EncodedImage:
     data: bytes
     width: int
     height: int
+    image: RGBImage | None = None  # the decoded pixels, for the quality stage
 
 
 @task(name="detect", task_run_name="detect", persist_result=False, cache_policy=NO_CACHE)
@@ -64,7 +67,65 @@ def postprocess_task(
     """Blend the fused faces into the target and encode the result."""
     image = pipeline.postprocess_stage(target, fused, options, ctx)
     data = pipeline.encode_stage(image, options)
-    return EncodedImage(data=data, width=int(image.shape[1]), height=int(image.shape[0]))
+    return EncodedImage(
+        data=data, width=int(image.shape[1]), height=int(image.shape[0]), image=image
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedImage:
+    """The result that passed the quality stage, encoded, with its crops and report."""
+
+    encoded: EncodedImage
+    fused: Fused
+    options: FusionOptions
+    report: QualityReport
+
+
+def check_result(
+    source: RGBImage,
+    target: RGBImage,
+    aligned: Aligned,
+    detections: Detections,
+    fused: Fused,
+    encoded: EncodedImage,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    may_retry: Callable[[], bool],
+) -> CheckedImage:
+    """``pipeline.checked_stage`` on an encoded result (re-encoded if the retry won)."""
+    assert encoded.image is not None, "postprocess keeps the pixels for the quality stage"
+    checked = pipeline.checked_stage(
+        source, target, aligned, detections, fused, encoded.image, options, ctx,
+        may_retry=may_retry,
+    )  # fmt: skip
+    if checked.image is not encoded.image:
+        encoded = EncodedImage(
+            data=pipeline.encode_stage(checked.image, checked.options),
+            width=encoded.width,
+            height=encoded.height,
+            image=checked.image,
+        )
+    return CheckedImage(encoded, checked.fused, checked.options, checked.report)
+
+
+@task(name="quality", task_run_name="quality", persist_result=False, cache_policy=NO_CACHE)
+def quality_task(
+    source: RGBImage,
+    target: RGBImage,
+    aligned: Aligned,
+    detections: Detections,
+    fused: Fused,
+    encoded: EncodedImage,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    may_retry: Callable[[], bool],
+) -> CheckedImage:
+    """The result's quality report (faces re-detected, identity, pose), the quality-floor
+    retry when one is due and ``may_retry()``; ``FaceLost`` if a face is missing."""
+    return check_result(
+        source, target, aligned, detections, fused, encoded, options, ctx, may_retry
+    )
 
 
 # --------------------------------------------------------------------------- batches
@@ -109,3 +170,23 @@ def postprocess_batch_task(
 ) -> list[Each[EncodedImage]]:
     """``postprocess_task`` of every job."""
     return each(lambda job: postprocess_task.fn(*job, ctx), jobs)
+
+
+@task(name="quality-batch", task_run_name="quality", persist_result=False, cache_policy=NO_CACHE)
+def quality_batch_task(
+    jobs: list[
+        tuple[
+            RGBImage,
+            RGBImage,
+            Aligned,
+            Detections,
+            Fused,
+            EncodedImage,
+            FusionOptions,
+            Callable[[], bool],
+        ]
+    ],
+    ctx: PipelineContext,
+) -> list[Each[CheckedImage]]:
+    """``quality_task`` of every job."""
+    return each(lambda job: check_result(*job[:7], ctx, job[7]), jobs)

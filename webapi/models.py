@@ -25,6 +25,7 @@ from sqlalchemy.engine import Dialect
 from sqlmodel import JSON, Field, SQLModel
 
 from tasks.options import FusionOptions
+from tasks.report import QualityReport
 
 
 def utcnow() -> datetime:
@@ -243,6 +244,9 @@ class Job(JobBase, table=True):
     timings: dict[str, float] = Field(
         default_factory=dict, sa_type=JSON, description="Stage timings (ms) from ResultRef."
     )
+    quality: dict[str, Any] | None = Field(
+        default=None, sa_type=JSON, description="The result's quality report from ResultRef."
+    )
     error_code: str | None = Field(default=None, max_length=64)
     error_message: str | None = Field(default=None, max_length=500)
 
@@ -337,6 +341,9 @@ class JobPublic(BaseModel):
     error: JobError | None
     result: JobResult | None
     timings: dict[str, float]
+    quality: QualityReport | None = Field(
+        None, description="How good the result is: identity, pose, faces found, settings."
+    )
     urls: JobUrls
     callback_url: str | None
     callback_events: list[CallbackEvent]

@@ -199,6 +199,7 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
             json={
                 "source": _data_uri(samples.astronaut_jpeg_bytes()),
                 "target": _data_uri(samples.grace_hopper_jpeg_bytes()),
+                "options": {"min_identity": 0.99},  # out of reach: the floor retries once
                 "callback_url": stack.receiver.url,
                 "callback_events": ["job.running", "job.succeeded", "job.failed"],
             },
@@ -213,6 +214,12 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
         assert result.status_code == 200
         image = Image.open(io.BytesIO(result.content))
         assert image.size == (512, 600)
+    quality = job["quality"]
+    assert quality["identity_model"] == "dlib-resnet-v1" and quality["faces_lost"] == 0
+    assert quality["faces"][0]["found"] and quality["source_similarity"] > 0.5
+    assert quality["min_identity"] == 0.99 and quality["below_floor"]
+    assert [a["settings"]["identity_weight"] for a in quality["attempts"]] == [0.85, 1.0]
+    assert quality["settings"] in [a["settings"] for a in quality["attempts"]]
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -221,7 +228,9 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
             break
         time.sleep(0.5)
     mine = [(h, b) for h, b in stack.receiver.deliveries if job_id in b.decode()]
-    assert any(json.loads(b)["type"] == "job.succeeded" for _, b in mine), mine
+    succeeded = [json.loads(b) for _, b in mine if json.loads(b)["type"] == "job.succeeded"]
+    assert succeeded, mine
+    assert succeeded[0]["data"]["quality"] == quality  # the webhook carries the report
     for headers, body in mine:
         assert verify_signature(stack.webhook_secret, headers, body)
         assert not verify_signature("whsec_" + base64.b64encode(b"x" * 32).decode(), headers, body)

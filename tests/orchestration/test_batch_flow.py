@@ -82,7 +82,8 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     target = grace_hopper_rgb()
     assert image.shape == target.shape and ref.faces_replaced == 1
     assert np.abs(image.astype(int) - target.astype(int)).mean() > 0.5
-    assert set(ref.timings_ms) == {"load", "detect", "align", "fuse", "postprocess"}
+    assert set(ref.timings_ms) == {"load", "detect", "align", "fuse", "postprocess", "quality"}
+    assert ref.quality is not None and ref.quality.faces_lost == 0
     ref2 = ResultRef.model_validate_json(
         read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(good_jpeg["job_id"], 2))
     )
@@ -102,7 +103,7 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
 
     run_id = state.state_details.flow_run_id
     stage_runs = task_runs(run_id)
-    assert set(stage_runs) == {"load", "detect", "align", "fuse", "postprocess", "store"}
+    assert set(stage_runs) == {"load", "detect", "align", "fuse", "postprocess", "quality", "store"}
     with get_client(sync_client=True) as client:
         assert run_id is not None
         artifacts = client.read_artifacts(

@@ -53,7 +53,10 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     assert np.abs(image.astype(int) - target.astype(int)).mean() > 0.5  # the face changed
     sidecar = json.loads(read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(params["job_id"], 1)))
     assert ResultRef.model_validate(sidecar) == ref
-    assert set(ref.timings_ms) == {"load", "detect", "align", "fuse", "postprocess"}
+    assert set(ref.timings_ms) == {"load", "detect", "align", "fuse", "postprocess", "quality"}
+    assert ref.quality is not None and ref.quality.faces_lost == 0
+    assert ref.quality.faces[0].found and ref.quality.source_similarity is not None
+    assert len(ref.quality.attempts) == 1  # no floor set: no retry
 
     run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
@@ -67,16 +70,20 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     by_type = {a.type: a for a in artifacts}
     assert sorted(str(a.type) for a in artifacts) == ["markdown", "progress", "table"]
     assert ref.key in str(by_type["markdown"].data)
+    assert "## Quality" in str(by_type["markdown"].data)
+    assert '"identity_model": "dlib-resnet-v1"' in str(by_type["markdown"].data)
     table = by_type["table"].data
     rows = cast(list[dict[str, str]], json.loads(table) if isinstance(table, str) else table)
     items = {row["item"]: row for row in rows}
-    assert {"load", "detect", "align", "fuse", "postprocess", "store", "device"} <= set(items)
+    assert {"load", "detect", "align", "fuse", "postprocess", "quality", "store", "device"} <= set(
+        items
+    )
     assert items["faces replaced"]["value"] == "1"
     assert items["detect"]["detail"].startswith("done")
     assert by_type["progress"].data == 100.0
     assert by_type["progress"].description == "Finished: succeeded."
     stage_runs = task_runs(run_id)
-    assert set(stage_runs) == {"load", "detect", "align", "fuse", "postprocess", "store"}
+    assert set(stage_runs) == {"load", "detect", "align", "fuse", "postprocess", "quality", "store"}
     assert all(r.state is not None and r.state.is_completed() for r in stage_runs.values())
     # Stage task runs carry no per-job tags: Prefect acquires a tag concurrency lease for
     # every tag of every task run, a fresh one per job, which stalled warm runs ≈ 2 s.

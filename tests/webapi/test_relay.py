@@ -29,6 +29,7 @@ from flows.params import FINAL_STAGE, FuseFacesParams, idempotency_key, result_k
 from tests.webapi.conftest import make_settings
 from tests.webapi.relay_harness import (
     FAST,
+    QUALITY,
     SCRIPT,
     PrefectServer,
     body_json,
@@ -416,6 +417,7 @@ def test_sync_maps_completed_failed_cancelled_and_running(
         "image/png",
     )
     assert (done.result_width, done.result_height, done.timings) == (24, 16, {"fuse": 1.5})
+    assert done.quality == QUALITY.as_json()  # copied from the result's sidecar
     failed = job(relay.engine, bad)
     assert failed.status is JobStatus.failed and failed.error_code == "no_face_found"
     assert failed.error_message == "No face was found in the image."

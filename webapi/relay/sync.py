@@ -219,6 +219,7 @@ def _completed(relay: Relay, job: Watched, run: FlowRun) -> bool:
         result_width=ref.width,
         result_height=ref.height,
         timings=ref.timings_ms,
+        quality=ref.quality.as_json() if ref.quality is not None else None,
         error_code=None,
         error_message=None,
     )

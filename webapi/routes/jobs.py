@@ -20,6 +20,7 @@ from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from tasks.report import QualityReport
 from webapi import crud
 from webapi.admission import Admitter
 from webapi.config import Settings
@@ -440,6 +441,7 @@ def to_public(job: Job, *, base_url: str, callbacks: Sequence[WebhookDelivery] =
         error=error,
         result=result,
         timings=job.timings or {},
+        quality=QualityReport.model_validate(job.quality) if job.quality else None,
         urls=JobUrls(self=self_url, cancel=f"{self_url}/cancel", result=f"{self_url}/result"),
         callback_url=job.callback_url,
         callback_events=job.callback_events or [],
