@@ -86,13 +86,16 @@ def fuse(
     model_dir: Annotated[
         Path | None, typer.Option(help="Directory with operator-provided models.")
     ] = None,
+    moderation: Annotated[
+        str, typer.Option(help="NSFW check of inputs and result: enforce, report or off.")
+    ] = "enforce",
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
     """Fuse the face of SOURCE into TARGET in this process and print per-stage timings."""
     from pydantic import ValidationError
 
     from tasks.errors import FaceFlowError
-    from tasks.options import FusionOptions
+    from tasks.options import FusionOptions, ModerationPolicy
 
     fmt = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}.get(output.suffix.lower(), "png")
     try:
@@ -106,6 +109,7 @@ def fuse(
             min_identity=min_identity,
             output_format=fmt,  # type: ignore[arg-type]
         )
+        policy = ModerationPolicy(mode=moderation)  # type: ignore[arg-type]
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -117,7 +121,7 @@ def fuse(
 
     from tasks.pipeline import PipelineContext, fuse_images
 
-    ctx = PipelineContext.for_this_machine(model_dir=model_dir)
+    ctx = PipelineContext.for_this_machine(model_dir=model_dir, moderation=policy)
     try:
         result = fuse_images(source_bytes, target_bytes, options, ctx)
     except FaceFlowError as exc:
@@ -134,14 +138,15 @@ def fuse(
         "timings_ms": {k: round(v, 1) for k, v in result.timings_ms.items()},
         "total_ms": round(sum(result.timings_ms.values()), 1),
         "quality": result.quality.as_json() if result.quality is not None else None,
+        "moderation": list(result.moderation_flags),
     }
     if as_json:
         typer.echo(json.dumps(summary))
         return
     typer.echo(f"wrote {output} ({result.width}x{result.height}, {result.content_type})")
     for stage, ms in summary["timings_ms"].items():  # type: ignore[attr-defined]
-        typer.echo(f"  {stage:<12} {ms:8.1f} ms")
-    typer.echo(f"  {'total':<12} {summary['total_ms']:8.1f} ms  on {result.device}")
+        typer.echo(f"  {stage:<16} {ms:8.1f} ms")
+    typer.echo(f"  {'total':<16} {summary['total_ms']:8.1f} ms  on {result.device}")
     if result.quality is not None:
         q = result.quality
         typer.echo(
@@ -150,6 +155,8 @@ def fuse(
             f"pose mismatch {q.pose_mismatch}, settings {q.settings.identity_weight:g} "
             f"{q.settings.blend} ({len(q.attempts)} attempt(s))"
         )
+    for flag in result.moderation_flags:
+        typer.echo(f"  moderation (report only) flagged {flag}")
 
 
 @models_app.command("list")

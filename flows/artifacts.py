@@ -171,6 +171,10 @@ class OperatorView:
             f"Stage {index + 1}/{len(self.stages)}: {stage} (attempt {self.attempt}).",
         )
 
+    def stage_skipped(self, stage: str) -> None:
+        """Record that the settings turned ``stage`` off for this run."""
+        self.records[stage].status = "skipped"
+
     def stage_finished(self, stage: str, ms: float, attempts: int, ok: bool) -> None:
         """Record a stage's outcome."""
         record = self.records[stage]
@@ -247,7 +251,7 @@ class OperatorView:
         return rows
 
     def _fraction_done(self) -> float:
-        done = sum(1 for r in self.records.values() if r.status == "done")
+        done = sum(1 for r in self.records.values() if r.status in ("done", "skipped"))
         return 100.0 * done / len(self.stages)
 
     def _progress(self, value: float, description: str) -> None:

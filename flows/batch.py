@@ -5,7 +5,10 @@ fuser) into one ``fuse-batch`` run when more than one is waiting (``FuseBatchPar
 a job alone still gets its own ``fuse-faces`` run. The stages are those of ``fuse-faces``,
 one task run per stage for the whole batch, MTCNN on every job's images at once:
 
-    load → detect → align → fuse → postprocess → quality → store
+    load → moderate_inputs → detect → align → fuse → postprocess → quality →
+    moderate_result → store
+
+(the moderation stages are left out when the settings' moderation policy turns them off)
 
 Every job keeps what a single run gives it:
 
@@ -63,12 +66,14 @@ from tasks.batch import Each
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats
 from tasks.options import FusionOptions
-from tasks.pipeline import Aligned, Detections, Fused, PipelineContext
+from tasks.pipeline import Aligned, Detections, Fused, PipelineContext, flagged_summaries
 from tasks.prefect_tasks import (
     EncodedImage,
     align_batch_task,
     detect_batch_task,
     fuse_batch_task,
+    moderate_inputs_batch_task,
+    moderate_result_batch_task,
     postprocess_batch_task,
     quality_batch_task,
 )
@@ -97,6 +102,7 @@ class _Job:
     fused: Fused | None = None
     encoded: EncodedImage | None = None
     quality: QualityReport | None = None
+    moderation: list[str] = field(default_factory=list)  # what report-only moderation flagged
 
     @property
     def live(self) -> bool:
@@ -222,6 +228,8 @@ def _run(specs: list[JobAttempt], *, storage_block: str, settings_block: str) ->
     batch.view.start()
     try:
         for stage in STAGES:
+            if not _wanted(batch, stage):
+                continue
             jobs = batch.admit(stage, settings.policy(stage))
             if not jobs:
                 break
@@ -246,6 +254,31 @@ def _load(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     for job, pair in zip(jobs, batch.settle(jobs, pairs, "load"), strict=True):
         if pair is not None:
             job.source, job.target = pair
+
+
+def _wanted(batch: _Batch, stage: StageName) -> bool:
+    """Whether ``stage`` runs at all (the settings may turn moderation off)."""
+    if stage == "moderate_inputs":
+        return batch.ctx.moderation.checks_inputs
+    if stage == "moderate_result":
+        return batch.ctx.moderation.checks_result
+    return True
+
+
+def _moderate_inputs(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
+    inputs = [{"source": _img(job.source), "target": _img(job.target)} for job in jobs]
+    verdicts = guard.run(moderate_inputs_batch_task, inputs, batch.ctx)
+    for job, value in zip(jobs, batch.settle(jobs, verdicts, "moderate_inputs"), strict=True):
+        if value is not None:
+            job.moderation += flagged_summaries(value)
+
+
+def _moderate_result(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
+    images = [_req(job.encoded).image for job in jobs]
+    verdicts = guard.run(moderate_result_batch_task, images, batch.ctx)
+    for job, value in zip(jobs, batch.settle(jobs, verdicts, "moderate_result"), strict=True):
+        if value is not None:
+            job.moderation += flagged_summaries(value)
 
 
 def _detect(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
@@ -311,6 +344,12 @@ def _store(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     results = []
     for job in jobs:
         encoded, fused = _req(job.encoded), _req(job.fused)
+        if job.moderation:
+            get_run_logger().warning(
+                "Job %s: moderation (report only) flagged %s",
+                job.spec.job_id,
+                "; ".join(job.moderation),
+            )
         ref = ResultRef(
             key=result_key(job.spec.job_id, job.spec.attempt, job.options.output_format),
             content_type=job.options.content_type,
@@ -320,6 +359,7 @@ def _store(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
             device=batch.ctx.device,
             timings_ms=dict(job.row.timings_ms),
             quality=job.quality,
+            moderation=job.moderation,
         )
         job.row.result_key = ref.key
         results.append((job.spec.job_id, job.spec.attempt, ref, encoded.data))
@@ -332,11 +372,13 @@ def _store(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
 
 STAGE_STEPS: dict[StageName, Callable[[_Batch, list[_Job], StageGuard], None]] = {
     "load": _load,
+    "moderate_inputs": _moderate_inputs,
     "detect": _detect,
     "align": _align,
     "fuse": _fuse,
     "postprocess": _postprocess,
     "quality": _quality,
+    "moderate_result": _moderate_result,
     "store": _store,
 }
 

@@ -1,9 +1,11 @@
-"""The ``fuse-faces`` flow: one job attempt, load → detect → align → fuse → postprocess → store.
+"""The ``fuse-faces`` flow: one job attempt, load → moderate_inputs → detect → align → fuse →
+postprocess → moderate_result → store.
 
 Parameters mirror ``flows.params.FuseFacesParams``. Inputs come from, and the result
 goes to, the storage block named by ``storage_block``; the flow returns the small
-``ResultRef`` dict (never image bytes). Every stage is a sync task called directly on
-the main thread under ``flows.deadline.StageGuard``: its timeout is
+``ResultRef`` dict (never image bytes). The moderation stages run on the CPU and are
+skipped when the settings' moderation policy turns them off. Every stage is a sync task
+called directly on the main thread under ``flows.deadline.StageGuard``: its timeout is
 ``min(stage budget, deadline_at - now)`` on every attempt and retries stop for permanent
 errors or when the time left is below the stage's expected cost. A run started after its
 deadline fails at once, before loading settings or models. Failures end the run in a
@@ -44,11 +46,13 @@ from flows.storage_tasks import load_task, store_task
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats, select_device
 from tasks.options import FusionOptions
-from tasks.pipeline import PipelineContext
+from tasks.pipeline import PipelineContext, flagged_summaries
 from tasks.prefect_tasks import (
     align_task,
     detect_task,
     fuse_task,
+    moderate_inputs_task,
+    moderate_result_task,
     postprocess_task,
     quality_task,
 )
@@ -62,6 +66,7 @@ def pipeline_context(settings: FusionSettings) -> PipelineContext:
         model_dir=Path(settings.model_dir) if settings.model_dir else None,
         pins=dict(settings.model_pins),
         limits=settings.image_limits,
+        moderation=settings.moderation,
     )
 
 
@@ -96,6 +101,10 @@ class _Run:
             ms = (time.perf_counter() - start) * 1000.0
             self.timings_ms[name] = ms
             self.view.stage_finished(name, ms, guard.failures + (1 if ok else 0), ok)
+
+    def skip(self, name: StageName) -> None:
+        """Record a stage the settings turned off."""
+        self.view.stage_skipped(name)
 
 
 def _tag_flow_run(job_id: str, owner_id: str) -> None:
@@ -210,6 +219,13 @@ def _fuse(
         ctx = pipeline_context(settings)
         with run.stage("load") as guard:
             source, target = guard.run(load_task, storage_block, source_key, target_key, ctx)
+        flags: list[str] = []
+        if ctx.moderation.checks_inputs:
+            with run.stage("moderate_inputs") as guard:
+                inputs = {"source": source, "target": target}
+                flags += flagged_summaries(guard.run(moderate_inputs_task, inputs, ctx))
+        else:
+            run.skip("moderate_inputs")
         with run.stage("detect") as guard:
             detections = guard.run(detect_task, source, target, options, ctx)
         faces = {
@@ -242,6 +258,13 @@ def _fuse(
             checked.options,
             checked.report,
         )
+        if ctx.moderation.checks_result:
+            with run.stage("moderate_result") as guard:
+                flags += flagged_summaries(guard.run(moderate_result_task, encoded.image, ctx))
+        else:
+            run.skip("moderate_result")
+        if flags:
+            get_run_logger().warning("Moderation (report only) flagged %s", "; ".join(flags))
         ref = ResultRef(
             key=result_key(job_id, attempt, options.output_format),
             content_type=options.content_type,
@@ -251,6 +274,7 @@ def _fuse(
             device=ctx.device,
             timings_ms=dict(run.timings_ms),
             quality=report,
+            moderation=flags,
         )
         with run.stage("store") as guard:
             uri = guard.run(store_task, storage_block, job_id, attempt, ref, encoded.data)

@@ -23,9 +23,20 @@ DEPLOYMENT_NAME = "fuse-faces"
 BATCH_FLOW_NAME = "fuse-batch"
 BATCH_DEPLOYMENT_NAME = "fuse-batch"
 
-StageName = Literal["load", "detect", "align", "fuse", "postprocess", "quality", "store"]
-"""The flow's stages, in order: load (read + decode inputs) … quality (the report, and
-the quality-floor retry's fuse and postprocess) … store (write result)."""
+StageName = Literal[
+    "load",
+    "moderate_inputs",
+    "detect",
+    "align",
+    "fuse",
+    "postprocess",
+    "quality",
+    "moderate_result",
+    "store",
+]
+"""The flow's stages, in order: load (read + decode inputs), moderate_inputs (NSFW check on
+the CPU) … quality (the report, and the quality-floor retry's fuse and postprocess),
+moderate_result, store (write result). A stage the settings turn off is skipped."""
 STAGES: tuple[StageName, ...] = get_args(StageName)
 FINAL_STAGE: StageName = STAGES[-1]
 """The stage a succeeded job last went through (the relay records it on success)."""
@@ -90,6 +101,10 @@ class ResultRef(BaseModel):
     device: str = "cpu"
     timings_ms: dict[str, float] = Field(default_factory=dict)
     quality: QualityReport | None = Field(None, description="The result's quality report.")
+    moderation: list[str] = Field(
+        default_factory=list,
+        description="What a report-only moderation check flagged (role: label score).",
+    )
 
 
 def input_key(digest: str, ext: str) -> str:

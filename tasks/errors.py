@@ -90,6 +90,13 @@ class ModelUnavailable(PermanentError):
     default_message = "A required model is not available on this worker."
 
 
+class ContentBlocked(PermanentError):
+    """Moderation flagged an input or the result (NSFW): the same images fail the same way."""
+
+    code = "content_blocked"
+    default_message = "The images were refused by content moderation."
+
+
 class DeadlineExceeded(PermanentError):
     """The job's deadline passed (or too little time is left for the next stage)."""
 
@@ -107,6 +114,7 @@ PERMANENT_CODES: frozenset[str] = frozenset(
         NoFaceFound,
         FaceLost,
         ModelUnavailable,
+        ContentBlocked,
         DeadlineExceeded,
     )
 )

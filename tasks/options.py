@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 DetectorName = Literal["mtcnn", "scrfd"]
 FuserName = Literal["classic", "inswapper"]
@@ -75,3 +75,83 @@ class FusionOptions(BaseModel):
         sends to the flow, which fills the rest from the operator's ``FusionSettings``
         block (``apply_defaults``) or the defaults here."""
         return self.model_dump(mode="json", exclude_unset=True)
+
+
+NsfwLabel = Literal[
+    "FEMALE_GENITALIA_COVERED",
+    "FACE_FEMALE",
+    "BUTTOCKS_EXPOSED",
+    "FEMALE_BREAST_EXPOSED",
+    "FEMALE_GENITALIA_EXPOSED",
+    "MALE_BREAST_EXPOSED",
+    "ANUS_EXPOSED",
+    "FEET_EXPOSED",
+    "BELLY_COVERED",
+    "FEET_COVERED",
+    "ARMPITS_COVERED",
+    "ARMPITS_EXPOSED",
+    "FACE_MALE",
+    "BELLY_EXPOSED",
+    "MALE_GENITALIA_EXPOSED",
+    "ANUS_COVERED",
+    "FEMALE_BREAST_COVERED",
+    "BUTTOCKS_COVERED",
+]
+"""The labels of NudeNet's detector, in the order of its output channels."""
+NSFW_LABELS: tuple[str, ...] = get_args(NsfwLabel)
+ModerationMode = Literal["enforce", "report", "off"]
+MODERATION_MODES: tuple[str, ...] = get_args(ModerationMode)
+DEFAULT_BLOCKED_LABELS: tuple[NsfwLabel, ...] = (
+    "BUTTOCKS_EXPOSED",
+    "FEMALE_BREAST_EXPOSED",
+    "FEMALE_GENITALIA_EXPOSED",
+    "MALE_GENITALIA_EXPOSED",
+    "ANUS_EXPOSED",
+)
+
+
+class ModerationPolicy(BaseModel):
+    """What the NSFW check looks for and what it does with a hit (an operator setting)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: ModerationMode = Field(
+        "enforce",
+        description="enforce: a flagged image fails the job with content_blocked (never "
+        "retried); report: the job goes on and the findings are logged and returned; "
+        "off: no check.",
+    )
+    check_inputs: bool = Field(
+        True, description="Check the source and target images before any face detection."
+    )
+    check_result: bool = Field(True, description="Check the result image before it is stored.")
+    blocked_labels: tuple[NsfwLabel, ...] = Field(
+        DEFAULT_BLOCKED_LABELS, description="Detector labels that flag an image."
+    )
+    threshold: float = Field(
+        0.5, gt=0.0, le=1.0, description="Lowest detector score at which a blocked label counts."
+    )
+    label_thresholds: dict[NsfwLabel, float] = Field(
+        default_factory=dict, description="Per-label thresholds that replace the threshold."
+    )
+
+    @field_validator("label_thresholds")
+    @classmethod
+    def _scores(cls, value: dict[NsfwLabel, float]) -> dict[NsfwLabel, float]:
+        if any(not 0.0 < v <= 1.0 for v in value.values()):
+            raise ValueError("label thresholds must be in (0, 1]")
+        return value
+
+    @property
+    def checks_inputs(self) -> bool:
+        """Whether the inputs are checked."""
+        return self.mode != "off" and self.check_inputs
+
+    @property
+    def checks_result(self) -> bool:
+        """Whether the result is checked."""
+        return self.mode != "off" and self.check_result
+
+    def threshold_for(self, label: NsfwLabel) -> float:
+        """The score at or above which ``label`` counts."""
+        return self.label_thresholds.get(label, self.threshold)

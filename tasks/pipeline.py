@@ -1,4 +1,4 @@
-"""The face pipeline as plain stage functions: detect → align → fuse → postprocess.
+"""The face pipeline as plain stage functions: moderate → detect → align → fuse → postprocess.
 
 Each stage takes the previous stage's typed output and a ``PipelineContext``; ``fuse_images``
 runs them all in-process (the CLI, the benchmark and tests). The Prefect flow calls the same
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,14 +27,26 @@ from tasks.detect import (
 from tasks.errors import FaceFlowError, FaceLost, NoFaceFound
 from tasks.identity import load_dlib_models
 from tasks.images import decode_image, encode_image
-from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits
+from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits, ModerationPolicy
 from tasks.postprocess import color_transfer, face_mask, image_mask, paste_back, sharpen
 from tasks.quality import IdentityReference, assess, better, identity_reference, target_indices
 from tasks.registry import next_fuser_settings
 from tasks.report import FuserSettings, QualityReport
 from tasks.types import AlignedFace, Face, FloatArray, FusionResult, RGBImage, StageTimings
 
-STAGES: tuple[str, ...] = ("decode", "detect", "align", "fuse", "postprocess", "quality")
+if TYPE_CHECKING:
+    from tasks.moderation import ModerationVerdict
+
+STAGES: tuple[str, ...] = (
+    "decode",
+    "moderate_inputs",
+    "detect",
+    "align",
+    "fuse",
+    "postprocess",
+    "quality",
+    "moderate_result",
+)
 
 CLASSIC_CROP_SIZE = 256
 INSWAPPER_CROP_SIZE = 128
@@ -43,7 +55,8 @@ ARCFACE_CROP_SIZE = 112
 
 @dataclass(frozen=True)
 class PipelineContext:
-    """Where and with what the pipeline runs: device, operator model files, input limits."""
+    """Where and with what the pipeline runs: device, operator model files, input limits,
+    moderation policy."""
 
     device: str = "cpu"
     model_dir: Path | None = None
@@ -51,6 +64,7 @@ class PipelineContext:
     limits: ImageLimits = field(default_factory=ImageLimits)
     crop_size: int = CLASSIC_CROP_SIZE
     detect_max_side: int = DEFAULT_DETECT_MAX_SIDE
+    moderation: ModerationPolicy = field(default_factory=ModerationPolicy)
 
     @classmethod
     def for_this_machine(
@@ -59,6 +73,7 @@ class PipelineContext:
         model_dir: str | Path | None = None,
         pins: Mapping[str, str] | None = None,
         limits: ImageLimits | None = None,
+        moderation: ModerationPolicy | None = None,
     ) -> PipelineContext:
         """A context on the best local device (``cuda`` when available)."""
         from tasks.gpu import select_device
@@ -68,6 +83,7 @@ class PipelineContext:
             model_dir=Path(model_dir) if model_dir is not None else None,
             pins=dict(pins or {}),
             limits=limits or ImageLimits(),
+            moderation=moderation or ModerationPolicy(),
         )
 
 
@@ -101,6 +117,44 @@ class Fused:
 def decode_stage(data: bytes, ctx: PipelineContext) -> RGBImage:
     """Decode and validate one input image (format, bytes, pixels, orientation)."""
     return decode_image(data, ctx.limits)
+
+
+def moderate_inputs_stage(
+    images: Mapping[str, RGBImage], ctx: PipelineContext
+) -> tuple[ModerationVerdict, ...]:
+    """NSFW check of the inputs (role → image) on the CPU, before any face model runs.
+
+    ``ContentBlocked`` when the policy enforces and an image is flagged; in report mode the
+    verdicts (with what was flagged) are returned; ``()`` when the policy checks no inputs.
+    """
+    if not ctx.moderation.checks_inputs:
+        return ()
+    return _moderate(images, ctx)
+
+
+def moderate_result_stage(image: RGBImage, ctx: PipelineContext) -> tuple[ModerationVerdict, ...]:
+    """NSFW check of the result image, as ``moderate_inputs_stage`` does for the inputs."""
+    if not ctx.moderation.checks_result:
+        return ()
+    return _moderate({"result": image}, ctx)
+
+
+def _moderate(
+    images: Mapping[str, RGBImage], ctx: PipelineContext
+) -> tuple[ModerationVerdict, ...]:
+    from tasks.moderation import enforce, moderate_image
+
+    verdicts = tuple(
+        moderate_image(image, role, ctx.moderation, model_dir=ctx.model_dir, pins=ctx.pins)
+        for role, image in images.items()
+    )
+    enforce(verdicts, ctx.moderation)
+    return verdicts
+
+
+def flagged_summaries(verdicts: tuple[ModerationVerdict, ...]) -> list[str]:
+    """``role: LABEL score`` lines of the verdicts that flagged something (report mode)."""
+    return [v.summary() for v in verdicts if v.flagged]
 
 
 def detect_stage(
@@ -405,6 +459,8 @@ def fuse_images(
     with _timed(timings, "decode"):
         source = decode_stage(source_bytes, ctx)
         target = decode_stage(target_bytes, ctx)
+    with _timed(timings, "moderate_inputs"):
+        verdicts = moderate_inputs_stage({"source": source, "target": target}, ctx)
     with _timed(timings, "detect"):
         detections = detect_stage(source, target, options, ctx)
     with _timed(timings, "align"):
@@ -416,6 +472,8 @@ def fuse_images(
     with _timed(timings, "quality"):  # with the quality-floor retry, if one runs
         checked = checked_stage(source, target, aligned, detections, fused, image, options, ctx)
     image, fused, options, report = checked.image, checked.fused, checked.options, checked.report
+    with _timed(timings, "moderate_result"):
+        verdicts += moderate_result_stage(image, ctx)
     with _timed(timings, "postprocess"):
         data = encode_stage(image, options)
     return FusionResult(
@@ -429,14 +487,20 @@ def fuse_images(
         device=ctx.device,
         timings_ms=dict(timings.ms),
         quality=report,
+        moderation_flags=tuple(flagged_summaries(verdicts)),
     )
 
 
 def warm_up(
     ctx: PipelineContext, detector: DetectorName = "mtcnn", fuser: FuserName = "classic"
 ) -> float:
-    """Load the models of ``detector`` and ``fuser`` and run one tiny inference; returns ms."""
+    """Load the models of ``detector`` and ``fuser`` (and the moderation detector when the
+    context's policy checks anything) and run one tiny inference each; returns ms."""
     start = time.perf_counter()
+    if ctx.moderation.checks_inputs or ctx.moderation.checks_result:
+        from tasks.moderation import warm_up_moderation
+
+        warm_up_moderation(model_dir=ctx.model_dir, pins=ctx.pins)
     probe = np.full((96, 96, 3), 128, dtype=np.uint8)
     detect_faces(
         probe, detector=detector, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins

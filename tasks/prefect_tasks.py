@@ -10,7 +10,7 @@ implementation serves the flow, the CLI and the benchmark.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prefect import task
@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks import pipeline
 from tasks.batch import Each, each, shared
+from tasks.moderation import ModerationVerdict
 from tasks.options import FusionOptions
 from tasks.pipeline import Aligned, Detections, Fused, PipelineContext
 from tasks.report import QualityReport
@@ -26,12 +27,36 @@ from tasks.types import RGBImage
 
 @dataclass(frozen=True, slots=True)
 class EncodedImage:
-    """The encoded result image and its size."""
+    """The encoded result image, its size and its pixels (for the result's checks)."""
 
     data: bytes
     width: int
     height: int
     image: RGBImage | None = None  # the decoded pixels, for the quality stage
+
+
+@task(
+    name="moderate_inputs",
+    task_run_name="moderate_inputs",
+    persist_result=False,
+    cache_policy=NO_CACHE,
+)
+def moderate_inputs_task(
+    images: Mapping[str, RGBImage], ctx: PipelineContext
+) -> tuple[ModerationVerdict, ...]:
+    """NSFW check of the inputs on the CPU (``ContentBlocked`` when enforced and flagged)."""
+    return pipeline.moderate_inputs_stage(images, ctx)
+
+
+@task(
+    name="moderate_result",
+    task_run_name="moderate_result",
+    persist_result=False,
+    cache_policy=NO_CACHE,
+)
+def moderate_result_task(image: RGBImage, ctx: PipelineContext) -> tuple[ModerationVerdict, ...]:
+    """NSFW check of the result image (``ContentBlocked`` when enforced and flagged)."""
+    return pipeline.moderate_result_stage(image, ctx)
 
 
 @task(name="detect", task_run_name="detect", persist_result=False, cache_policy=NO_CACHE)
@@ -157,6 +182,32 @@ def fuse_batch_task(
 ) -> list[Each[Fused]]:
     """``fuse_task`` of every job."""
     return each(lambda job: pipeline.fuse_stage(*job, ctx), jobs)
+
+
+@task(
+    name="moderate_inputs-batch",
+    task_run_name="moderate_inputs",
+    persist_result=False,
+    cache_policy=NO_CACHE,
+)
+def moderate_inputs_batch_task(
+    jobs: list[Mapping[str, RGBImage]], ctx: PipelineContext
+) -> list[Each[tuple[ModerationVerdict, ...]]]:
+    """``moderate_inputs_task`` of every job (a blocked job fails alone)."""
+    return each(lambda images: pipeline.moderate_inputs_stage(images, ctx), jobs)
+
+
+@task(
+    name="moderate_result-batch",
+    task_run_name="moderate_result",
+    persist_result=False,
+    cache_policy=NO_CACHE,
+)
+def moderate_result_batch_task(
+    images: list[RGBImage], ctx: PipelineContext
+) -> list[Each[tuple[ModerationVerdict, ...]]]:
+    """``moderate_result_task`` of every job."""
+    return each(lambda image: pipeline.moderate_result_stage(image, ctx), images)
 
 
 @task(

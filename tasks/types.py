@@ -104,3 +104,4 @@ class FusionResult:
     device: str
     timings_ms: dict[str, float]
     quality: QualityReport | None = None
+    moderation_flags: tuple[str, ...] = ()  # report-only moderation: what was flagged

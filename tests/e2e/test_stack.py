@@ -262,6 +262,25 @@ def test_no_face_fails_without_retry(stack: RunningStack) -> None:
     assert job["attempts"] == 1
 
 
+def test_moderation_blocks_a_flagged_target_without_retry(stack: RunningStack) -> None:
+    with stack.client() as client:
+        response = client.post(
+            "/v1/jobs",
+            json={
+                "source": _data_uri(samples.astronaut_jpeg_bytes()),
+                "target": _data_uri(samples.encode(samples.colorwheel_rgb(), "PNG"), "image/png"),
+            },
+        )
+        assert response.status_code == 202, response.text
+        job, _ = _watch(client, response.json()["id"])
+    assert job["status"] == "failed"
+    assert job["error"] == {
+        "code": "content_blocked",
+        "message": "The images were refused by content moderation.",
+    }
+    assert job["attempts"] == 1
+
+
 def test_cancel_of_a_queued_job(stack: RunningStack) -> None:
     with stack.client() as client:
         response = client.post(
