@@ -79,6 +79,16 @@ def fuse(
         str, typer.Option(help="Blend: multiband, seamless or feather.")
     ] = "multiband",
     sharpen: Annotated[float, typer.Option(help="Unsharp-mask amount, 0 = off.")] = 0.0,
+    enhancer: Annotated[
+        str, typer.Option(help="Face restoration: none or gfpgan (operator model, pinned).")
+    ] = "none",
+    enhancer_blend: Annotated[
+        float, typer.Option(help="How much of the restored face to keep, 0..1.")
+    ] = 0.8,
+    pin: Annotated[
+        list[str] | None,
+        typer.Option(help="Pin an operator model file: MODEL=SHA256 (repeatable)."),
+    ] = None,
     min_identity: Annotated[
         float | None,
         typer.Option(help="Quality floor (0..1, 0.5 = same person): below it, retry once."),
@@ -106,6 +116,8 @@ def fuse(
             face=_parse_face(face),
             blend=blend,  # type: ignore[arg-type]
             sharpen=sharpen,
+            enhancer=enhancer,  # type: ignore[arg-type]
+            enhancer_blend=enhancer_blend,
             min_identity=min_identity,
             output_format=fmt,  # type: ignore[arg-type]
         )
@@ -121,7 +133,8 @@ def fuse(
 
     from tasks.pipeline import PipelineContext, fuse_images
 
-    ctx = PipelineContext.for_this_machine(model_dir=model_dir, moderation=policy)
+    pins = dict(p.split("=", 1) for p in pin or [] if "=" in p)
+    ctx = PipelineContext.for_this_machine(model_dir=model_dir, pins=pins, moderation=policy)
     try:
         result = fuse_images(source_bytes, target_bytes, options, ctx)
     except FaceFlowError as exc:

@@ -8,7 +8,8 @@ one task run per stage for the whole batch, MTCNN on every job's images at once:
     load → moderate_inputs → detect → align → fuse → postprocess → quality →
     moderate_result → store
 
-(the moderation stages are left out when the settings' moderation policy turns them off)
+(the moderation stages are left out when the settings' moderation policy turns them off,
+enhance when no job of the batch chose an enhancer)
 
 Every job keeps what a single run gives it:
 
@@ -71,6 +72,7 @@ from tasks.prefect_tasks import (
     EncodedImage,
     align_batch_task,
     detect_batch_task,
+    enhance_batch_task,
     fuse_batch_task,
     moderate_inputs_batch_task,
     moderate_result_batch_task,
@@ -257,7 +259,10 @@ def _load(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
 
 
 def _wanted(batch: _Batch, stage: StageName) -> bool:
-    """Whether ``stage`` runs at all (the settings may turn moderation off)."""
+    """Whether ``stage`` runs at all (the settings may turn moderation off, the jobs may
+    choose no enhancer)."""
+    if stage == "enhance":
+        return any(job.options.enhancer != "none" for job in batch.live())
     if stage == "moderate_inputs":
         return batch.ctx.moderation.checks_inputs
     if stage == "moderate_result":
@@ -302,6 +307,13 @@ def _fuse(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
         fuse_batch_task, [(_req(job.aligned), job.options) for job in jobs], batch.ctx
     )
     for job, value in zip(jobs, batch.settle(jobs, fused, "fuse"), strict=True):
+        job.fused = value
+
+
+def _enhance(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
+    inputs = [(_img(job.target), _req(job.fused), job.options) for job in jobs]
+    enhanced = guard.run(enhance_batch_task, inputs, batch.ctx)
+    for job, value in zip(jobs, batch.settle(jobs, enhanced, "enhance"), strict=True):
         job.fused = value
 
 
@@ -376,6 +388,7 @@ STAGE_STEPS: dict[StageName, Callable[[_Batch, list[_Job], StageGuard], None]] =
     "detect": _detect,
     "align": _align,
     "fuse": _fuse,
+    "enhance": _enhance,
     "postprocess": _postprocess,
     "quality": _quality,
     "moderate_result": _moderate_result,

@@ -1,10 +1,11 @@
 """The ``fuse-faces`` flow: one job attempt, load → moderate_inputs → detect → align → fuse →
-postprocess → moderate_result → store.
+enhance → postprocess → moderate_result → store.
 
 Parameters mirror ``flows.params.FuseFacesParams``. Inputs come from, and the result
 goes to, the storage block named by ``storage_block``; the flow returns the small
 ``ResultRef`` dict (never image bytes). The moderation stages run on the CPU and are
-skipped when the settings' moderation policy turns them off. Every stage is a sync task
+skipped when the settings' moderation policy turns them off, enhance when the job chose no
+enhancer. Every stage is a sync task
 called directly on the main thread under ``flows.deadline.StageGuard``: its timeout is
 ``min(stage budget, deadline_at - now)`` on every attempt and retries stop for permanent
 errors or when the time left is below the stage's expected cost. A run started after its
@@ -50,6 +51,7 @@ from tasks.pipeline import PipelineContext, flagged_summaries
 from tasks.prefect_tasks import (
     align_task,
     detect_task,
+    enhance_task,
     fuse_task,
     moderate_inputs_task,
     moderate_result_task,
@@ -237,6 +239,11 @@ def _fuse(
             aligned = guard.run(align_task, source, target, detections, options, ctx)
         with run.stage("fuse") as guard:
             fused = guard.run(fuse_task, aligned, options, ctx)
+        if options.enhancer != "none":
+            with run.stage("enhance") as guard:
+                fused = guard.run(enhance_task, target, fused, options, ctx)
+        else:
+            run.skip("enhance")
         with run.stage("postprocess") as guard:
             encoded = guard.run(postprocess_task, target, fused, options, ctx)
         with run.stage("quality") as guard:  # FaceLost: a faceless result is never returned

@@ -29,13 +29,14 @@ StageName = Literal[
     "detect",
     "align",
     "fuse",
+    "enhance",
     "postprocess",
     "quality",
     "moderate_result",
     "store",
 ]
 """The flow's stages, in order: load (read + decode inputs), moderate_inputs (NSFW check on
-the CPU) … quality (the report, and the quality-floor retry's fuse and postprocess),
+the CPU) … fuse, enhance (optional face restoration), postprocess, quality (the report, and the quality-floor retry's fuse and postprocess),
 moderate_result, store (write result). A stage the settings turn off is skipped."""
 STAGES: tuple[StageName, ...] = get_args(StageName)
 FINAL_STAGE: StageName = STAGES[-1]

@@ -15,11 +15,13 @@ FuserName = Literal["classic", "inswapper"]
 OutputFormat = Literal["png", "jpeg", "webp"]
 BlendMode = Literal["multiband", "seamless", "feather"]
 FaceChoice = Literal["largest", "all"] | NonNegativeInt
+EnhancerName = Literal["none", "gfpgan"]
 
 DETECTORS: tuple[str, ...] = get_args(DetectorName)
 FUSERS: tuple[str, ...] = get_args(FuserName)
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
 BLEND_MODES: tuple[str, ...] = get_args(BlendMode)
+ENHANCERS: tuple[str, ...] = get_args(EnhancerName)
 
 CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
@@ -54,6 +56,14 @@ class FusionOptions(BaseModel):
     blend: BlendMode = Field("multiband", description="How the face is blended back.")
     color_transfer: bool = Field(True, description="Match the source face's colour to the target.")
     sharpen: float = Field(0.0, ge=0.0, le=2.0, description="Unsharp-mask amount (0 = off).")
+    enhancer: EnhancerName = Field(
+        "none",
+        description="Face restoration of the fused face before it is blended back: 'none' or "
+        "'gfpgan' (a GFPGAN 1.4 ONNX model the operator provides and pins).",
+    )
+    enhancer_blend: float = Field(
+        0.8, ge=0.0, le=1.0, description="How much of the restored face to keep (1 = all)."
+    )
     min_identity: float | None = Field(
         None,
         ge=0.0,

@@ -43,6 +43,7 @@ STAGES: tuple[str, ...] = (
     "detect",
     "align",
     "fuse",
+    "enhance",
     "postprocess",
     "quality",
     "moderate_result",
@@ -266,6 +267,31 @@ def fuse_stage(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -
     return Fused(crops, aligned.targets)
 
 
+def enhance_stage(
+    target: RGBImage, fused: Fused, options: FusionOptions, ctx: PipelineContext
+) -> Fused:
+    """Restore each fused face with the chosen enhancer (unchanged for ``"none"``); the crops
+    come back in the restorer's framing, with the alignments that paste them back."""
+    if options.enhancer == "none":
+        return fused
+    from tasks.enhance import enhance_face
+
+    pairs = [
+        enhance_face(
+            target,
+            crop,
+            aligned,
+            enhancer=options.enhancer,
+            blend=options.enhancer_blend,
+            device=ctx.device,
+            model_dir=ctx.model_dir,
+            pins=ctx.pins,
+        )
+        for crop, aligned in zip(fused.crops, fused.targets, strict=True)
+    ]
+    return Fused([crop for crop, _ in pairs], [aligned for _, aligned in pairs])
+
+
 def _mix(target_crop: RGBImage, swapped: RGBImage, weight: float) -> RGBImage:
     """``weight`` of the swapped face over the target crop."""
     if weight >= 1.0:
@@ -422,7 +448,7 @@ def checked_stage(
     report = assessed.report
     retry = retry_options(options, report)
     if retry is not None and may_retry():
-        fused_again = fuse_stage(aligned, retry, ctx)
+        fused_again = enhance_stage(target, fuse_stage(aligned, retry, ctx), retry, ctx)
         image_again = postprocess_stage(target, fused_again, retry, ctx)
         second = quality_stage(image_again, assessed.reference, retry, ctx, earlier=report)
         winner, report = pick(report, second)
@@ -467,6 +493,9 @@ def fuse_images(
         aligned = align_stage(source, target, detections, options, ctx)
     with _timed(timings, "fuse"):
         fused = fuse_stage(aligned, options, ctx)
+    if options.enhancer != "none":
+        with _timed(timings, "enhance"):
+            fused = enhance_stage(target, fused, options, ctx)
     with _timed(timings, "postprocess"):
         image = postprocess_stage(target, fused, options, ctx)
     with _timed(timings, "quality"):  # with the quality-floor retry, if one runs

@@ -85,6 +85,14 @@ def fuse_task(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) ->
     return pipeline.fuse_stage(aligned, options, ctx)
 
 
+@task(name="enhance", task_run_name="enhance", persist_result=False, cache_policy=NO_CACHE)
+def enhance_task(
+    target: RGBImage, fused: Fused, options: FusionOptions, ctx: PipelineContext
+) -> Fused:
+    """Restore the fused faces with the chosen enhancer."""
+    return pipeline.enhance_stage(target, fused, options, ctx)
+
+
 @task(name="postprocess", task_run_name="postprocess", persist_result=False, cache_policy=NO_CACHE)
 def postprocess_task(
     target: RGBImage, fused: Fused, options: FusionOptions, ctx: PipelineContext
@@ -208,6 +216,14 @@ def moderate_result_batch_task(
 ) -> list[Each[tuple[ModerationVerdict, ...]]]:
     """``moderate_result_task`` of every job."""
     return each(lambda image: pipeline.moderate_result_stage(image, ctx), images)
+
+
+@task(name="enhance-batch", task_run_name="enhance", persist_result=False, cache_policy=NO_CACHE)
+def enhance_batch_task(
+    jobs: list[tuple[RGBImage, Fused, FusionOptions]], ctx: PipelineContext
+) -> list[Each[Fused]]:
+    """``enhance_task`` of every job (a job without an enhancer passes unchanged)."""
+    return each(lambda job: pipeline.enhance_stage(*job, ctx), jobs)
 
 
 @task(

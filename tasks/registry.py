@@ -3,8 +3,10 @@
 Nothing here downloads anything. Files come from an installed wheel (facenet-pytorch
 ships the MTCNN weights, nudenet the moderation detector; neither package is ever
 imported) or from a directory an operator provides (InsightFace packs,
-``inswapper_128.onnx``). A missing file or a hash mismatch raises ``ModelUnavailable``
-naming the file and the expected hash.
+``inswapper_128.onnx``, a GFPGAN export). A missing file or a hash mismatch raises
+``ModelUnavailable`` naming the file and the expected hash. A model whose builds differ
+(GFPGAN: every ONNX export has its own bytes) carries no pin here: the operator pins the
+file they provide (``FusionSettings.model_pins``), and until then it is refused as unpinned.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ModelName = Literal[
     "dlib-resnet-v1",
     "dlib-shape-5",
     "nudenet-320n",
+    "gfpgan-1.4",
 ]
 MODEL_NAMES: tuple[str, ...] = get_args(ModelName)
 Runtime = Literal["torch", "onnx", "dlib"]
@@ -47,7 +50,7 @@ class ModelSpec:
 
     name: ModelName
     filename: str
-    sha256: str
+    sha256: str | None  # None: no build to pin here, the operator must pin their file
     runtime: Runtime
     origin: Origin
     package: str | None  # wheel origin: the distribution's import name carrying the file
@@ -68,6 +71,10 @@ _NUDENET_LICENCE = (
     "AGPL-3.0: the LICENSE file the nudenet 3.4.2 wheel ships, and the model's own metadata "
     "(Ultralytics YOLOv8, AGPL-3.0); the wheel's METADATA still says MIT, the licence text "
     "it carries says AGPL-3.0. A service that runs it over a network must offer its source."
+)
+_GFPGAN_LICENCE = (
+    "GFPGAN (TencentARC): Apache-2.0 for the code and v1.4 weights, with StyleGAN2 parts "
+    "under NVIDIA's licence; check the licence of the ONNX export you provide"
 )
 _INSIGHTFACE_LICENCE = (
     "InsightFace model packs: non-commercial research use only; operators must hold a licence"
@@ -202,6 +209,20 @@ REGISTRY: dict[ModelName, ModelSpec] = {
         source="nudenet==3.4.2 wheel (installed --no-deps; the package is never imported)",
         description="NudeNet NSFW detector (YOLOv8n, 320 px, 18 labels) for moderation.",
     ),
+    "gfpgan-1.4": ModelSpec(
+        name="gfpgan-1.4",
+        filename="gfpgan_1.4.onnx",
+        sha256=None,
+        runtime="onnx",
+        origin="model_dir",
+        package=None,
+        subdir="",
+        input_size=(512, 512),
+        template="ffhq",
+        licence=_GFPGAN_LICENCE,
+        source="a GFPGAN 1.4 ONNX export (operator-provided and operator-pinned)",
+        description="GFPGAN 1.4 face restoration: 1 x 3 x 512 x 512 in [-1, 1] to the same.",
+    ),
 }
 
 
@@ -253,7 +274,7 @@ def expected_path(spec: ModelSpec, directory: str | Path | None = None) -> Path:
             raise ModelUnavailable(
                 f"Model {spec.name} is not installed.",
                 detail=f"package {spec.package} carrying {spec.filename} is not installed "
-                f"(expected sha256 {spec.sha256})",
+                f"(expected sha256 {spec.sha256 or 'unpinned'})",
             )
         return base / spec.subdir / spec.filename
     base = model_dir(directory)
@@ -273,8 +294,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pinned_hash(name: ModelName, pins: Mapping[str, str] | None = None) -> str:
-    """The SHA-256 pin of a model: an operator's override from ``pins`` or the registry's."""
+def pinned_hash(name: ModelName, pins: Mapping[str, str] | None = None) -> str | None:
+    """The SHA-256 pin of a model: an operator's override from ``pins`` or the registry's
+    (``None``: the model is not pinned)."""
     if pins and name in pins:
         return pins[name].lower()
     return REGISTRY[name].sha256
@@ -297,7 +319,13 @@ def resolve(
     if not path.is_file():
         raise ModelUnavailable(
             f"Model {name} is not available on this worker.",
-            detail=f"missing file {path} (expected sha256 {expected})",
+            detail=f"missing file {path} (expected sha256 {expected or 'unpinned: pin it'})",
+        )
+    if expected is None:
+        raise ModelUnavailable(
+            f"Model {name} is not pinned.",
+            detail=f"file {path} has sha256 {sha256_file(path)}; pin the file you trust in "
+            f"the FusionSettings block's model_pins[{name!r}]",
         )
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, expected)
