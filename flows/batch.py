@@ -152,7 +152,7 @@ class _Batch:
         live = self.live()
         if stage in CHECK_STOPS_BEFORE:
             for job in live:
-                if exists(self.store, stop_marker_key(job.spec.job_id)):
+                if exists(self.store, stop_marker_key(job.spec.job_id, job.spec.attempt)):
                     job.row.outcome = STOPPED
                     get_run_logger().info("Job %s stopped by the relay", job.spec.job_id)
         for job in self.live():

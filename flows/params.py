@@ -128,11 +128,11 @@ def result_error_key(job_id: str, attempt: int) -> str:
     return f"results/{job_id}/attempt-{attempt}.error.json"
 
 
-def stop_marker_key(job_id: str) -> str:
-    """Storage key the relay writes when a job that shares its run with other jobs ends
-    early (cancelled, expired, overdue): a ``fuse-batch`` run skips that job when it sees
-    the marker, instead of the whole run being cancelled."""
-    return f"results/{job_id}/stop"
+def stop_marker_key(job_id: str, attempt: int) -> str:
+    """Storage key the relay writes when a job attempt that shares its run with other jobs
+    ends early (cancelled, expired, overdue, re-dispatched): the ``fuse-batch`` run skips
+    that job when it sees the marker, instead of the whole run being cancelled."""
+    return f"results/{job_id}/attempt-{attempt}.stop"
 
 
 def run_tags(job_id: str, owner_id: str) -> list[str]:

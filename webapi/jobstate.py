@@ -145,7 +145,7 @@ def _side_effects(
             Outbox(
                 kind="cancel_run",
                 job_id=job.id,
-                payload={"flow_run_id": str(job.flow_run_id)},
+                payload={"flow_run_id": str(job.flow_run_id), "attempt": job.attempts},
                 created_at=now,
                 next_attempt_at=now,
             )

@@ -66,7 +66,7 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     faceless = job_params(no_face, grace)
     late = job_params(astronaut, grace, seconds=0.3)  # below detect's expected cost
     stopped = job_params(astronaut, grace)
-    write_bytes(DEFAULT_STORAGE_BLOCK, stop_marker_key(stopped["job_id"]), b"cancelled")
+    write_bytes(DEFAULT_STORAGE_BLOCK, stop_marker_key(stopped["job_id"], 1), b"cancelled")
 
     state = fuse_batch(
         **_batch(good, good_jpeg, faceless, late, stopped, blocked), return_state=True

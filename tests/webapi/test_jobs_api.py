@@ -524,7 +524,7 @@ def test_cancel_dispatched_queued_job_cancels_its_flow_run(
         client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user)).json()["status"] == "cancelled"
     )
     cancel_rows = [row for row in outbox_of(engine, uuid.UUID(job_id)) if row.kind == "cancel_run"]
-    assert [row.payload for row in cancel_rows] == [{"flow_run_id": str(flow_run_id)}]
+    assert [row.payload for row in cancel_rows] == [{"flow_run_id": str(flow_run_id), "attempt": 1}]
 
 
 def test_cancel_running_requests_cancellation(

@@ -33,7 +33,6 @@ from tests.webapi.relay_harness import (
     SCRIPT,
     PrefectServer,
     body_json,
-    deploy_stand_ins,
     execute_run,
     in_thread,
     independent_verify,
@@ -55,34 +54,6 @@ from webapi.relay.runner import build_relay, reconcile_once, start_relay, stop_r
 from webapi.storage import LocalObjectStore
 
 pytestmark = pytest.mark.prefect
-
-
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    """A real Prefect server with the stand-in deployments; this process's Prefect client
-    settings point at it while the session lasts."""
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_HOME,
-        PREFECT_LOGGING_TO_API_ENABLED,
-        temporary_settings,
-    )
-
-    home = tmp_path_factory.mktemp("prefect-home")
-    server = PrefectServer(home)
-    server.start()
-    try:
-        with temporary_settings(
-            updates={
-                PREFECT_API_URL: server.api_url,
-                PREFECT_HOME: home / "client",
-                PREFECT_LOGGING_TO_API_ENABLED: False,
-            }
-        ):
-            deploy_stand_ins()
-            yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
