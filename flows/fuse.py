@@ -43,7 +43,7 @@ from flows.params import (
     result_key,
     run_tags,
 )
-from flows.storage_tasks import load_task, store_task
+from flows.storage_tasks import load_more_task, load_task, store_task
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats, select_device
 from tasks.options import FusionOptions
@@ -160,6 +160,8 @@ def fuse_faces(
     deadline_at: datetime,
     options: FusionOptions | None = None,
     attempt: int = 1,
+    extra_source_keys: list[str] | None = None,
+    reference_keys: list[str] | None = None,
     storage_block: str = DEFAULT_STORAGE_BLOCK,
     settings_block: str = DEFAULT_SETTINGS_BLOCK,
 ) -> dict[str, Any] | State[Any]:
@@ -185,6 +187,8 @@ def fuse_faces(
             job_id=job_id,
             source_key=source_key,
             target_key=target_key,
+            extra_source_keys=extra_source_keys or [],
+            reference_keys=reference_keys or [],
             deadline=deadline,
             options=options or FusionOptions.model_validate({}),
             attempt=attempt,
@@ -200,6 +204,8 @@ def _fuse(
     job_id: str,
     source_key: str,
     target_key: str,
+    extra_source_keys: list[str],
+    reference_keys: list[str],
     deadline: Deadline,
     options: FusionOptions,
     attempt: int,
@@ -221,15 +227,31 @@ def _fuse(
         ctx = pipeline_context(settings)
         with run.stage("load") as guard:
             source, target = guard.run(load_task, storage_block, source_key, target_key, ctx)
+            more_keys = [*extra_source_keys, *reference_keys]
+            more = guard.run(load_more_task, storage_block, more_keys, ctx) if more_keys else []
+        extra_sources, references = more[: len(extra_source_keys)], more[len(extra_source_keys) :]
         flags: list[str] = []
         if ctx.moderation.checks_inputs:
             with run.stage("moderate_inputs") as guard:
-                inputs = {"source": source, "target": target}
+                inputs = {
+                    "source": source,
+                    "target": target,
+                    **{f"source {i + 1}": image for i, image in enumerate(extra_sources)},
+                    **{f"reference {i}": image for i, image in enumerate(references)},
+                }
                 flags += flagged_summaries(guard.run(moderate_inputs_task, inputs, ctx))
         else:
             run.skip("moderate_inputs")
         with run.stage("detect") as guard:
-            detections = guard.run(detect_task, source, target, options, ctx)
+            detections = guard.run(
+                detect_task,
+                source,
+                target,
+                options,
+                ctx,
+                extra_sources=extra_sources,
+                references=references,
+            )
         faces = {
             "source": detections.source_count,
             "target": detections.target_count,

@@ -53,6 +53,14 @@ class JobAttempt(BaseModel):
     owner_id: str = Field(description="The owning user's id, for tags and audit.")
     source_key: str = Field(description="Storage key of the source (face) image.")
     target_key: str = Field(description="Storage key of the target photo.")
+    extra_source_keys: list[str] = Field(
+        default_factory=list,
+        description="Storage keys of the sources after the first (per-face mapping).",
+    )
+    reference_keys: list[str] = Field(
+        default_factory=list,
+        description="Storage keys of the reference images a per-face mapping names.",
+    )
     options: FusionOptions = Field(default_factory=FusionOptions, description="Fusion options.")
     deadline_at: datetime = Field(description="This job's absolute UTC deadline.")
     attempt: int = Field(1, ge=1, description="Flow-run attempt number for this job (1-based).")

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    field_validator,
+    model_validator,
+)
 
 DetectorName = Literal["mtcnn", "scrfd"]
 FuserName = Literal["classic", "inswapper"]
@@ -38,6 +45,36 @@ class ImageLimits(BaseModel):
         int, Field(gt=0, description="Largest accepted width x height (decompression bombs).")
     ] = 40_000_000
     min_side: Annotated[int, Field(gt=0, description="Smallest accepted width or height.")] = 16
+
+
+MAX_SOURCES = 8
+"""Most source images one job may carry."""
+MAX_REFERENCES = 8
+"""Most reference images one job may carry."""
+
+
+class FaceMapping(BaseModel):
+    """One target face and the source image whose face is fused onto it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: NonNegativeInt = Field(description="Index of the source image (0 = the first).")
+    target: NonNegativeInt | None = Field(
+        None,
+        description="Target face by its number in reading order (rows top to bottom, left "
+        "to right; 0 = the first).",
+    )
+    reference: NonNegativeInt | None = Field(
+        None,
+        description="Instead of target: index of a reference image; the target face most "
+        "similar to the reference's face is chosen.",
+    )
+
+    @model_validator(mode="after")
+    def _one_target(self) -> FaceMapping:
+        if (self.target is None) == (self.reference is None):
+            raise ValueError("give exactly one of target and reference")
+        return self
 
 
 class FusionOptions(BaseModel):
@@ -72,8 +109,21 @@ class FusionOptions(BaseModel):
         "the same-person threshold): below it the job retries once with the next fuser "
         "settings and returns the better result.",
     )
+    mapping: tuple[FaceMapping, ...] = Field(
+        (),
+        max_length=MAX_SOURCES * 2,
+        description="Per-face sources: which source image goes onto which target face (by "
+        "reading-order number or by a reference image). Empty: the first source onto the "
+        "faces that 'face' chooses.",
+    )
     output_format: OutputFormat = Field("png", description="Encoding of the result image.")
     jpeg_quality: int = Field(92, ge=50, le=100, description="Quality for JPEG and WebP output.")
+
+    @model_validator(mode="after")
+    def _mapping_or_face(self) -> FusionOptions:
+        if self.mapping and "face" in self.model_fields_set and self.face != "largest":
+            raise ValueError("'face' and 'mapping' exclude each other: the mapping names the faces")
+        return self
 
     @property
     def content_type(self) -> str:

@@ -24,7 +24,7 @@ from tasks.detect import (
     detect_faces_batch,
     select_faces,
 )
-from tasks.errors import FaceFlowError, FaceLost, NoFaceFound
+from tasks.errors import FaceFlowError, FaceLost, InvalidInput, NoFaceFound
 from tasks.identity import load_dlib_models
 from tasks.images import decode_image, encode_image
 from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits, ModerationPolicy
@@ -89,13 +89,35 @@ class PipelineContext:
 
 
 @dataclass(frozen=True)
+class SourceFace:
+    """The source face a per-face mapping puts onto one target face, and its image."""
+
+    index: int  # which source image (0 = the first)
+    image: RGBImage
+    face: Face
+
+
+@dataclass(frozen=True)
 class Detections:
-    """The source face and the target faces chosen for replacement."""
+    """The source face and the target faces chosen for replacement.
+
+    With a per-face mapping, ``per_face`` holds each target face's own source (parallel to
+    ``target_faces``) and ``target_indices`` their indices among all target faces (largest
+    first); without one both are empty and ``source_face`` goes onto every target face.
+    """
 
     source_face: Face
     target_faces: list[Face]
     source_count: int
     target_count: int
+    per_face: tuple[SourceFace, ...] = ()
+    target_indices: tuple[int, ...] = ()
+
+    def sources(self, source: RGBImage) -> list[tuple[RGBImage, Face]]:
+        """The (image, face) fused onto each target face, given the first source image."""
+        if self.per_face:
+            return [(s.image, s.face) for s in self.per_face]
+        return [(source, self.source_face)] * len(self.target_faces)
 
 
 @dataclass(frozen=True)
@@ -105,6 +127,19 @@ class Aligned:
     source: AlignedFace
     targets: list[AlignedFace]
     source_embedding: FloatArray | None = None
+    per_face: tuple[AlignedFace, ...] = ()  # a per-face mapping's sources, parallel to targets
+    per_face_embeddings: tuple[FloatArray, ...] = ()
+
+    def source_for(self, k: int) -> AlignedFace:
+        """The aligned source face fused onto target face ``k``."""
+        return self.per_face[k] if self.per_face else self.source
+
+    def embedding_for(self, k: int) -> FloatArray:
+        """The source identity embedding (inswapper) for target face ``k``."""
+        if self.per_face_embeddings:
+            return self.per_face_embeddings[k]
+        assert self.source_embedding is not None
+        return self.source_embedding
 
 
 @dataclass(frozen=True)
@@ -159,13 +194,84 @@ def flagged_summaries(verdicts: tuple[ModerationVerdict, ...]) -> list[str]:
 
 
 def detect_stage(
-    source: RGBImage, target: RGBImage, options: FusionOptions, ctx: PipelineContext
+    source: RGBImage,
+    target: RGBImage,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    *,
+    extra_sources: Sequence[RGBImage] = (),
+    references: Sequence[RGBImage] = (),
 ) -> Detections:
-    """Detect faces in both images; the source's largest face and the chosen target faces."""
+    """Detect faces in both images; the source's largest face and the chosen target faces.
+
+    With ``options.mapping``, the largest face of every source (``source`` then
+    ``extra_sources``) and reference image too, and each target face's own source.
+    """
+    if options.mapping:
+        return _mapped_detections(source, target, options, ctx, extra_sources, references)
     source_faces, target_faces = detect_faces_batch(
         [source, target], **_detector_kwargs(options.detector, ctx)
     )
     return _detections(source_faces, target_faces, options)
+
+
+def _mapped_detections(
+    source: RGBImage,
+    target: RGBImage,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    extra_sources: Sequence[RGBImage],
+    references: Sequence[RGBImage],
+) -> Detections:
+    from tasks.mapping import assign_faces
+
+    sources = [source, *extra_sources]
+    for entry in options.mapping:
+        if entry.source >= len(sources):
+            raise InvalidInput(f"Mapping names source {entry.source}: the job has {len(sources)}.")
+        if entry.reference is not None and entry.reference >= len(references):
+            raise InvalidInput(
+                f"Mapping names reference {entry.reference}: the job has {len(references)}."
+            )
+    found = detect_faces_batch(
+        [*sources, target, *references], **_detector_kwargs(options.detector, ctx)
+    )
+    source_faces, target_faces, reference_faces = (
+        found[: len(sources)],
+        found[len(sources)],
+        found[len(sources) + 1 :],
+    )
+    for role, images in (("source", source_faces), ("reference", reference_faces)):
+        for i, faces in enumerate(images):
+            if not faces:
+                raise NoFaceFound(f"No face was found in {role} image {i}.")
+    if not target_faces:
+        raise NoFaceFound("No face was found in the target image.")
+    assignment = assign_faces(
+        options.mapping,
+        target,
+        target_faces,
+        [(image, faces[0]) for image, faces in zip(references, reference_faces, strict=True)],
+        embed=lambda pairs: embed_faces(pairs, ctx),
+    )
+    per_face = tuple(
+        SourceFace(s, sources[s], source_faces[s][0]) for s in assignment.source_indices
+    )
+    return Detections(
+        source_faces[0][0],
+        [target_faces[i] for i in assignment.target_indices],
+        len(source_faces[0]),
+        len(target_faces),
+        per_face=per_face,
+        target_indices=tuple(assignment.target_indices),
+    )
+
+
+def embed_faces(pairs: Sequence[tuple[RGBImage, Face]], ctx: PipelineContext) -> FloatArray:
+    """Identity embeddings of (image, face) pairs: the one embedder the mapping uses."""
+    from tasks.identity import embed_with_dlib
+
+    return embed_with_dlib(pairs, pins=ctx.pins)
 
 
 def detect_stage_batch(
@@ -177,6 +283,12 @@ def detect_stage_batch(
     found: list[Detections | FaceFlowError | None] = [None] * len(jobs)
     by_detector: dict[DetectorName, list[int]] = {}
     for index, (_source, _target, options) in enumerate(jobs):
+        if options.mapping:  # its extra sources and references are not in a batch
+            found[index] = InvalidInput(
+                "A job with a per-face mapping cannot run in a batch.",
+                detail="dispatch it to fuse-faces",
+            )
+            continue
         by_detector.setdefault(options.detector, []).append(index)
     for detector, indices in by_detector.items():
         images = [image for i in indices for image in jobs[i][:2]]
@@ -222,19 +334,33 @@ def align_stage(
     options: FusionOptions,
     ctx: PipelineContext,
 ) -> Aligned:
-    """Warp the faces to the template of the chosen fuser."""
+    """Warp the faces to the template of the chosen fuser (each target face's own source
+    face too, with a per-face mapping)."""
     if options.fuser == "inswapper":
         from tasks.arcface import embed_with_arcface
 
+        def embed(crop: RGBImage) -> FloatArray:
+            return embed_with_arcface(
+                crop, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
+            )
+
         source_112 = align_face(source, detections.source_face, ARCFACE_CROP_SIZE)
-        embedding = embed_with_arcface(
-            source_112.crop, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
-        )
+        embedding = embed(source_112.crop)
         targets = [align_face(target, f, INSWAPPER_CROP_SIZE) for f in detections.target_faces]
-        return Aligned(source_112, targets, embedding)
+        per_face = tuple(
+            align_face(s.image, s.face, ARCFACE_CROP_SIZE) for s in detections.per_face
+        )
+        return Aligned(
+            source_112,
+            targets,
+            embedding,
+            per_face=per_face,
+            per_face_embeddings=tuple(embed(a.crop) for a in per_face),
+        )
     aligned_source = align_face(source, detections.source_face, ctx.crop_size)
     targets = [align_face(target, f, ctx.crop_size) for f in detections.target_faces]
-    return Aligned(aligned_source, targets)
+    per_face = tuple(align_face(s.image, s.face, ctx.crop_size) for s in detections.per_face)
+    return Aligned(aligned_source, targets, per_face=per_face)
 
 
 def fuse_stage(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> Fused:
@@ -242,27 +368,26 @@ def fuse_stage(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -
     if options.fuser == "inswapper":
         from tasks.inswapper import swap_with_inswapper
 
-        assert aligned.source_embedding is not None
         crops = [
             _mix(
                 t.crop,
                 swap_with_inswapper(
                     t.crop,
-                    aligned.source_embedding,
+                    aligned.embedding_for(k),
                     device=ctx.device,
                     model_dir=ctx.model_dir,
                     pins=ctx.pins,
                 ),
                 options.identity_weight,
             )
-            for t in aligned.targets
+            for k, t in enumerate(aligned.targets)
         ]
         return Fused(crops, aligned.targets)
     from tasks.fuse import fuse_with_classic
 
     crops = [
-        fuse_with_classic(aligned.source, t, identity_weight=options.identity_weight)
-        for t in aligned.targets
+        fuse_with_classic(aligned.source_for(k), t, identity_weight=options.identity_weight)
+        for k, t in enumerate(aligned.targets)
     ]
     return Fused(crops, aligned.targets)
 
@@ -335,8 +460,9 @@ def reference_stage(
         target,
         detections.source_face,
         detections.target_faces,
-        target_indices(options.face, detections.target_count),
+        list(detections.target_indices) or target_indices(options.face, detections.target_count),
         pins=ctx.pins,
+        per_face_sources=[(s.image, s.face) for s in detections.per_face],
     )
 
 
@@ -477,18 +603,39 @@ def fuse_images(
     target_bytes: bytes,
     options: FusionOptions | None = None,
     ctx: PipelineContext | None = None,
+    *,
+    extra_sources: Sequence[bytes] = (),
+    references: Sequence[bytes] = (),
 ) -> FusionResult:
-    """Run every stage in this process and return the encoded result with per-stage timings."""
+    """Run every stage in this process and return the encoded result with per-stage timings.
+
+    ``extra_sources`` (sources after the first) and ``references`` serve a per-face
+    ``options.mapping``."""
     options = options or FusionOptions()
     ctx = ctx or PipelineContext()
     timings = StageTimings()
     with _timed(timings, "decode"):
         source = decode_stage(source_bytes, ctx)
         target = decode_stage(target_bytes, ctx)
+        more_sources = [decode_stage(data, ctx) for data in extra_sources]
+        reference_images = [decode_stage(data, ctx) for data in references]
     with _timed(timings, "moderate_inputs"):
-        verdicts = moderate_inputs_stage({"source": source, "target": target}, ctx)
+        inputs = {
+            "source": source,
+            "target": target,
+            **{f"source {i + 1}": image for i, image in enumerate(more_sources)},
+            **{f"reference {i}": image for i, image in enumerate(reference_images)},
+        }
+        verdicts = moderate_inputs_stage(inputs, ctx)
     with _timed(timings, "detect"):
-        detections = detect_stage(source, target, options, ctx)
+        detections = detect_stage(
+            source,
+            target,
+            options,
+            ctx,
+            extra_sources=more_sources,
+            references=reference_images,
+        )
     with _timed(timings, "align"):
         aligned = align_stage(source, target, detections, options, ctx)
     with _timed(timings, "fuse"):

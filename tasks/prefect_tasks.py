@@ -61,10 +61,23 @@ def moderate_result_task(image: RGBImage, ctx: PipelineContext) -> tuple[Moderat
 
 @task(name="detect", task_run_name="detect", persist_result=False, cache_policy=NO_CACHE)
 def detect_task(
-    source: RGBImage, target: RGBImage, options: FusionOptions, ctx: PipelineContext
+    source: RGBImage,
+    target: RGBImage,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    extra_sources: list[RGBImage] | None = None,
+    references: list[RGBImage] | None = None,
 ) -> Detections:
-    """The source face and the target faces to replace (``NoFaceFound`` when missing)."""
-    return pipeline.detect_stage(source, target, options, ctx)
+    """The source face and the target faces to replace (``NoFaceFound`` when missing);
+    with a per-face mapping, each target face's own source."""
+    return pipeline.detect_stage(
+        source,
+        target,
+        options,
+        ctx,
+        extra_sources=extra_sources or (),
+        references=references or (),
+    )
 
 
 @task(name="align", task_run_name="align", persist_result=False, cache_policy=NO_CACHE)

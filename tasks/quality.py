@@ -41,6 +41,18 @@ class IdentityReference:
     source_pose: PoseAngles
     target_poses: list[PoseAngles]
     ms: float
+    face_source_embeddings: F32 | None = None  # a per-face mapping's own source per face
+    face_source_poses: list[PoseAngles] | None = None
+
+    def source_embedding_for(self, i: int) -> F32:
+        """The embedding of the source fused onto target face ``i``."""
+        if self.face_source_embeddings is not None:
+            return self.face_source_embeddings[i]
+        return self.source_embedding
+
+    def source_pose_for(self, i: int) -> PoseAngles:
+        """The pose of the source fused onto target face ``i``."""
+        return self.face_source_poses[i] if self.face_source_poses else self.source_pose
 
 
 def target_indices(choice: FaceChoice, count: int) -> list[int]:
@@ -60,11 +72,15 @@ def identity_reference(
     indices: Sequence[int],
     *,
     pins: Mapping[str, str] | None = None,
+    per_face_sources: Sequence[tuple[RGBImage, Face]] = (),
 ) -> IdentityReference:
-    """Embed and pose the source face and the chosen target faces (one network batch)."""
+    """Embed and pose the source face and the chosen target faces (one network batch);
+    with a per-face mapping, each target face's own source face too."""
     start = time.perf_counter()
     pairs = [(source, source_face), *((target, face) for face in target_faces)]
-    embeddings = embed_with_dlib(pairs, pins=pins)
+    embeddings = embed_with_dlib([*pairs, *per_face_sources], pins=pins)
+    per_face = embeddings[len(pairs) :] if per_face_sources else None
+    embeddings = embeddings[: len(pairs)]
     return IdentityReference(
         source_face=source_face,
         target_faces=list(target_faces),
@@ -74,6 +90,12 @@ def identity_reference(
         source_pose=head_pose(source_face.landmarks),
         target_poses=[head_pose(face.landmarks) for face in target_faces],
         ms=(time.perf_counter() - start) * 1000.0,
+        face_source_embeddings=per_face,
+        face_source_poses=(
+            [head_pose(face.landmarks) for _, face in per_face_sources]
+            if per_face_sources
+            else None
+        ),
     )
 
 
@@ -149,7 +171,7 @@ def assess(
     faces: list[FaceQuality] = []
     for i, target_face in enumerate(reference.target_faces):
         fused = found[i]
-        difference = pose_difference(reference.source_pose, reference.target_poses[i])
+        difference = pose_difference(reference.source_pose_for(i), reference.target_poses[i])
         embedding = by_face.get(i)
         faces.append(
             FaceQuality(
@@ -158,7 +180,7 @@ def assess(
                 found=fused is not None,
                 result_score=round(float(fused.score), 4) if fused is not None else None,
                 source_similarity=(
-                    round(similarity(embedding, reference.source_embedding), 4)
+                    round(similarity(embedding, reference.source_embedding_for(i)), 4)
                     if embedding is not None
                     else None
                 ),

@@ -32,6 +32,7 @@ from tests.samples import (
     grace_hopper_jpeg_bytes,
     grace_hopper_rgb,
     no_face_jpeg_bytes,
+    t1_jpeg_bytes,
 )
 
 
@@ -112,6 +113,31 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     # Stage task runs carry no per-job tags: Prefect acquires a tag concurrency lease for
     # every tag of every task run, a fresh one per job, which stalled warm runs ≈ 2 s.
     assert all(not r.tags for r in stage_runs.values()), {n: r.tags for n, r in stage_runs.items()}
+
+
+def test_per_face_mapping_loads_every_source_and_moderates_it(prefect_harness: Home) -> None:
+    """Two sources onto t1's first and last faces in reading order; a third source that
+    moderation blocks fails the job before detection."""
+    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
+    t1 = prefect_harness.put_input(t1_jpeg_bytes())
+    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    mapping = [{"source": 0, "target": 0}, {"source": 1, "target": 5}]
+    params = job_params(astronaut, t1, extra_source_keys=[grace], options={"mapping": mapping})
+    FuseFacesParams.model_validate(params)
+    state = fuse_faces(**params, return_state=True)
+    assert state.is_completed(), state.message
+    ref = ResultRef.model_validate(state.result())
+    assert ref.faces_replaced == 2
+    assert ref.quality is not None and len(ref.quality.faces) == 2
+
+    wheel = prefect_harness.put_input(encode(colorwheel_rgb(), "PNG"), "png")
+    blocked = job_params(
+        astronaut, t1, extra_source_keys=[grace, wheel], options={"mapping": mapping}
+    )
+    state = fuse_faces(**blocked, return_state=True)
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[content_blocked] ")
+    assert "source 2" in state.message
 
 
 def test_no_face_found_is_not_retried(prefect_harness: Home) -> None:
