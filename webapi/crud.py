@@ -114,9 +114,15 @@ def authenticate(session: Session, *, api_key: str, pepper: str) -> User | None:
 # --------------------------------------------------------------------------- submit
 
 
-def request_digest(create: JobCreate, source: InputRef, target: InputRef) -> str:
-    """sha256 hex over both inputs and every option: what "the same request" means."""
-    document = {
+def request_digest(
+    create: JobCreate,
+    source: InputRef,
+    target: InputRef,
+    extra_sources: Sequence[InputRef] = (),
+    references: Sequence[InputRef] = (),
+) -> str:
+    """sha256 hex over every input and every option: what "the same request" means."""
+    document: dict[str, object] = {
         "source": source.digest,
         "target": target.digest,
         "options": create.options.as_sent(),
@@ -126,6 +132,9 @@ def request_digest(create: JobCreate, source: InputRef, target: InputRef) -> str
         "queue_timeout_seconds": create.queue_timeout_seconds,
         "priority": create.priority,
     }
+    if extra_sources or references:  # absent otherwise: single-source digests are unchanged
+        document["sources"] = [ref.digest for ref in extra_sources]
+        document["references"] = [ref.digest for ref in references]
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
@@ -138,6 +147,8 @@ class Submission:
     source: InputRef
     target: InputRef
     idempotency_key: str | None = None
+    extra_sources: tuple[InputRef, ...] = ()  # a per-face mapping's sources after the first
+    references: tuple[InputRef, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,8 @@ def submit_job(
     target: InputRef,
     settings: Settings,
     idempotency_key: str | None = None,
+    extra_sources: Sequence[InputRef] = (),
+    references: Sequence[InputRef] = (),
 ) -> tuple[Job, bool]:
     """Create the job and its dispatch outbox row in one transaction.
 
@@ -165,7 +178,15 @@ def submit_job(
     earlier job with the same request digest. Raises ``IdempotencyKeyReused`` (409),
     ``QuotaExceeded`` (429), ``Overloaded`` (503) or ``InvalidRequest`` (422).
     """
-    submission = Submission(owner, create, source, target, idempotency_key)
+    submission = Submission(
+        owner,
+        create,
+        source,
+        target,
+        idempotency_key,
+        extra_sources=tuple(extra_sources),
+        references=tuple(references),
+    )
     (admission,) = submit_jobs(session, submissions=[submission], settings=settings)
     if admission.error is not None:
         raise admission.error
@@ -236,7 +257,13 @@ def _admit_one(
 ) -> Admission:
     create, owner, key = submission.create, submission.owner, submission.idempotency_key
     deadline_s, queue_s = _timeouts(create, settings)
-    digest = request_digest(create, submission.source, submission.target)
+    digest = request_digest(
+        create,
+        submission.source,
+        submission.target,
+        submission.extra_sources,
+        submission.references,
+    )
     if key is not None:
         existing = batch.fresh.get((owner.id, key)) or _by_idempotency_key(
             session, owner_id=owner.id, key=key
@@ -286,6 +313,14 @@ def _new_job(
         target_key=target.key,
         source_url=source.url,
         target_url=target.url,
+        extra_inputs=(
+            {
+                "sources": [str(ref.key) for ref in submission.extra_sources],
+                "references": [str(ref.key) for ref in submission.references],
+            }
+            if submission.extra_sources or submission.references
+            else None
+        ),
         options=create.options.as_sent(),
         priority=create.priority,
         callback_url=None if create.callback_url is None else str(create.callback_url),

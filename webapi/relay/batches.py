@@ -122,18 +122,23 @@ def group(planned: Iterable[tuple[Outbox, Plan]], size: int) -> list[Chunk]:
 
     Jobs already planned into a batch (``dispatch_key``) keep it; the others are grouped by
     lane, detector and fuser (as the client set them: the flow fills the operator's
-    defaults, the same for every job), earliest deadline first."""
+    defaults, the same for every job), earliest deadline first; a job with a per-face
+    mapping goes alone (fuse-faces loads its extra images)."""
     planned_keys: dict[str, Chunk] = {}
     open_groups: dict[tuple[str, object, object], list[tuple[Outbox, Plan]]] = {}
+    chunks_alone: list[Chunk] = []
     for row, plan in planned:
         if plan.dispatch_key is not None:
             chunk = planned_keys.setdefault(plan.dispatch_key, Chunk([], {}, plan.dispatch_key))
             chunk.plans.append(plan)
             chunk.rows[plan.job_id] = row
             continue
+        if plan.mapped:  # its extra images need fuse-faces: a run of its own
+            chunks_alone.append(Chunk([plan], {plan.job_id: row}))
+            continue
         key = (plan.priority, plan.options.get("detector"), plan.options.get("fuser"))
         open_groups.setdefault(key, []).append((row, plan))
-    chunks = list(planned_keys.values())
+    chunks = [*planned_keys.values(), *chunks_alone]
     for members in open_groups.values():
         members.sort(key=lambda member: member[1].deadline_at)
         for start in range(0, len(members), size):

@@ -62,6 +62,13 @@ class Plan:
     options: dict[str, object]
     priority: str = "normal"
     dispatch_key: str | None = None
+    extra_source_keys: tuple[str, ...] = ()
+    reference_keys: tuple[str, ...] = ()
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the job carries a per-face mapping (it runs in its own fuse-faces run)."""
+        return bool(self.options.get("mapping") or self.extra_source_keys or self.reference_keys)
 
 
 def plan_of(job: Job, attempt: int) -> Plan:
@@ -81,6 +88,8 @@ def plan_of(job: Job, attempt: int) -> Plan:
         options=dict(job.options),
         priority=job.priority,
         dispatch_key=job.dispatch_key,
+        extra_source_keys=tuple((job.extra_inputs or {}).get("sources", [])),
+        reference_keys=tuple((job.extra_inputs or {}).get("references", [])),
     )
 
 
@@ -175,6 +184,8 @@ def send_single(relay: Relay, row: Outbox, plan: Plan) -> bool:
         options=FusionOptions.model_validate(plan.options),
         deadline_at=plan.deadline_at,
         attempt=plan.attempt,
+        extra_source_keys=list(plan.extra_source_keys),
+        reference_keys=list(plan.reference_keys),
         storage_block=DEFAULT_STORAGE_BLOCK,
         settings_block=DEFAULT_SETTINGS_BLOCK,
     )
