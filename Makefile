@@ -11,15 +11,17 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first (exact pin: a CPU wheel lies on disk; a looser pin pulls a CUDA build),
-# then the project, then the two packages we only take files from, without their deps:
+# then the project, then the packages we only take files from, without their deps:
 #  - facenet-pytorch carries the MTCNN weights (never imported: it needs torchvision);
 #  - insightface carries the t1.jpg sample photo and documents the optional model packs;
 #    its own dependency on opencv-python would install a second cv2 next to our
-#    opencv-python-headless.
-$(STAMP): pyproject.toml | $(BIN)/python
+#    opencv-python-headless;
+#  - nudenet carries the moderation detector 320n.onnx (AGPL-3.0, see tasks/registry.py);
+#    what it requires (numpy, onnxruntime, opencv-python-headless) we pin ourselves.
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps facenet-pytorch==2.6.0 insightface==2.1
+	$(BIN)/pip install -q --no-deps facenet-pytorch==2.6.0 insightface==2.1 nudenet==3.4.2
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -16,32 +16,44 @@ from pydantic import Field, field_validator
 
 from blocks.cache import load_block
 from flows.params import STAGES, StageName
-from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits
+from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits, ModerationPolicy
 
 __all__ = ["STAGES", "FusionSettings", "StageName", "StagePolicy", "load_settings"]
 
 DEFAULT_BUDGETS_S: dict[StageName, float] = {
     "load": 30.0,
+    "moderate_inputs": 30.0,
     "detect": 60.0,
     "align": 15.0,
     "fuse": 60.0,
+    "enhance": 60.0,
     "postprocess": 30.0,
+    "quality": 30.0,
+    "moderate_result": 30.0,
     "store": 30.0,
 }
 DEFAULT_EXPECTED_S: dict[StageName, float] = {
     "load": 0.5,
+    "moderate_inputs": 0.3,
     "detect": 2.0,
     "align": 0.2,
     "fuse": 2.0,
+    "enhance": 1.0,
     "postprocess": 1.0,
+    "quality": 1.0,
+    "moderate_result": 0.2,
     "store": 0.5,
 }
 DEFAULT_RETRIES: dict[StageName, int] = {
     "load": 2,
+    "moderate_inputs": 1,
     "detect": 1,
     "align": 0,
     "fuse": 1,
+    "enhance": 1,
     "postprocess": 0,
+    "quality": 0,
+    "moderate_result": 1,
     "store": 2,
 }
 
@@ -64,7 +76,7 @@ class FusionSettings(Block):
     _description = (
         "Operator settings of the FaceFlow fuse-faces flow: default detector and fuser, "
         "identity weight, per-stage time budgets, expected costs and retries, input limits, "
-        "model directory and model pins."
+        "NSFW moderation policy, model directory and model pins."
     )
 
     detector: DetectorName = Field(
@@ -99,6 +111,11 @@ class FusionSettings(Block):
     )
     image_limits: ImageLimits = Field(
         default_factory=ImageLimits, description="Bounds on every input image."
+    )
+    moderation: ModerationPolicy = Field(
+        default_factory=ModerationPolicy,
+        description="NSFW check of the inputs (before detection) and of the result: mode "
+        "(enforce, report or off), blocked detector labels and their score thresholds.",
     )
     model_dir: str | None = Field(
         default=None,

@@ -81,16 +81,33 @@ def fuse(
         str, typer.Option(help="Blend: multiband, seamless or feather.")
     ] = "multiband",
     sharpen: Annotated[float, typer.Option(help="Unsharp-mask amount, 0 = off.")] = 0.0,
+    enhancer: Annotated[
+        str, typer.Option(help="Face restoration: none or gfpgan (operator model, pinned).")
+    ] = "none",
+    enhancer_blend: Annotated[
+        float, typer.Option(help="How much of the restored face to keep, 0..1.")
+    ] = 0.8,
+    pin: Annotated[
+        list[str] | None,
+        typer.Option(help="Pin an operator model file: MODEL=SHA256 (repeatable)."),
+    ] = None,
+    min_identity: Annotated[
+        float | None,
+        typer.Option(help="Quality floor (0..1, 0.5 = same person): below it, retry once."),
+    ] = None,
     model_dir: Annotated[
         Path | None, typer.Option(help="Directory with operator-provided models.")
     ] = None,
+    moderation: Annotated[
+        str, typer.Option(help="NSFW check of inputs and result: enforce, report or off.")
+    ] = "enforce",
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
     """Fuse the face of SOURCE into TARGET in this process and print per-stage timings."""
     from pydantic import ValidationError
 
     from tasks.errors import FaceFlowError
-    from tasks.options import FusionOptions
+    from tasks.options import FusionOptions, ModerationPolicy
 
     fmt = {".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}.get(output.suffix.lower(), "png")
     try:
@@ -101,8 +118,12 @@ def fuse(
             face=_parse_face(face),
             blend=blend,  # type: ignore[arg-type]
             sharpen=sharpen,
+            enhancer=enhancer,  # type: ignore[arg-type]
+            enhancer_blend=enhancer_blend,
+            min_identity=min_identity,
             output_format=fmt,  # type: ignore[arg-type]
         )
+        policy = ModerationPolicy(mode=moderation)  # type: ignore[arg-type]
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -114,7 +135,8 @@ def fuse(
 
     from tasks.pipeline import PipelineContext, fuse_images
 
-    ctx = PipelineContext.for_this_machine(model_dir=model_dir)
+    pins = dict(p.split("=", 1) for p in pin or [] if "=" in p)
+    ctx = PipelineContext.for_this_machine(model_dir=model_dir, pins=pins, moderation=policy)
     try:
         result = fuse_images(source_bytes, target_bytes, options, ctx)
     except FaceFlowError as exc:
@@ -130,14 +152,26 @@ def fuse(
         "device": result.device,
         "timings_ms": {k: round(v, 1) for k, v in result.timings_ms.items()},
         "total_ms": round(sum(result.timings_ms.values()), 1),
+        "quality": result.quality.as_json() if result.quality is not None else None,
+        "moderation": list(result.moderation_flags),
     }
     if as_json:
         typer.echo(json.dumps(summary))
         return
     typer.echo(f"wrote {output} ({result.width}x{result.height}, {result.content_type})")
     for stage, ms in summary["timings_ms"].items():  # type: ignore[attr-defined]
-        typer.echo(f"  {stage:<12} {ms:8.1f} ms")
-    typer.echo(f"  {'total':<12} {summary['total_ms']:8.1f} ms  on {result.device}")
+        typer.echo(f"  {stage:<16} {ms:8.1f} ms")
+    typer.echo(f"  {'total':<16} {summary['total_ms']:8.1f} ms  on {result.device}")
+    if result.quality is not None:
+        q = result.quality
+        typer.echo(
+            f"quality: identity to source {q.source_similarity}, to target "
+            f"{q.target_similarity} (0.5 = same person), faces lost {q.faces_lost}, "
+            f"pose mismatch {q.pose_mismatch}, settings {q.settings.identity_weight:g} "
+            f"{q.settings.blend} ({len(q.attempts)} attempt(s))"
+        )
+    for flag in result.moderation_flags:
+        typer.echo(f"  moderation (report only) flagged {flag}")
 
 
 @models_app.command("list")

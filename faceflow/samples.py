@@ -59,6 +59,15 @@ def no_face_rgb() -> RGBImage:
     return np.ascontiguousarray(data.coffee(), dtype=np.uint8)
 
 
+@cache
+def colorwheel_rgb() -> RGBImage:
+    """skimage's synthetic colour wheel, 371 x 370: NudeNet's 320n detector flags it
+    (``BUTTOCKS_EXPOSED``, 0.83), so moderation tests can be blocked by a harmless image."""
+    from skimage import data
+
+    return np.ascontiguousarray(data.colorwheel(), dtype=np.uint8)
+
+
 def encode(image: RGBImage, fmt: str = "JPEG", **kwargs: object) -> bytes:
     """Encode an RGB array with Pillow."""
     buf = io.BytesIO()

@@ -22,6 +22,7 @@ stage itself.
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import re
 import threading
@@ -39,6 +40,7 @@ from prefect.context import FlowRunContext
 from prefect.states import State
 
 from tasks.gpu import GpuStats
+from tasks.report import QualityReport
 
 logger = logging.getLogger("faceflow.flows.artifacts")
 
@@ -169,6 +171,10 @@ class OperatorView:
             f"Stage {index + 1}/{len(self.stages)}: {stage} (attempt {self.attempt}).",
         )
 
+    def stage_skipped(self, stage: str) -> None:
+        """Record that the settings turned ``stage`` off for this run."""
+        self.records[stage].status = "skipped"
+
     def stage_finished(self, stage: str, ms: float, attempts: int, ok: bool) -> None:
         """Record a stage's outcome."""
         record = self.records[stage]
@@ -183,6 +189,7 @@ class OperatorView:
         faces: dict[str, int],
         result_key: str | None = None,
         result_uri: str | None = None,
+        quality: QualityReport | None = None,
     ) -> None:
         """Close the progress bar and publish the table and markdown artifacts.
 
@@ -199,6 +206,8 @@ class OperatorView:
             lines.append(f"Result: {link}")
         else:
             lines.append(f"Outcome: `{outcome}`")
+        if quality is not None:
+            lines += ["", *quality_markdown(quality)]
 
         def publish() -> None:
             if self.progress is not None:
@@ -242,7 +251,7 @@ class OperatorView:
         return rows
 
     def _fraction_done(self) -> float:
-        done = sum(1 for r in self.records.values() if r.status == "done")
+        done = sum(1 for r in self.records.values() if r.status in ("done", "skipped"))
         return 100.0 * done / len(self.stages)
 
     def _progress(self, value: float, description: str) -> None:
@@ -274,6 +283,31 @@ def start_progress(key: str) -> DeferredProgress | None:
         logger.warning("No flow run: the operator view publishes no progress.")
         return None
     return DeferredProgress(get_client(sync_client=True), run.flow_run.id, key)
+
+
+def quality_markdown(report: QualityReport) -> list[str]:
+    """Markdown lines of a quality report: a summary, then the whole report as JSON."""
+
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    settings = report.settings
+    return [
+        "## Quality",
+        "",
+        f"- identity similarity to the source: {fmt(report.source_similarity)}, "
+        f"to the target: {fmt(report.target_similarity)} ({report.identity_model}; "
+        "0.5 is the same-person threshold)",
+        f"- faces lost: {report.faces_lost}; pose mismatch: {report.pose_mismatch}",
+        f"- settings: {settings.fuser}, identity weight {settings.identity_weight:g}, "
+        f"{settings.blend} blend ({len(report.attempts)} attempt(s)"
+        + (f", floor {report.min_identity:g}" if report.min_identity is not None else "")
+        + ")",
+        "",
+        "```json",
+        json.dumps(report.as_json(), indent=2),
+        "```",
+    ]
 
 
 def in_this_context(fn: Callable[[], None]) -> Callable[[], None]:

@@ -5,7 +5,11 @@ fuser) into one ``fuse-batch`` run when more than one is waiting (``FuseBatchPar
 a job alone still gets its own ``fuse-faces`` run. The stages are those of ``fuse-faces``,
 one task run per stage for the whole batch, MTCNN on every job's images at once:
 
-    load → detect → align → fuse → postprocess → store
+    load → moderate_inputs → detect → align → fuse → postprocess → quality →
+    moderate_result → store
+
+(the moderation stages are left out when the settings' moderation policy turns them off,
+enhance when no job of the batch chose an enhancer)
 
 Every job keeps what a single run gives it:
 
@@ -35,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -45,7 +50,7 @@ from blocks.storage import ByteStore, exists, load_storage, write_to
 from flows import faults
 from flows.batch_view import BatchView, JobRow
 from flows.deadline import Deadline, StageGuard
-from flows.fuse import JOB_FLOW_OPTIONS, failed, pipeline_context
+from flows.fuse import JOB_FLOW_OPTIONS, failed, pipeline_context, retry_cost_s
 from flows.params import (
     BATCH_FLOW_NAME,
     DEFAULT_SETTINGS_BLOCK,
@@ -62,14 +67,19 @@ from tasks.batch import Each
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats
 from tasks.options import FusionOptions
-from tasks.pipeline import Aligned, Detections, Fused, PipelineContext
+from tasks.pipeline import Aligned, Detections, Fused, PipelineContext, flagged_summaries
 from tasks.prefect_tasks import (
     EncodedImage,
     align_batch_task,
     detect_batch_task,
+    enhance_batch_task,
     fuse_batch_task,
+    moderate_inputs_batch_task,
+    moderate_result_batch_task,
     postprocess_batch_task,
+    quality_batch_task,
 )
+from tasks.report import QualityReport
 from tasks.types import RGBImage
 
 STOPPED = "stopped"
@@ -93,6 +103,8 @@ class _Job:
     aligned: Aligned | None = None
     fused: Fused | None = None
     encoded: EncodedImage | None = None
+    quality: QualityReport | None = None
+    moderation: list[str] = field(default_factory=list)  # what report-only moderation flagged
 
     @property
     def live(self) -> bool:
@@ -140,7 +152,7 @@ class _Batch:
         live = self.live()
         if stage in CHECK_STOPS_BEFORE:
             for job in live:
-                if exists(self.store, stop_marker_key(job.spec.job_id)):
+                if exists(self.store, stop_marker_key(job.spec.job_id, job.spec.attempt)):
                     job.row.outcome = STOPPED
                     get_run_logger().info("Job %s stopped by the relay", job.spec.job_id)
         for job in self.live():
@@ -218,6 +230,8 @@ def _run(specs: list[JobAttempt], *, storage_block: str, settings_block: str) ->
     batch.view.start()
     try:
         for stage in STAGES:
+            if not _wanted(batch, stage):
+                continue
             jobs = batch.admit(stage, settings.policy(stage))
             if not jobs:
                 break
@@ -244,6 +258,34 @@ def _load(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
             job.source, job.target = pair
 
 
+def _wanted(batch: _Batch, stage: StageName) -> bool:
+    """Whether ``stage`` runs at all (the settings may turn moderation off, the jobs may
+    choose no enhancer)."""
+    if stage == "enhance":
+        return any(job.options.enhancer != "none" for job in batch.live())
+    if stage == "moderate_inputs":
+        return batch.ctx.moderation.checks_inputs
+    if stage == "moderate_result":
+        return batch.ctx.moderation.checks_result
+    return True
+
+
+def _moderate_inputs(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
+    inputs = [{"source": _img(job.source), "target": _img(job.target)} for job in jobs]
+    verdicts = guard.run(moderate_inputs_batch_task, inputs, batch.ctx)
+    for job, value in zip(jobs, batch.settle(jobs, verdicts, "moderate_inputs"), strict=True):
+        if value is not None:
+            job.moderation += flagged_summaries(value)
+
+
+def _moderate_result(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
+    images = [_req(job.encoded).image for job in jobs]
+    verdicts = guard.run(moderate_result_batch_task, images, batch.ctx)
+    for job, value in zip(jobs, batch.settle(jobs, verdicts, "moderate_result"), strict=True):
+        if value is not None:
+            job.moderation += flagged_summaries(value)
+
+
 def _detect(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     inputs = [(_img(job.source), _img(job.target), job.options) for job in jobs]
     found = guard.run(detect_batch_task, inputs, batch.ctx)
@@ -268,18 +310,58 @@ def _fuse(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
         job.fused = value
 
 
+def _enhance(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
+    inputs = [(_img(job.target), _req(job.fused), job.options) for job in jobs]
+    enhanced = guard.run(enhance_batch_task, inputs, batch.ctx)
+    for job, value in zip(jobs, batch.settle(jobs, enhanced, "enhance"), strict=True):
+        job.fused = value
+
+
 def _postprocess(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     inputs = [(_img(job.target), _req(job.fused), job.options) for job in jobs]
     encoded = guard.run(postprocess_batch_task, inputs, batch.ctx)
     for job, value in zip(jobs, batch.settle(jobs, encoded, "postprocess"), strict=True):
         job.encoded = value
+
+
+def _quality(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
+    cost = retry_cost_s(batch.settings)
+    inputs = [
+        (
+            _img(job.source),
+            _img(job.target),
+            _req(job.aligned),
+            _req(job.detections),
+            _req(job.fused),
+            _req(job.encoded),
+            job.options,
+            partial(_time_for_retry, job.deadline, cost),
+        )
+        for job in jobs
+    ]
+    checked = guard.run(quality_batch_task, inputs, batch.ctx)
+    for job, value in zip(jobs, batch.settle(jobs, checked, "quality"), strict=True):
+        if value is not None:
+            job.encoded, job.fused, job.options = value.encoded, value.fused, value.options
+            job.quality = value.report
         job.source = job.target = None  # the pixels are no longer needed
+        job.aligned = None
+
+
+def _time_for_retry(deadline: Deadline, cost_s: float) -> bool:
+    return deadline.left() >= cost_s
 
 
 def _store(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     results = []
     for job in jobs:
         encoded, fused = _req(job.encoded), _req(job.fused)
+        if job.moderation:
+            get_run_logger().warning(
+                "Job %s: moderation (report only) flagged %s",
+                job.spec.job_id,
+                "; ".join(job.moderation),
+            )
         ref = ResultRef(
             key=result_key(job.spec.job_id, job.spec.attempt, job.options.output_format),
             content_type=job.options.content_type,
@@ -288,6 +370,8 @@ def _store(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
             faces_replaced=len(fused.crops),
             device=batch.ctx.device,
             timings_ms=dict(job.row.timings_ms),
+            quality=job.quality,
+            moderation=job.moderation,
         )
         job.row.result_key = ref.key
         results.append((job.spec.job_id, job.spec.attempt, ref, encoded.data))
@@ -300,10 +384,14 @@ def _store(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
 
 STAGE_STEPS: dict[StageName, Callable[[_Batch, list[_Job], StageGuard], None]] = {
     "load": _load,
+    "moderate_inputs": _moderate_inputs,
     "detect": _detect,
     "align": _align,
     "fuse": _fuse,
+    "enhance": _enhance,
     "postprocess": _postprocess,
+    "quality": _quality,
+    "moderate_result": _moderate_result,
     "store": _store,
 }
 

@@ -1,9 +1,12 @@
-"""The ``fuse-faces`` flow: one job attempt, load → detect → align → fuse → postprocess → store.
+"""The ``fuse-faces`` flow: one job attempt, load → moderate_inputs → detect → align → fuse →
+enhance → postprocess → moderate_result → store.
 
 Parameters mirror ``flows.params.FuseFacesParams``. Inputs come from, and the result
 goes to, the storage block named by ``storage_block``; the flow returns the small
-``ResultRef`` dict (never image bytes). Every stage is a sync task called directly on
-the main thread under ``flows.deadline.StageGuard``: its timeout is
+``ResultRef`` dict (never image bytes). The moderation stages run on the CPU and are
+skipped when the settings' moderation policy turns them off, enhance when the job chose no
+enhancer. Every stage is a sync task
+called directly on the main thread under ``flows.deadline.StageGuard``: its timeout is
 ``min(stage budget, deadline_at - now)`` on every attempt and retries stop for permanent
 errors or when the time left is below the stage's expected cost. A run started after its
 deadline fails at once, before loading settings or models. Failures end the run in a
@@ -40,12 +43,22 @@ from flows.params import (
     result_key,
     run_tags,
 )
-from flows.storage_tasks import load_task, store_task
+from flows.storage_tasks import load_more_task, load_task, store_task
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats, select_device
 from tasks.options import FusionOptions
-from tasks.pipeline import PipelineContext
-from tasks.prefect_tasks import align_task, detect_task, fuse_task, postprocess_task
+from tasks.pipeline import PipelineContext, flagged_summaries
+from tasks.prefect_tasks import (
+    align_task,
+    detect_task,
+    enhance_task,
+    fuse_task,
+    moderate_inputs_task,
+    moderate_result_task,
+    postprocess_task,
+    quality_task,
+)
+from tasks.report import QualityReport
 
 
 def pipeline_context(settings: FusionSettings) -> PipelineContext:
@@ -55,7 +68,14 @@ def pipeline_context(settings: FusionSettings) -> PipelineContext:
         model_dir=Path(settings.model_dir) if settings.model_dir else None,
         pins=dict(settings.model_pins),
         limits=settings.image_limits,
+        moderation=settings.moderation,
     )
+
+
+def retry_cost_s(settings: FusionSettings) -> float:
+    """Seconds a quality-floor retry must find left: fuse, postprocess and quality again,
+    and the store after (expected costs)."""
+    return sum(settings.policy(s).expected_s for s in ("fuse", "postprocess", "quality", "store"))
 
 
 @dataclass
@@ -83,6 +103,10 @@ class _Run:
             ms = (time.perf_counter() - start) * 1000.0
             self.timings_ms[name] = ms
             self.view.stage_finished(name, ms, guard.failures + (1 if ok else 0), ok)
+
+    def skip(self, name: StageName) -> None:
+        """Record a stage the settings turned off."""
+        self.view.stage_skipped(name)
 
 
 def _tag_flow_run(job_id: str, owner_id: str) -> None:
@@ -136,6 +160,8 @@ def fuse_faces(
     deadline_at: datetime,
     options: FusionOptions | None = None,
     attempt: int = 1,
+    extra_source_keys: list[str] | None = None,
+    reference_keys: list[str] | None = None,
     storage_block: str = DEFAULT_STORAGE_BLOCK,
     settings_block: str = DEFAULT_SETTINGS_BLOCK,
 ) -> dict[str, Any] | State[Any]:
@@ -161,6 +187,8 @@ def fuse_faces(
             job_id=job_id,
             source_key=source_key,
             target_key=target_key,
+            extra_source_keys=extra_source_keys or [],
+            reference_keys=reference_keys or [],
             deadline=deadline,
             options=options or FusionOptions.model_validate({}),
             attempt=attempt,
@@ -176,6 +204,8 @@ def _fuse(
     job_id: str,
     source_key: str,
     target_key: str,
+    extra_source_keys: list[str],
+    reference_keys: list[str],
     deadline: Deadline,
     options: FusionOptions,
     attempt: int,
@@ -191,13 +221,37 @@ def _fuse(
     faces: dict[str, int] = {}
     outcome = "failed"
     ref: ResultRef | None = None
+    report: QualityReport | None = None
     uri: str | None = None
     try:
         ctx = pipeline_context(settings)
         with run.stage("load") as guard:
             source, target = guard.run(load_task, storage_block, source_key, target_key, ctx)
+            more_keys = [*extra_source_keys, *reference_keys]
+            more = guard.run(load_more_task, storage_block, more_keys, ctx) if more_keys else []
+        extra_sources, references = more[: len(extra_source_keys)], more[len(extra_source_keys) :]
+        flags: list[str] = []
+        if ctx.moderation.checks_inputs:
+            with run.stage("moderate_inputs") as guard:
+                inputs = {
+                    "source": source,
+                    "target": target,
+                    **{f"source {i + 1}": image for i, image in enumerate(extra_sources)},
+                    **{f"reference {i}": image for i, image in enumerate(references)},
+                }
+                flags += flagged_summaries(guard.run(moderate_inputs_task, inputs, ctx))
+        else:
+            run.skip("moderate_inputs")
         with run.stage("detect") as guard:
-            detections = guard.run(detect_task, source, target, options, ctx)
+            detections = guard.run(
+                detect_task,
+                source,
+                target,
+                options,
+                ctx,
+                extra_sources=extra_sources,
+                references=references,
+            )
         faces = {
             "source": detections.source_count,
             "target": detections.target_count,
@@ -207,8 +261,39 @@ def _fuse(
             aligned = guard.run(align_task, source, target, detections, options, ctx)
         with run.stage("fuse") as guard:
             fused = guard.run(fuse_task, aligned, options, ctx)
+        if options.enhancer != "none":
+            with run.stage("enhance") as guard:
+                fused = guard.run(enhance_task, target, fused, options, ctx)
+        else:
+            run.skip("enhance")
         with run.stage("postprocess") as guard:
             encoded = guard.run(postprocess_task, target, fused, options, ctx)
+        with run.stage("quality") as guard:  # FaceLost: a faceless result is never returned
+            checked = guard.run(
+                quality_task,
+                source,
+                target,
+                aligned,
+                detections,
+                fused,
+                encoded,
+                options,
+                ctx,
+                may_retry=lambda: deadline.left() >= retry_cost_s(settings),
+            )
+        fused, encoded, options, report = (
+            checked.fused,
+            checked.encoded,
+            checked.options,
+            checked.report,
+        )
+        if ctx.moderation.checks_result:
+            with run.stage("moderate_result") as guard:
+                flags += flagged_summaries(guard.run(moderate_result_task, encoded.image, ctx))
+        else:
+            run.skip("moderate_result")
+        if flags:
+            get_run_logger().warning("Moderation (report only) flagged %s", "; ".join(flags))
         ref = ResultRef(
             key=result_key(job_id, attempt, options.output_format),
             content_type=options.content_type,
@@ -217,6 +302,8 @@ def _fuse(
             faces_replaced=len(fused.crops),
             device=ctx.device,
             timings_ms=dict(run.timings_ms),
+            quality=report,
+            moderation=flags,
         )
         with run.stage("store") as guard:
             uri = guard.run(store_task, storage_block, job_id, attempt, ref, encoded.data)
@@ -232,6 +319,7 @@ def _fuse(
             faces=faces,
             result_key=ref.key if ref is not None and outcome == "succeeded" else None,
             result_uri=uri,
+            quality=report,
         )
     logging.getLogger("faceflow.flows.fuse").debug("timings %s", run.timings_ms)
     return ref.model_dump(mode="json")

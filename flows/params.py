@@ -14,6 +14,7 @@ from typing import Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.options import FusionOptions
+from tasks.report import QualityReport
 
 DEFAULT_STORAGE_BLOCK = "local-file-system/faceflow-storage"
 DEFAULT_SETTINGS_BLOCK = "fusion-settings/default"
@@ -22,8 +23,21 @@ DEPLOYMENT_NAME = "fuse-faces"
 BATCH_FLOW_NAME = "fuse-batch"
 BATCH_DEPLOYMENT_NAME = "fuse-batch"
 
-StageName = Literal["load", "detect", "align", "fuse", "postprocess", "store"]
-"""The flow's stages, in order: load (read + decode inputs) … store (write result)."""
+StageName = Literal[
+    "load",
+    "moderate_inputs",
+    "detect",
+    "align",
+    "fuse",
+    "enhance",
+    "postprocess",
+    "quality",
+    "moderate_result",
+    "store",
+]
+"""The flow's stages, in order: load (read + decode inputs), moderate_inputs (NSFW check on
+the CPU) … fuse, enhance (optional face restoration), postprocess, quality (the report, and the quality-floor retry's fuse and postprocess),
+moderate_result, store (write result). A stage the settings turn off is skipped."""
 STAGES: tuple[StageName, ...] = get_args(StageName)
 FINAL_STAGE: StageName = STAGES[-1]
 """The stage a succeeded job last went through (the relay records it on success)."""
@@ -39,6 +53,14 @@ class JobAttempt(BaseModel):
     owner_id: str = Field(description="The owning user's id, for tags and audit.")
     source_key: str = Field(description="Storage key of the source (face) image.")
     target_key: str = Field(description="Storage key of the target photo.")
+    extra_source_keys: list[str] = Field(
+        default_factory=list,
+        description="Storage keys of the sources after the first (per-face mapping).",
+    )
+    reference_keys: list[str] = Field(
+        default_factory=list,
+        description="Storage keys of the reference images a per-face mapping names.",
+    )
     options: FusionOptions = Field(default_factory=FusionOptions, description="Fusion options.")
     deadline_at: datetime = Field(description="This job's absolute UTC deadline.")
     attempt: int = Field(1, ge=1, description="Flow-run attempt number for this job (1-based).")
@@ -87,6 +109,11 @@ class ResultRef(BaseModel):
     faces_replaced: int = 0
     device: str = "cpu"
     timings_ms: dict[str, float] = Field(default_factory=dict)
+    quality: QualityReport | None = Field(None, description="The result's quality report.")
+    moderation: list[str] = Field(
+        default_factory=list,
+        description="What a report-only moderation check flagged (role: label score).",
+    )
 
 
 def input_key(digest: str, ext: str) -> str:
@@ -109,11 +136,11 @@ def result_error_key(job_id: str, attempt: int) -> str:
     return f"results/{job_id}/attempt-{attempt}.error.json"
 
 
-def stop_marker_key(job_id: str) -> str:
-    """Storage key the relay writes when a job that shares its run with other jobs ends
-    early (cancelled, expired, overdue): a ``fuse-batch`` run skips that job when it sees
-    the marker, instead of the whole run being cancelled."""
-    return f"results/{job_id}/stop"
+def stop_marker_key(job_id: str, attempt: int) -> str:
+    """Storage key the relay writes when a job attempt that shares its run with other jobs
+    ends early (cancelled, expired, overdue, re-dispatched): the ``fuse-batch`` run skips
+    that job when it sees the marker, instead of the whole run being cancelled."""
+    return f"results/{job_id}/attempt-{attempt}.stop"
 
 
 def run_tags(job_id: str, owner_id: str) -> list[str]:

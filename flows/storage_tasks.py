@@ -26,6 +26,14 @@ def load_task(
     return source, target
 
 
+@task(name="load-more", task_run_name="load-more", persist_result=False, cache_policy=NO_CACHE)
+def load_more_task(storage_block: str, keys: list[str], ctx: PipelineContext) -> list[RGBImage]:
+    """Read and decode more inputs (a per-face mapping's extra sources and references),
+    in the load stage."""
+    store = load_storage(storage_block)
+    return [decode_stage(read_from(store, key), ctx) for key in keys]
+
+
 @task(name="store", task_run_name="store", persist_result=False, cache_policy=NO_CACHE)
 def store_task(storage_block: str, job_id: str, attempt: int, ref: ResultRef, data: bytes) -> str:
     """Write the result image, then its ``ResultRef`` sidecar; returns the image's URI.

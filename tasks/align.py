@@ -112,6 +112,11 @@ def align_face(image: RGBImage, face: Face, size: int = DEFAULT_CROP_SIZE) -> Al
     )
 
 
+def warp_to_crop(image: RGBImage, matrix: FloatArray, size: int) -> RGBImage:
+    """The ``size`` x ``size`` crop that ``matrix`` (image → crop) frames, edges replicated."""
+    return _warp_to_crop(image, matrix, size)
+
+
 def _warp_to_crop(image: RGBImage, matrix: FloatArray, size: int) -> RGBImage:
     """``cv2.warpAffine``, shrinking a large face by area averaging first (warps alias)."""
     scale = warp_scale(matrix)

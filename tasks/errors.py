@@ -76,11 +76,25 @@ class NoFaceFound(PermanentError):
     default_message = "No face was found in the image."
 
 
+class FaceLost(PermanentError):
+    """The fused face is no longer detected in the result (every fuser setting tried)."""
+
+    code = "face_lost"
+    default_message = "The fused face could not be found in the result."
+
+
 class ModelUnavailable(PermanentError):
     """A model file is missing or does not match its pinned SHA-256."""
 
     code = "model_unavailable"
     default_message = "A required model is not available on this worker."
+
+
+class ContentBlocked(PermanentError):
+    """Moderation flagged an input or the result (NSFW): the same images fail the same way."""
+
+    code = "content_blocked"
+    default_message = "The images were refused by content moderation."
 
 
 class DeadlineExceeded(PermanentError):
@@ -98,7 +112,9 @@ PERMANENT_CODES: frozenset[str] = frozenset(
         ImageTooLarge,
         ImageTooSmall,
         NoFaceFound,
+        FaceLost,
         ModelUnavailable,
+        ContentBlocked,
         DeadlineExceeded,
     )
 )

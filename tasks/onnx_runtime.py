@@ -114,6 +114,7 @@ def load_onnx_model(
         raise ValueError(f"{name} is not an ONNX model")
     path = resolve(name, directory=model_dir, pins=pins)
     sha256 = pinned_hash(name, pins)
+    assert sha256 is not None  # resolve refuses an unpinned model
     wanted = providers_for(device)
 
     def load() -> OnnxModel:

@@ -8,18 +8,27 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    field_validator,
+    model_validator,
+)
 
 DetectorName = Literal["mtcnn", "scrfd"]
 FuserName = Literal["classic", "inswapper"]
 OutputFormat = Literal["png", "jpeg", "webp"]
 BlendMode = Literal["multiband", "seamless", "feather"]
 FaceChoice = Literal["largest", "all"] | NonNegativeInt
+EnhancerName = Literal["none", "gfpgan"]
 
 DETECTORS: tuple[str, ...] = get_args(DetectorName)
 FUSERS: tuple[str, ...] = get_args(FuserName)
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
 BLEND_MODES: tuple[str, ...] = get_args(BlendMode)
+ENHANCERS: tuple[str, ...] = get_args(EnhancerName)
 
 CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
@@ -38,6 +47,36 @@ class ImageLimits(BaseModel):
     min_side: Annotated[int, Field(gt=0, description="Smallest accepted width or height.")] = 16
 
 
+MAX_SOURCES = 8
+"""Most source images one job may carry."""
+MAX_REFERENCES = 8
+"""Most reference images one job may carry."""
+
+
+class FaceMapping(BaseModel):
+    """One target face and the source image whose face is fused onto it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: NonNegativeInt = Field(description="Index of the source image (0 = the first).")
+    target: NonNegativeInt | None = Field(
+        None,
+        description="Target face by its number in reading order (rows top to bottom, left "
+        "to right; 0 = the first).",
+    )
+    reference: NonNegativeInt | None = Field(
+        None,
+        description="Instead of target: index of a reference image; the target face most "
+        "similar to the reference's face is chosen.",
+    )
+
+    @model_validator(mode="after")
+    def _one_target(self) -> FaceMapping:
+        if (self.target is None) == (self.reference is None):
+            raise ValueError("give exactly one of target and reference")
+        return self
+
+
 class FusionOptions(BaseModel):
     """What a caller may choose for one fusion job."""
 
@@ -54,8 +93,37 @@ class FusionOptions(BaseModel):
     blend: BlendMode = Field("multiband", description="How the face is blended back.")
     color_transfer: bool = Field(True, description="Match the source face's colour to the target.")
     sharpen: float = Field(0.0, ge=0.0, le=2.0, description="Unsharp-mask amount (0 = off).")
+    enhancer: EnhancerName = Field(
+        "none",
+        description="Face restoration of the fused face before it is blended back: 'none' or "
+        "'gfpgan' (a GFPGAN 1.4 ONNX model the operator provides and pins).",
+    )
+    enhancer_blend: float = Field(
+        0.8, ge=0.0, le=1.0, description="How much of the restored face to keep (1 = all)."
+    )
+    min_identity: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Quality floor on the result's identity similarity to the source (0.5 is "
+        "the same-person threshold): below it the job retries once with the next fuser "
+        "settings and returns the better result.",
+    )
+    mapping: tuple[FaceMapping, ...] = Field(
+        (),
+        max_length=MAX_SOURCES * 2,
+        description="Per-face sources: which source image goes onto which target face (by "
+        "reading-order number or by a reference image). Empty: the first source onto the "
+        "faces that 'face' chooses.",
+    )
     output_format: OutputFormat = Field("png", description="Encoding of the result image.")
     jpeg_quality: int = Field(92, ge=50, le=100, description="Quality for JPEG and WebP output.")
+
+    @model_validator(mode="after")
+    def _mapping_or_face(self) -> FusionOptions:
+        if self.mapping and "face" in self.model_fields_set and self.face != "largest":
+            raise ValueError("'face' and 'mapping' exclude each other: the mapping names the faces")
+        return self
 
     @property
     def content_type(self) -> str:
@@ -67,3 +135,83 @@ class FusionOptions(BaseModel):
         sends to the flow, which fills the rest from the operator's ``FusionSettings``
         block (``apply_defaults``) or the defaults here."""
         return self.model_dump(mode="json", exclude_unset=True)
+
+
+NsfwLabel = Literal[
+    "FEMALE_GENITALIA_COVERED",
+    "FACE_FEMALE",
+    "BUTTOCKS_EXPOSED",
+    "FEMALE_BREAST_EXPOSED",
+    "FEMALE_GENITALIA_EXPOSED",
+    "MALE_BREAST_EXPOSED",
+    "ANUS_EXPOSED",
+    "FEET_EXPOSED",
+    "BELLY_COVERED",
+    "FEET_COVERED",
+    "ARMPITS_COVERED",
+    "ARMPITS_EXPOSED",
+    "FACE_MALE",
+    "BELLY_EXPOSED",
+    "MALE_GENITALIA_EXPOSED",
+    "ANUS_COVERED",
+    "FEMALE_BREAST_COVERED",
+    "BUTTOCKS_COVERED",
+]
+"""The labels of NudeNet's detector, in the order of its output channels."""
+NSFW_LABELS: tuple[str, ...] = get_args(NsfwLabel)
+ModerationMode = Literal["enforce", "report", "off"]
+MODERATION_MODES: tuple[str, ...] = get_args(ModerationMode)
+DEFAULT_BLOCKED_LABELS: tuple[NsfwLabel, ...] = (
+    "BUTTOCKS_EXPOSED",
+    "FEMALE_BREAST_EXPOSED",
+    "FEMALE_GENITALIA_EXPOSED",
+    "MALE_GENITALIA_EXPOSED",
+    "ANUS_EXPOSED",
+)
+
+
+class ModerationPolicy(BaseModel):
+    """What the NSFW check looks for and what it does with a hit (an operator setting)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: ModerationMode = Field(
+        "enforce",
+        description="enforce: a flagged image fails the job with content_blocked (never "
+        "retried); report: the job goes on and the findings are logged and returned; "
+        "off: no check.",
+    )
+    check_inputs: bool = Field(
+        True, description="Check the source and target images before any face detection."
+    )
+    check_result: bool = Field(True, description="Check the result image before it is stored.")
+    blocked_labels: tuple[NsfwLabel, ...] = Field(
+        DEFAULT_BLOCKED_LABELS, description="Detector labels that flag an image."
+    )
+    threshold: float = Field(
+        0.5, gt=0.0, le=1.0, description="Lowest detector score at which a blocked label counts."
+    )
+    label_thresholds: dict[NsfwLabel, float] = Field(
+        default_factory=dict, description="Per-label thresholds that replace the threshold."
+    )
+
+    @field_validator("label_thresholds")
+    @classmethod
+    def _scores(cls, value: dict[NsfwLabel, float]) -> dict[NsfwLabel, float]:
+        if any(not 0.0 < v <= 1.0 for v in value.values()):
+            raise ValueError("label thresholds must be in (0, 1]")
+        return value
+
+    @property
+    def checks_inputs(self) -> bool:
+        """Whether the inputs are checked."""
+        return self.mode != "off" and self.check_inputs
+
+    @property
+    def checks_result(self) -> bool:
+        """Whether the result is checked."""
+        return self.mode != "off" and self.check_result
+
+    def threshold_for(self, label: NsfwLabel) -> float:
+        """The score at or above which ``label`` counts."""
+        return self.label_thresholds.get(label, self.threshold)

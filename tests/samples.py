@@ -3,6 +3,7 @@
 from faceflow.samples import (
     astronaut_jpeg_bytes,
     astronaut_rgb,
+    colorwheel_rgb,
     encode,
     grace_hopper_jpeg_bytes,
     grace_hopper_path,
@@ -17,6 +18,7 @@ from faceflow.samples import (
 __all__ = [
     "astronaut_jpeg_bytes",
     "astronaut_rgb",
+    "colorwheel_rgb",
     "encode",
     "grace_hopper_jpeg_bytes",
     "grace_hopper_path",

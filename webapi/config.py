@@ -83,6 +83,26 @@ class Settings(BaseSettings):
         description="Submits whose inputs are validated and stored at once (CPU work: more "
         "threads only contend); their jobs are then admitted in batches (webapi.admission).",
     )
+    batch_max_jobs: int = Field(
+        16,
+        ge=1,
+        description="Most jobs the relay puts in one fuse-batch flow run (1: one fuse-faces "
+        "run per job, dispatched at once, no batching). Sized so Prefect's per-run cost "
+        "stays under 10 % of the batch's compute (docs/benchmarks.md).",
+    )
+    batch_linger_ms: float = Field(
+        20.0,
+        ge=0,
+        le=1000,
+        description="How long dispatch waits for more jobs when fewer than batch_max_jobs "
+        "are due and the oldest is younger than this (ms); a lone job waits at most this.",
+    )
+    runs_ahead_per_slot: int = Field(
+        2,
+        ge=1,
+        description="With batching on, unfinished flow runs per worker slot before dispatch "
+        "holds the next jobs back (they wait, and then leave together in a bigger batch).",
+    )
     public_base_url: str | None = Field(None, description="External URL of the API.")
     default_priority: Literal["normal", "high"] = Field(
         "normal", description="Priority class of new users (faceflow users create)."
@@ -131,6 +151,16 @@ class Settings(BaseSettings):
             if self.allow_private_urls:
                 raise SettingsError("FACEFLOW_ALLOW_PRIVATE_URLS is for development only")
         return self
+
+    @property
+    def batching(self) -> bool:
+        """Whether dispatch puts several jobs into one flow run."""
+        return self.batch_max_jobs > 1
+
+    @property
+    def max_runs_in_flight(self) -> int:
+        """Unfinished flow runs (per lane) beyond which batching dispatch waits."""
+        return self.worker_slots * self.runs_ahead_per_slot
 
     @property
     def max_request_bytes(self) -> int:

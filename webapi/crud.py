@@ -164,11 +164,16 @@ def authenticate(session: Session, *, api_key: str, pepper: str) -> User | None:
 
 
 def request_digest(
-    create: JobCreate, source: InputRef, target: InputRef, priority: Priority | None = None
+    create: JobCreate,
+    source: InputRef,
+    target: InputRef,
+    extra_sources: Sequence[InputRef] = (),
+    references: Sequence[InputRef] = (),
+    priority: Priority | None = None,
 ) -> str:
-    """sha256 hex over both inputs and every option: what "the same request" means
+    """sha256 hex over every input and every option: what "the same request" means
     (``priority``: the job's lane, when the request left it to the key's class)."""
-    document = {
+    document: dict[str, object] = {
         "source": source.digest,
         "target": target.digest,
         "options": create.options.as_sent(),
@@ -178,6 +183,9 @@ def request_digest(
         "queue_timeout_seconds": create.queue_timeout_seconds,
         "priority": priority or create.priority or "normal",
     }
+    if extra_sources or references:  # absent otherwise: single-source digests are unchanged
+        document["sources"] = [ref.digest for ref in extra_sources]
+        document["references"] = [ref.digest for ref in references]
     return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
 
 
@@ -190,9 +198,16 @@ class Submission:
     source: InputRef
     target: InputRef
     idempotency_key: str | None = None
+    extra_sources: tuple[InputRef, ...] = ()  # a per-face mapping's sources after the first
+    references: tuple[InputRef, ...] = ()
     prepared_at: datetime = field(default_factory=utcnow)
     """When the inputs were stored (before the existence check that may skip the upload):
     a retention pass that deleted one of them since then forces a new upload."""
+
+    def input_keys(self) -> list[str]:
+        """Storage keys of every stored input (URL inputs have none yet)."""
+        refs = (self.source, self.target, *self.extra_sources, *self.references)
+        return [ref.key for ref in refs if ref.key]
 
 
 @dataclass(frozen=True)
@@ -213,6 +228,8 @@ def submit_job(
     target: InputRef,
     settings: Settings,
     idempotency_key: str | None = None,
+    extra_sources: Sequence[InputRef] = (),
+    references: Sequence[InputRef] = (),
     store: ObjectStore | None = None,
 ) -> tuple[Job, bool]:
     """Create the job and its dispatch outbox row in one transaction.
@@ -221,7 +238,15 @@ def submit_job(
     earlier job with the same request digest. Raises ``IdempotencyKeyReused`` (409),
     ``QuotaExceeded`` (429), ``Overloaded`` (503) or ``InvalidRequest`` (422).
     """
-    submission = Submission(owner, create, source, target, idempotency_key)
+    submission = Submission(
+        owner,
+        create,
+        source,
+        target,
+        idempotency_key,
+        extra_sources=tuple(extra_sources),
+        references=tuple(references),
+    )
     (admission,) = submit_jobs(session, submissions=[submission], settings=settings, store=store)
     if admission.error is not None:
         raise admission.error
@@ -292,7 +317,7 @@ def _admit(
     batch = _Batch(backlog(session, settings=settings))
     purged = inputs_purged_since(
         session,
-        keys=[key for s in submissions for key in (s.source.key, s.target.key) if key],
+        keys=[key for submission in submissions for key in submission.input_keys()],
         since=min(s.prepared_at for s in submissions),
     )
     admissions: list[Admission] = []
@@ -331,18 +356,36 @@ def inputs_purged_since(
         for key, at in rows:
             if key is not None and at is not None:
                 found[key] = max(found.get(key, at), at)
+    # A per-face mapping's other images are listed in a JSON column: look at the few jobs
+    # purged since ``floor`` that have any.
+    extra = session.exec(
+        select(Job.extra_inputs, Job.inputs_purged_at).where(
+            col(Job.inputs_purged_at) >= floor, col(Job.extra_inputs).is_not(None)
+        )
+    ).all()
+    for inputs, at in extra:
+        for key in extra_input_keys(inputs):
+            if key in wanted and at is not None:
+                found[key] = max(found.get(key, at), at)
     return found
+
+
+def extra_input_keys(extra_inputs: Mapping[str, Sequence[str]] | None) -> list[str]:
+    """The storage keys in a job's ``extra_inputs`` (a mapping's sources and references)."""
+    if not extra_inputs:
+        return []
+    return [key for keys in extra_inputs.values() for key in keys if key]
 
 
 def _check_inputs(
     submission: Submission, purged: Mapping[str, datetime], store: ObjectStore | None
 ) -> None:
     floor = submission.prepared_at - timedelta(seconds=INPUT_PURGE_MARGIN_S)
-    for ref in (submission.source, submission.target):
-        at = purged.get(ref.key) if ref.key else None
+    for key in submission.input_keys():
+        at = purged.get(key)
         if at is None or at < floor:
             continue
-        if store is None or not store.exists(ref.key or ""):
+        if store is None or not store.exists(key):
             raise InputsPurged(retry_after=1)
 
 
@@ -352,7 +395,14 @@ def _admit_one(
     create, owner, key = submission.create, submission.owner, submission.idempotency_key
     deadline_s, queue_s = _timeouts(create, settings)
     lane = job_lane(create, owner)
-    digest = request_digest(create, submission.source, submission.target, lane)
+    digest = request_digest(
+        create,
+        submission.source,
+        submission.target,
+        submission.extra_sources,
+        submission.references,
+        lane,
+    )
     if key is not None:
         existing = batch.fresh.get((owner.id, key)) or _by_idempotency_key(
             session, owner_id=owner.id, key=key
@@ -418,6 +468,14 @@ def _new_job(
         target_key=target.key,
         source_url=source.url,
         target_url=target.url,
+        extra_inputs=(
+            {
+                "sources": [str(ref.key) for ref in submission.extra_sources],
+                "references": [str(ref.key) for ref in submission.references],
+            }
+            if submission.extra_sources or submission.references
+            else None
+        ),
         options=create.options.as_sent(),
         priority=lane,
         input_retention_s=_or(owner.input_retention_s, settings.input_retention_seconds),

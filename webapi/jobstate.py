@@ -147,7 +147,7 @@ def _side_effects(
             Outbox(
                 kind="cancel_run",
                 job_id=job.id,
-                payload={"flow_run_id": str(job.flow_run_id)},
+                payload={"flow_run_id": str(job.flow_run_id), "attempt": job.attempts},
                 created_at=now,
                 next_attempt_at=now,
             )
@@ -216,6 +216,7 @@ def event_data(job: Job) -> dict[str, Any]:
         "deadline_at": _iso(job.deadline_at),
         "error": error,
         "result": result,
+        "quality": job.quality,
         "urls": {"self": base, "cancel": f"{base}/cancel", "result": f"{base}/result"},
     }
 

@@ -20,11 +20,12 @@ from enum import StrEnum
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from pydantic import AnyUrl, BaseModel, ConfigDict, field_validator
+from pydantic import AnyUrl, BaseModel, ConfigDict, field_validator, model_validator
 from sqlalchemy.engine import Dialect
 from sqlmodel import JSON, Field, SQLModel
 
-from tasks.options import FusionOptions
+from tasks.options import MAX_REFERENCES, MAX_SOURCES, FusionOptions
+from tasks.report import QualityReport
 
 
 def utcnow() -> datetime:
@@ -240,6 +241,12 @@ class Job(JobBase, table=True):
     target_key: str | None = Field(default=None, max_length=200)
     source_url: str | None = Field(default=None, max_length=2000)
     target_url: str | None = Field(default=None, max_length=2000)
+    extra_inputs: dict[str, list[str]] | None = Field(
+        default=None,
+        sa_type=JSON,
+        description="Storage keys of a per-face mapping's other images: 'sources' (after "
+        "the first) and 'references'.",
+    )
 
     options: dict[str, Any] = Field(
         default_factory=dict, sa_type=JSON, description="FusionOptions.model_dump(mode='json')."
@@ -272,6 +279,9 @@ class Job(JobBase, table=True):
     timings: dict[str, float] = Field(
         default_factory=dict, sa_type=JSON, description="Stage timings (ms) from ResultRef."
     )
+    quality: dict[str, Any] | None = Field(
+        default=None, sa_type=JSON, description="The result's quality report from ResultRef."
+    )
     error_code: str | None = Field(default=None, max_length=64)
     error_message: str | None = Field(default=None, max_length=500)
 
@@ -302,6 +312,21 @@ class JobCreate(BaseModel):
         default=None,
         description="Source face: a data:image/(jpeg|png|webp);base64, URI or an https URL.",
     )
+    sources: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_SOURCES,
+        description="Instead of source: several source images for a per-face mapping "
+        "(options.mapping names them by index); the first may be an https URL, the others "
+        "are data: URIs.",
+    )
+    references: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_REFERENCES,
+        description="Reference images (data: URIs) that options.mapping entries name: each "
+        "picks the target face most similar to it.",
+    )
     target: str | None = Field(
         default=None, description="Target photo: a data: URI or an https URL."
     )
@@ -321,6 +346,27 @@ class JobCreate(BaseModel):
         description="Lane: 'high' (keys of the high priority class only) or 'normal' "
         "(default: the key's priority class).",
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_give_sources(self) -> JobCreate:
+        if self.source is not None and self.sources is not None:
+            raise ValueError("give source or sources, not both")
+        return self
+
+    def mapping_problem(self, sources: int, references: int) -> str | None:
+        """Why ``options.mapping`` does not fit ``sources`` source and ``references``
+        reference images (None when it does)."""
+        mapping = self.options.mapping
+        if sources > 1 and not mapping:
+            return "several sources need options.mapping to say which face gets which"
+        if references and not any(m.reference is not None for m in mapping):
+            return "references need options.mapping entries that name them"
+        for m in mapping:
+            if m.source >= sources:
+                return f"options.mapping names source {m.source}: {sources} given"
+            if m.reference is not None and m.reference >= references:
+                return f"options.mapping names reference {m.reference}: {references} given"
+        return None
 
     @field_validator("callback_events")
     @classmethod
@@ -383,6 +429,9 @@ class JobPublic(BaseModel):
     result_expires_at: datetime | None = None
     result_expired: bool = False
     timings: dict[str, float]
+    quality: QualityReport | None = Field(
+        None, description="How good the result is: identity, pose, faces found, settings."
+    )
     urls: JobUrls
     callback_url: str | None
     callback_events: list[CallbackEvent]

@@ -19,9 +19,14 @@ from typing import Any
 import httpx
 
 from flows.params import (
+    BATCH_DEPLOYMENT_NAME,
+    BATCH_FLOW_NAME,
     DEPLOYMENT_NAME,
     FLOW_NAME,
+    FuseBatchParams,
     FuseFacesParams,
+    batch_run_name,
+    batch_tags,
     idempotency_key,
     run_tags,
 )
@@ -150,7 +155,7 @@ class PrefectAPI:
             timeout=httpx.Timeout(timeout, connect=min(timeout, 3.0)),
             transport=transport,
         )
-        self._deployment_id: str | None = None
+        self._deployment_ids: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -186,21 +191,24 @@ class PrefectAPI:
         except PrefectError:
             return False
 
-    def deployment_id(self) -> str:
-        """Id of the ``fuse-faces`` deployment, cached after the first lookup.
+    def deployment_id(
+        self, flow_name: str | None = None, deployment_name: str | None = None
+    ) -> str:
+        """Id of a deployment (default: ``fuse-faces``), cached after the first lookup.
 
         A deployment that does not exist yet raises ``PrefectUnavailable`` (jobs wait).
         """
+        name = (flow_name or self.flow_name, deployment_name or self.deployment_name)
         with self._lock:
-            if self._deployment_id is None:
-                path = f"deployments/name/{self.flow_name}/{self.deployment_name}"
-                self._deployment_id = str(self._request("GET", path).json()["id"])
-            return self._deployment_id
+            if name not in self._deployment_ids:
+                path = f"deployments/name/{name[0]}/{name[1]}"
+                self._deployment_ids[name] = str(self._request("GET", path).json()["id"])
+            return self._deployment_ids[name]
 
     def forget_deployment(self) -> None:
-        """Drop the cached deployment id (after the deployment was re-created)."""
+        """Drop the cached deployment ids (after a deployment was re-created)."""
         with self._lock:
-            self._deployment_id = None
+            self._deployment_ids.clear()
 
     def create_flow_run(
         self,
@@ -226,7 +234,34 @@ class PrefectAPI:
         }
         if work_queue_name:
             body["work_queue_name"] = work_queue_name
-        deployment_id = self.deployment_id()
+        return self._create(self.deployment_id(), body)
+
+    def create_batch_run(
+        self,
+        params: FuseBatchParams,
+        *,
+        key: str,
+        job_variables: dict[str, Any] | None = None,
+        work_queue_name: str | None = None,
+    ) -> FlowRun:
+        """Create (or find, by idempotency key ``key``) the ``fuse-batch`` run of several
+        job attempts: named after its first job, tagged with every job's and owner's tag
+        (``work_queue_name`` as for ``create_flow_run``)."""
+        parameters = params.model_dump(mode="json")
+        for job, sent in zip(params.jobs, parameters["jobs"], strict=True):
+            sent["options"] = job.options.as_sent()
+        body = {
+            "name": batch_run_name(params.jobs),
+            "parameters": parameters,
+            "idempotency_key": key,
+            "tags": batch_tags(params.jobs),
+            "job_variables": job_variables or {},
+        }
+        if work_queue_name:
+            body["work_queue_name"] = work_queue_name
+        return self._create(self.deployment_id(BATCH_FLOW_NAME, BATCH_DEPLOYMENT_NAME), body)
+
+    def _create(self, deployment_id: str, body: dict[str, Any]) -> FlowRun:
         try:
             response = self._request(
                 "POST", f"deployments/{deployment_id}/create_flow_run", json=body

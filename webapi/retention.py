@@ -7,7 +7,8 @@ default 24 h), counted from the job's end (``jobstate`` sets ``inputs_purge_at``
 ``result_purge_at`` on the terminal move). A job that has not ended has no purge time, so
 nothing of it is deleted. One pass (``run_pass``), in batches of ``retention_batch``:
 
-1. **Inputs** of due jobs. Inputs are stored by content hash, so one object may serve
+1. **Inputs** of due jobs (source, target, and a per-face mapping's other sources and
+   references). Inputs are stored by content hash, so one object may serve
    several jobs: a key still used by a job that has not ended, or whose own inputs are
    not due, is kept. The check and the deletion run under the admission lock
    (``crud.serialise_admission``; SQLite: the write lock) and mark the jobs
@@ -103,7 +104,7 @@ def _purge_inputs(
     with session_scope(engine) as session:
         crud.serialise_admission(session)
         due = session.exec(
-            select(Job.id, Job.source_key, Job.target_key)
+            select(Job.id, Job.source_key, Job.target_key, Job.extra_inputs)
             .where(col(Job.inputs_purge_at) <= now)
             .order_by(col(Job.inputs_purge_at))
             .limit(batch)
@@ -111,8 +112,13 @@ def _purge_inputs(
         if not due:
             session.commit()
             return 0
-        ids = [job_id for job_id, _, _ in due]
-        keys = {key for _, source, target in due for key in (source, target) if key}
+        ids = [job_id for job_id, _, _, _ in due]
+        keys = {
+            key
+            for _, source, target, extra in due
+            for key in (source, target, *crud.extra_input_keys(extra))
+            if key
+        }
         kept = keys_in_use(session, keys=keys, now=now)
         doomed = sorted(keys - kept)
         try:
@@ -145,6 +151,9 @@ def keys_in_use(session: Session, *, keys: set[str], now: datetime) -> set[str]:
     for column in (Job.source_key, Job.target_key):
         rows = session.exec(select(column).where(col(column).in_(wanted), live).distinct()).all()
         used.update(key for key in rows if key is not None)
+    # A per-face mapping's other images (a JSON column): read those of the live jobs.
+    extra = session.exec(select(Job.extra_inputs).where(col(Job.extra_inputs).is_not(None), live))
+    used.update(key for inputs in extra for key in crud.extra_input_keys(inputs) if key in keys)
     return used
 
 

@@ -8,6 +8,7 @@ and the attempts whose ``ResultRef`` sidecar exists (storage), and keeps the lar
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -100,19 +101,20 @@ def _post(prefect_api: str, path: str, body: dict[str, Any]) -> list[dict[str, A
 
 
 def prefect_writers(prefect_api: str, job_ids: Iterable[str]) -> dict[str, int]:
-    """Per job: flow runs (named by the job id) whose ``store`` task completed."""
+    """Per job: flow runs whose ``store`` task completed for it. A ``fuse-faces`` run is
+    named by its job id; a ``fuse-batch`` run is tagged ``job:<id>`` for each job it
+    carried and counts for the jobs its per-job table artifact says it stored."""
     ids = sorted(set(job_ids))
-    runs: list[dict[str, Any]] = []
+    runs: dict[str, dict[str, Any]] = {}
     for start in range(0, len(ids), 100):
         chunk = ids[start : start + 100]
-        runs += _post(
-            prefect_api,
-            "/flow_runs/filter",
+        for body in (
             {"flow_runs": {"name": {"any_": chunk}}, "limit": 200},
-        )
-    job_of = {run["id"]: run["name"] for run in runs}
+            {"flow_runs": {"tags": {"any_": [f"job:{j}" for j in chunk]}}, "limit": 200},
+        ):
+            runs.update({run["id"]: run for run in _post(prefect_api, "/flow_runs/filter", body)})
     found: dict[str, int] = dict.fromkeys(ids, 0)
-    run_ids = sorted(job_of)
+    run_ids = sorted(runs)
     for start in range(0, len(run_ids), 100):
         chunk = run_ids[start : start + 100]
         stores = _post(
@@ -127,10 +129,28 @@ def prefect_writers(prefect_api: str, job_ids: Iterable[str]) -> dict[str, int]:
                 "limit": 200,
             },
         )
-        writers_per_run = {task["flow_run_id"] for task in stores}
-        for run_id in writers_per_run:
-            found[job_of[run_id]] = found.get(job_of[run_id], 0) + 1
+        for run_id in {task["flow_run_id"] for task in stores}:
+            for job_id in _stored_by(prefect_api, runs[run_id]):
+                if job_id in found:
+                    found[job_id] += 1
     return found
+
+
+def _stored_by(prefect_api: str, run: dict[str, Any]) -> list[str]:
+    """The jobs a run whose store task completed stored a result for."""
+    if "batch" not in (run.get("tags") or []):
+        return [str(run["name"])]
+    tables = _post(
+        prefect_api,
+        "/artifacts/filter",
+        {"artifacts": {"flow_run_id": {"any_": [run["id"]]}, "type": {"any_": ["table"]}}},
+    )
+    stored: list[str] = []
+    for table in tables:
+        rows = table.get("data")
+        rows = json.loads(rows) if isinstance(rows, str) else rows
+        stored += [str(row["job"]) for row in rows or [] if row.get("outcome") == "succeeded"]
+    return stored
 
 
 def storage_writers(

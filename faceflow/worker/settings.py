@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from faceflow.worker.protocol import ChildSpec
 
 DEFAULT_ENTRYPOINT = "flows/fuse.py:fuse_faces"
+BATCH_ENTRYPOINT = "flows/batch.py:fuse_batch"
 
 
 class WorkerSettings(BaseSettings):
@@ -40,7 +41,7 @@ class WorkerSettings(BaseSettings):
         default=None, description="Directory with operator-provided models."
     )
     preload: list[str] = Field(
-        default_factory=lambda: [DEFAULT_ENTRYPOINT],
+        default_factory=lambda: [DEFAULT_ENTRYPOINT, BATCH_ENTRYPOINT],
         description="Flow entrypoints imported at warm-up (missing ones are skipped).",
     )
     working_dir: str | None = Field(

@@ -19,15 +19,20 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from blocks.settings import FusionSettings
 from tests import samples
+from tests.onnx_builders import build_tiny_gfpgan
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -126,6 +131,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         **os.environ,
         "FACEFLOW_HOME": str(home),
         "FACEFLOW_ALLOW_PRIVATE_URLS": "true",
+        "FACEFLOW_BLOCK_CACHE_TTL_S": "0",  # settings the tests save apply to the next run
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("PREFECT_API_URL", None)
@@ -199,6 +205,7 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
             json={
                 "source": _data_uri(samples.astronaut_jpeg_bytes()),
                 "target": _data_uri(samples.grace_hopper_jpeg_bytes()),
+                "options": {"min_identity": 0.99},  # out of reach: the floor retries once
                 "callback_url": stack.receiver.url,
                 "callback_events": ["job.running", "job.succeeded", "job.failed"],
             },
@@ -213,6 +220,12 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
         assert result.status_code == 200
         image = Image.open(io.BytesIO(result.content))
         assert image.size == (512, 600)
+    quality = job["quality"]
+    assert quality["identity_model"] == "dlib-resnet-v1" and quality["faces_lost"] == 0
+    assert quality["faces"][0]["found"] and quality["source_similarity"] > 0.5
+    assert quality["min_identity"] == 0.99 and quality["below_floor"]
+    assert [a["settings"]["identity_weight"] for a in quality["attempts"]] == [0.85, 1.0]
+    assert quality["settings"] in [a["settings"] for a in quality["attempts"]]
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -221,7 +234,9 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
             break
         time.sleep(0.5)
     mine = [(h, b) for h, b in stack.receiver.deliveries if job_id in b.decode()]
-    assert any(json.loads(b)["type"] == "job.succeeded" for _, b in mine), mine
+    succeeded = [json.loads(b) for _, b in mine if json.loads(b)["type"] == "job.succeeded"]
+    assert succeeded, mine
+    assert succeeded[0]["data"]["quality"] == quality  # the webhook carries the report
     for headers, body in mine:
         assert verify_signature(stack.webhook_secret, headers, body)
         assert not verify_signature("whsec_" + base64.b64encode(b"x" * 32).decode(), headers, body)
@@ -251,6 +266,78 @@ def test_no_face_fails_without_retry(stack: RunningStack) -> None:
     assert job["status"] == "failed"
     assert job["error"]["code"] == "no_face_found"
     assert job["attempts"] == 1
+
+
+def test_moderation_blocks_a_flagged_target_without_retry(stack: RunningStack) -> None:
+    with stack.client() as client:
+        response = client.post(
+            "/v1/jobs",
+            json={
+                "source": _data_uri(samples.astronaut_jpeg_bytes()),
+                "target": _data_uri(samples.encode(samples.colorwheel_rgb(), "PNG"), "image/png"),
+            },
+        )
+        assert response.status_code == 202, response.text
+        job, _ = _watch(client, response.json()["id"])
+    assert job["status"] == "failed"
+    assert job["error"] == {
+        "code": "content_blocked",
+        "message": "The images were refused by content moderation.",
+    }
+    assert job["attempts"] == 1
+
+
+@contextmanager
+def _operator_settings(stack: RunningStack, settings: FusionSettings) -> Iterator[None]:
+    """Save ``settings`` as the stack's ``fusion-settings/default``; the defaults after."""
+    with temporary_settings({PREFECT_API_URL: stack.prefect_api}):
+        settings.save("default", overwrite=True)
+        try:
+            yield
+        finally:
+            FusionSettings().save("default", overwrite=True)
+
+
+def test_enhancer_is_refused_until_pinned_then_restores_the_face(
+    stack: RunningStack, tmp_path: Path
+) -> None:
+    """An operator's GFPGAN-shaped model (a tiny one: red and green kept, blue at half
+    contrast): unpinned it fails the job for good; pinned, it is applied to the face."""
+    tiny = build_tiny_gfpgan(tmp_path / "models")
+    options = {"color_transfer": False, "blend": "feather"}
+    enhanced = {**options, "enhancer": "gfpgan", "enhancer_blend": 1.0}
+    body = {
+        "source": _data_uri(samples.astronaut_jpeg_bytes()),
+        "target": _data_uri(samples.grace_hopper_jpeg_bytes()),
+    }
+    with stack.client() as client:
+        with _operator_settings(stack, FusionSettings(model_dir=str(tiny.path.parent))):
+            job, _ = _watch(
+                client, client.post("/v1/jobs", json={**body, "options": enhanced}).json()["id"]
+            )
+        assert job["status"] == "failed" and job["error"]["code"] == "model_unavailable", job
+        assert job["attempts"] == 1
+
+        pinned = FusionSettings(model_dir=str(tiny.path.parent), model_pins=tiny.pins)
+        with _operator_settings(stack, pinned):
+            ids = [
+                client.post("/v1/jobs", json={**body, "options": o}).json()["id"]
+                for o in (options, enhanced)
+            ]
+            jobs = [_watch(client, job_id)[0] for job_id in ids]
+        assert [j["status"] for j in jobs] == ["succeeded", "succeeded"], jobs
+        assert "enhance" in jobs[1]["timings"] and "enhance" not in jobs[0]["timings"]
+        plain, restored = (
+            np.asarray(Image.open(io.BytesIO(client.get(f"/v1/jobs/{i}/result").content))).astype(
+                int
+            )
+            for i in ids
+        )
+    cy, cx = 221, 264  # the centre of grace_hopper's face box
+    window = np.s_[cy - 30 : cy + 30, cx - 30 : cx + 30]
+    assert np.abs(restored[window][..., :2] - plain[window][..., :2]).mean() < 4.0
+    assert 0.4 < restored[window][..., 2].std() / plain[window][..., 2].std() < 0.65
+    assert np.array_equal(restored[:40, :40], plain[:40, :40])
 
 
 def test_cancel_of_a_queued_job(stack: RunningStack) -> None:

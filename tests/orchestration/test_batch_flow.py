@@ -29,6 +29,8 @@ from tests.orchestration.conftest import Home
 from tests.orchestration.helpers import job_params, task_runs
 from tests.samples import (
     astronaut_jpeg_bytes,
+    colorwheel_rgb,
+    encode,
     grace_hopper_jpeg_bytes,
     grace_hopper_rgb,
     no_face_jpeg_bytes,
@@ -52,19 +54,23 @@ def _exists(key: str) -> bool:
 
 
 def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
-    """Good jobs succeed beside a no-face job, a job whose deadline is about to pass and a
-    job the relay stopped; one task run per stage for the whole batch."""
+    """Good jobs succeed beside a no-face job, a job whose deadline is about to pass, a job
+    the relay stopped and one moderation blocks; one task run per stage for the batch."""
     astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
     grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
     no_face = prefect_harness.put_input(no_face_jpeg_bytes())
+    wheel = prefect_harness.put_input(encode(colorwheel_rgb(), "PNG"), "png")
     good = job_params(astronaut, grace)
+    blocked = job_params(astronaut, wheel)
     good_jpeg = job_params(grace, astronaut, options={"output_format": "jpeg"}, attempt=2)
     faceless = job_params(no_face, grace)
     late = job_params(astronaut, grace, seconds=0.3)  # below detect's expected cost
     stopped = job_params(astronaut, grace)
-    write_bytes(DEFAULT_STORAGE_BLOCK, stop_marker_key(stopped["job_id"]), b"cancelled")
+    write_bytes(DEFAULT_STORAGE_BLOCK, stop_marker_key(stopped["job_id"], 1), b"cancelled")
 
-    state = fuse_batch(**_batch(good, good_jpeg, faceless, late, stopped), return_state=True)
+    state = fuse_batch(
+        **_batch(good, good_jpeg, faceless, late, stopped, blocked), return_state=True
+    )
 
     assert state.is_completed(), state.message
     outcomes = state.result()
@@ -74,6 +80,7 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
         faceless["job_id"]: "no_face_found",
         late["job_id"]: "deadline_exceeded",
         stopped["job_id"]: "stopped",
+        blocked["job_id"]: "content_blocked",
     }
     ref = ResultRef.model_validate_json(
         read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(good["job_id"], 1))
@@ -82,7 +89,18 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     target = grace_hopper_rgb()
     assert image.shape == target.shape and ref.faces_replaced == 1
     assert np.abs(image.astype(int) - target.astype(int)).mean() > 0.5
-    assert set(ref.timings_ms) == {"load", "detect", "align", "fuse", "postprocess"}
+    assert set(ref.timings_ms) == {
+        "load",
+        "moderate_inputs",
+        "detect",
+        "align",
+        "fuse",
+        "postprocess",
+        "quality",
+        "moderate_result",
+    }
+    assert ref.moderation == []
+    assert ref.quality is not None and ref.quality.faces_lost == 0
     ref2 = ResultRef.model_validate_json(
         read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(good_jpeg["job_id"], 2))
     )
@@ -92,6 +110,14 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
         read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(faceless["job_id"], 1))
     )
     assert (failure.code, failure.retryable, failure.stage) == ("no_face_found", False, "detect")
+    blocked_failure = JobFailure.model_validate_json(
+        read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(blocked["job_id"], 1))
+    )
+    assert (blocked_failure.code, blocked_failure.retryable, blocked_failure.stage) == (
+        "content_blocked",
+        False,
+        "moderate_inputs",
+    )
     late_failure = JobFailure.model_validate_json(
         read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(late["job_id"], 1))
     )
@@ -102,7 +128,17 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
 
     run_id = state.state_details.flow_run_id
     stage_runs = task_runs(run_id)
-    assert set(stage_runs) == {"load", "detect", "align", "fuse", "postprocess", "store"}
+    assert set(stage_runs) == {
+        "load",
+        "moderate_inputs",
+        "detect",
+        "align",
+        "fuse",
+        "postprocess",
+        "quality",
+        "moderate_result",
+        "store",
+    }
     with get_client(sync_client=True) as client:
         assert run_id is not None
         artifacts = client.read_artifacts(
@@ -131,7 +167,7 @@ def test_a_batch_whose_every_job_fails_still_completes(prefect_harness: Home) ->
         jobs[0]["job_id"]: "no_face_found",
         jobs[1]["job_id"]: "invalid_input",
     }
-    assert set(task_runs(state.state_details.flow_run_id)) == {"load", "detect"}
+    assert set(task_runs(state.state_details.flow_run_id)) == {"load", "moderate_inputs", "detect"}
 
 
 def test_a_batch_that_cannot_load_its_settings_fails_as_a_whole(prefect_harness: Home) -> None:

@@ -16,9 +16,13 @@ from PIL import Image
 
 from faceflow.supervisor import Service
 from flows.params import (
+    BATCH_DEPLOYMENT_NAME,
+    BATCH_FLOW_NAME,
     DEPLOYMENT_NAME,
     FLOW_NAME,
+    FuseBatchParams,
     FuseFacesParams,
+    JobAttempt,
     ResultRef,
     idempotency_key,
     result_meta_key,
@@ -55,7 +59,12 @@ def deployed(prefect_server: PrefectServer) -> dict[str, dict[str, Any]]:
     )
     return {
         name: api(prefect_server, "GET", f"/deployments/name/{name}").json()
-        for name in (f"{FLOW_NAME}/{DEPLOYMENT_NAME}", "reconcile/reconcile", "retention/retention")
+        for name in (
+            f"{FLOW_NAME}/{DEPLOYMENT_NAME}",
+            f"{BATCH_FLOW_NAME}/{BATCH_DEPLOYMENT_NAME}",
+            "reconcile/reconcile",
+            "retention/retention",
+        )
     }
 
 
@@ -90,6 +99,29 @@ def test_deploy_all_creates_the_deployments(deployed: dict[str, dict[str, Any]])
     assert reconcile["global_concurrency_limit"]["limit"] == 1
     assert reconcile["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
     assert fuse["schedules"] == []
+
+
+def test_the_batch_deployment_takes_what_the_relay_sends(
+    deployed: dict[str, dict[str, Any]],
+) -> None:
+    batch = deployed[f"{BATCH_FLOW_NAME}/{BATCH_DEPLOYMENT_NAME}"]
+    assert batch["work_pool_name"] == "gpu" and batch["entrypoint"] == "flows/batch.py:fuse_batch"
+    assert batch["parameters"]["storage_block"] == "local-file-system/faceflow-storage"
+    jobs = [
+        JobAttempt.model_validate(
+            {
+                k: v
+                for k, v in webapi_parameters(str(uuid.uuid4()), "a", "b").items()
+                if k not in ("storage_block", "settings_block")
+            }
+        )
+        for _ in range(2)
+    ]
+    params = FuseBatchParams(jobs=jobs, deadline_at=max(j.deadline_at for j in jobs))
+    sent = params.model_dump(mode="json")
+    for job, dumped in zip(params.jobs, sent["jobs"], strict=True):
+        dumped["options"] = job.options.as_sent()
+    jsonschema.validate(sent, batch["parameter_openapi_schema"])
 
 
 def test_parameter_schema_accepts_what_the_webapi_sends(

@@ -8,6 +8,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
+import cv2
 import numpy as np
 import pytest
 from PIL import Image
@@ -21,13 +22,17 @@ from flows.fuse import fuse_faces
 from flows.params import DEFAULT_STORAGE_BLOCK, FuseFacesParams, ResultRef, result_meta_key
 from tasks import pipeline
 from tasks.models import MODEL_CACHE
+from tasks.options import ModerationPolicy
 from tests.orchestration.conftest import Home
 from tests.orchestration.helpers import job_params, task_runs
 from tests.samples import (
     astronaut_jpeg_bytes,
+    colorwheel_rgb,
+    encode,
     grace_hopper_jpeg_bytes,
     grace_hopper_rgb,
     no_face_jpeg_bytes,
+    t1_jpeg_bytes,
 )
 
 
@@ -53,7 +58,20 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     assert np.abs(image.astype(int) - target.astype(int)).mean() > 0.5  # the face changed
     sidecar = json.loads(read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(params["job_id"], 1)))
     assert ResultRef.model_validate(sidecar) == ref
-    assert set(ref.timings_ms) == {"load", "detect", "align", "fuse", "postprocess"}
+    assert set(ref.timings_ms) == {
+        "load",
+        "moderate_inputs",
+        "detect",
+        "align",
+        "fuse",
+        "postprocess",
+        "quality",
+        "moderate_result",
+    }
+    assert ref.moderation == []
+    assert ref.quality is not None and ref.quality.faces_lost == 0
+    assert ref.quality.faces[0].found and ref.quality.source_similarity is not None
+    assert len(ref.quality.attempts) == 1  # no floor set: no retry
 
     run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
@@ -67,20 +85,59 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     by_type = {a.type: a for a in artifacts}
     assert sorted(str(a.type) for a in artifacts) == ["markdown", "progress", "table"]
     assert ref.key in str(by_type["markdown"].data)
+    assert "## Quality" in str(by_type["markdown"].data)
+    assert '"identity_model": "dlib-resnet-v1"' in str(by_type["markdown"].data)
     table = by_type["table"].data
     rows = cast(list[dict[str, str]], json.loads(table) if isinstance(table, str) else table)
     items = {row["item"]: row for row in rows}
-    assert {"load", "detect", "align", "fuse", "postprocess", "store", "device"} <= set(items)
+    assert {"load", "detect", "align", "fuse", "postprocess", "quality", "store", "device"} <= set(
+        items
+    )
     assert items["faces replaced"]["value"] == "1"
     assert items["detect"]["detail"].startswith("done")
     assert by_type["progress"].data == 100.0
     assert by_type["progress"].description == "Finished: succeeded."
     stage_runs = task_runs(run_id)
-    assert set(stage_runs) == {"load", "detect", "align", "fuse", "postprocess", "store"}
+    assert set(stage_runs) == {
+        "load",
+        "moderate_inputs",
+        "detect",
+        "align",
+        "fuse",
+        "postprocess",
+        "quality",
+        "moderate_result",
+        "store",
+    }
     assert all(r.state is not None and r.state.is_completed() for r in stage_runs.values())
     # Stage task runs carry no per-job tags: Prefect acquires a tag concurrency lease for
     # every tag of every task run, a fresh one per job, which stalled warm runs ≈ 2 s.
     assert all(not r.tags for r in stage_runs.values()), {n: r.tags for n, r in stage_runs.items()}
+
+
+def test_per_face_mapping_loads_every_source_and_moderates_it(prefect_harness: Home) -> None:
+    """Two sources onto t1's first and last faces in reading order; a third source that
+    moderation blocks fails the job before detection."""
+    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
+    t1 = prefect_harness.put_input(t1_jpeg_bytes())
+    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    mapping = [{"source": 0, "target": 0}, {"source": 1, "target": 5}]
+    params = job_params(astronaut, t1, extra_source_keys=[grace], options={"mapping": mapping})
+    FuseFacesParams.model_validate(params)
+    state = fuse_faces(**params, return_state=True)
+    assert state.is_completed(), state.message
+    ref = ResultRef.model_validate(state.result())
+    assert ref.faces_replaced == 2
+    assert ref.quality is not None and len(ref.quality.faces) == 2
+
+    wheel = prefect_harness.put_input(encode(colorwheel_rgb(), "PNG"), "png")
+    blocked = job_params(
+        astronaut, t1, extra_source_keys=[grace, wheel], options={"mapping": mapping}
+    )
+    state = fuse_faces(**blocked, return_state=True)
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[content_blocked] ")
+    assert "source 2" in state.message
 
 
 def test_no_face_found_is_not_retried(prefect_harness: Home) -> None:
@@ -97,6 +154,52 @@ def test_no_face_found_is_not_retried(prefect_harness: Home) -> None:
     detect = task_runs(state.state_details.flow_run_id)["detect"]
     assert detect.run_count == 1
     assert detect.state is not None and detect.state.is_failed()
+
+
+def test_content_blocked_is_not_retried_and_no_face_model_runs(prefect_harness: Home) -> None:
+    retrying = FusionSettings(stage_retries={"moderate_inputs": 3})
+    retrying.save("test-moderation-retries", overwrite=True)
+    params = job_params(
+        prefect_harness.put_input(astronaut_jpeg_bytes()),
+        prefect_harness.put_input(encode(colorwheel_rgb(), "PNG"), "png"),
+        settings_block="fusion-settings/test-moderation-retries",
+    )
+    state = fuse_faces(**params, return_state=True)
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[content_blocked] ")
+    runs = task_runs(state.state_details.flow_run_id)
+    assert set(runs) == {"load", "moderate_inputs"}
+    assert runs["moderate_inputs"].run_count == 1
+
+
+def test_moderation_report_only_and_off(prefect_harness: Home) -> None:
+    target = grace_hopper_rgb().copy()
+    target[-300:, -300:] = cv2.resize(colorwheel_rgb(), (300, 300), interpolation=cv2.INTER_AREA)
+    keys = (
+        prefect_harness.put_input(astronaut_jpeg_bytes()),
+        prefect_harness.put_input(encode(target, "PNG"), "png"),
+    )
+    FusionSettings(moderation=ModerationPolicy(mode="report")).save("test-report", overwrite=True)
+    state = fuse_faces(**job_params(*keys, settings_block="fusion-settings/test-report"))
+    ref = ResultRef.model_validate(state)
+    assert [m.split(":")[0] for m in ref.moderation] == ["target", "result"]
+
+    FusionSettings(moderation=ModerationPolicy(mode="off")).save("test-off", overwrite=True)
+    state = fuse_faces(
+        **job_params(*keys, settings_block="fusion-settings/test-off"), return_state=True
+    )
+    assert state.is_completed(), state.message
+    assert ResultRef.model_validate(state.result()).moderation == []
+    run_id = state.state_details.flow_run_id
+    assert not {"moderate_inputs", "moderate_result"} & set(task_runs(run_id))
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+        )
+    (table,) = [a.data for a in artifacts if a.type == "table"]
+    rows = cast(list[dict[str, str]], json.loads(table) if isinstance(table, str) else table)
+    details = {row["item"]: row["detail"] for row in rows}
+    assert details["moderate_inputs"] == details["moderate_result"] == "skipped"
 
 
 def test_past_deadline_fails_fast_without_models(prefect_harness: Home) -> None:

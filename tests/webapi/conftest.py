@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
+from tests.webapi.relay_harness import PrefectServer, deploy_stand_ins
 from webapi import crud
 from webapi.config import Settings
 from webapi.db import dispose_engines, get_engine
@@ -99,6 +100,9 @@ def make_settings(database_url: str, tmp_path: Path, **overrides: Any) -> Settin
         "run_relay": False,
         "prefect_api_url": "http://127.0.0.1:9/api",
         "default_service_seconds": 0.5,
+        # One run per job, dispatched at once: the relay's batching has its own tests
+        # (tests/webapi/test_batching.py, tests/worker/test_batch_relay.py).
+        "batch_max_jobs": 1,
         **overrides,
     }
     return Settings.model_validate(values)
@@ -177,3 +181,31 @@ def s3_endpoint() -> Iterator[str]:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="faceflow")
         yield endpoint
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """A real Prefect server with the stand-in deployments; this process's Prefect client
+    settings point at it while the session lasts."""
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_LOGGING_TO_API_ENABLED,
+        temporary_settings,
+    )
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    server = PrefectServer(home)
+    server.start()
+    try:
+        with temporary_settings(
+            updates={
+                PREFECT_API_URL: server.api_url,
+                PREFECT_HOME: home / "client",
+                PREFECT_LOGGING_TO_API_ENABLED: False,
+            }
+        ):
+            deploy_stand_ins()
+            yield server
+    finally:
+        server.stop()

@@ -32,6 +32,7 @@ from sqlmodel import Session
 
 from faceflow.supervisor import Service
 from flows.params import ResultRef, result_key, result_meta_key
+from tasks.report import FaceQuality, FuserSettings, PoseAngles, QualityReport
 from tests.webapi.utils import image_bytes, source_jpeg, target_jpeg
 from webapi import crud
 from webapi.config import Settings
@@ -164,6 +165,31 @@ class FlowScript:
 SCRIPT = FlowScript()
 
 
+_STRAIGHT = PoseAngles(yaw=0.0, pitch=0.0, roll=0.0)
+QUALITY = QualityReport(
+    identity_model="dlib-resnet-v1",
+    source_score=0.99,
+    source_pose=_STRAIGHT,
+    faces=[
+        FaceQuality(
+            index=0,
+            detector_score=0.98,
+            found=True,
+            result_score=0.97,
+            source_similarity=0.62,
+            target_similarity=0.48,
+            target_pose=_STRAIGHT,
+            pose_difference=_STRAIGHT,
+            pose_mismatch=False,
+        )
+    ],
+    source_similarity=0.62,
+    target_similarity=0.48,
+    settings=FuserSettings(fuser="classic", identity_weight=0.85, blend="multiband"),
+)
+"""The quality report the harness's results carry (the real flow's is tested elsewhere)."""
+
+
 def write_result(storage_dir: Path, job_id: str, attempt: int) -> ResultRef:
     """What the real flow leaves in storage on success: the image and its sidecar."""
     data = image_bytes(24, 16)
@@ -174,6 +200,7 @@ def write_result(storage_dir: Path, job_id: str, attempt: int) -> ResultRef:
         height=16,
         faces_replaced=1,
         timings_ms={"fuse": 1.5},
+        quality=QUALITY,
     )
     for key, payload in (
         (ref.key, data),

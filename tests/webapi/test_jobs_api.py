@@ -524,7 +524,7 @@ def test_cancel_dispatched_queued_job_cancels_its_flow_run(
         client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user)).json()["status"] == "cancelled"
     )
     cancel_rows = [row for row in outbox_of(engine, uuid.UUID(job_id)) if row.kind == "cancel_run"]
-    assert [row.payload for row in cancel_rows] == [{"flow_run_id": str(flow_run_id)}]
+    assert [row.payload for row in cancel_rows] == [{"flow_run_id": str(flow_run_id), "attempt": 1}]
 
 
 def test_cancel_running_requests_cancellation(
@@ -605,3 +605,99 @@ def test_openapi_documents_both_submit_bodies(client: TestClient) -> None:
     assert set(content) == {"application/json", "multipart/form-data"}
     assert "JobCreate" in spec["components"]["schemas"]
     assert "FusionOptions" in spec["components"]["schemas"]
+
+
+# --------------------------------------------------------------------------- per-face mapping
+
+MAPPING = [{"source": 0, "target": 0}, {"source": 1, "reference": 0}]
+
+
+def _mapped_body(**overrides: object) -> dict[str, object]:
+    body: dict[str, object] = {
+        "sources": [data_uri(source_jpeg()), data_uri(target_jpeg())],
+        "target": data_uri(target_jpeg()),
+        "references": [data_uri(source_jpeg())],
+        "options": {"mapping": MAPPING},
+    }
+    body.update(overrides)
+    return body
+
+
+def test_several_sources_and_references_are_stored_and_digested(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    headers = {**auth(user), "Idempotency-Key": "mapped"}
+    response = client.post("/v1/jobs", json=_mapped_body(), headers=headers)
+    assert response.status_code == 202, response.text
+    assert response.json()["options"]["mapping"] == [
+        {"source": 0, "target": 0, "reference": None},
+        {"source": 1, "target": None, "reference": 0},
+    ]
+    [stored] = jobs_of(engine, user.user.id)
+    store = LocalObjectStore(Path(settings.storage_url.removeprefix("file://")))
+    assert stored.extra_inputs is not None
+    [second] = stored.extra_inputs["sources"]
+    [reference] = stored.extra_inputs["references"]
+    assert store.get(second) == target_jpeg() and store.get(reference) == source_jpeg()
+    assert stored.source_key is not None and store.get(stored.source_key) == source_jpeg()
+    # Every image is part of "the same request": another reference is another request.
+    again = client.post("/v1/jobs", json=_mapped_body(), headers=headers)
+    assert again.status_code == 200 and again.json()["id"] == response.json()["id"]
+    other = _mapped_body(references=[data_uri(image_bytes(64, 64), "image/png")])
+    conflict = client.post("/v1/jobs", json=other, headers=headers)
+    assert conflict.status_code == 409 and _error(conflict) == "idempotency_key_reused"
+
+
+def test_mapping_must_fit_the_images_given(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    one = data_uri(source_jpeg())
+    bad = [
+        _mapped_body(options={}),  # several sources, no mapping
+        _mapped_body(options={"mapping": [{"source": 2, "target": 0}]}),
+        _mapped_body(options={"mapping": [{"source": 0, "reference": 1}]}),
+        _mapped_body(options={"mapping": [{"source": 0, "target": 0}]}),  # unused reference
+        _mapped_body(source=one),  # source and sources
+        _mapped_body(options={"mapping": [{"source": 0}]}),  # no target nor reference
+        _mapped_body(options={"mapping": MAPPING, "face": "all"}),
+        _mapped_body(references=["https://93.184.216.34/ref.jpg"]),  # only inline
+        {**_mapped_body(), "sources": [one] * 9},
+    ]
+    for body in bad:
+        response = client.post("/v1/jobs", json=body, headers=auth(user))
+        assert response.status_code == 422, (body.get("options"), response.text)
+        assert _error(response) == "invalid_request", response.text
+    assert jobs_of(engine, user.user.id) == []
+
+
+def test_mapping_over_multipart_repeats_the_source_part(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    response = client.post(
+        "/v1/jobs",
+        headers=auth(user),
+        files=[
+            ("source", ("a.jpg", source_jpeg(), "image/jpeg")),
+            ("source", ("b.jpg", target_jpeg(), "image/jpeg")),
+            ("target", ("t.jpg", target_jpeg(), "image/jpeg")),
+            ("reference", ("r.jpg", source_jpeg(), "image/jpeg")),
+        ],
+        data={"params": json.dumps({"options": {"mapping": MAPPING}})},
+    )
+    assert response.status_code == 202, response.text
+    [stored] = jobs_of(engine, user.user.id)
+    assert stored.extra_inputs is not None
+    assert len(stored.extra_inputs["sources"]) == 1 == len(stored.extra_inputs["references"])
+    two_sources_no_mapping = client.post(
+        "/v1/jobs",
+        headers=auth(user),
+        files=[
+            ("source", ("a.jpg", source_jpeg(), "image/jpeg")),
+            ("source", ("b.jpg", target_jpeg(), "image/jpeg")),
+            ("target", ("t.jpg", target_jpeg(), "image/jpeg")),
+        ],
+    )
+    assert two_sources_no_mapping.status_code == 422

@@ -161,7 +161,9 @@ def test_terminal_closes_pending_dispatch_and_cancels_runs(
         ("dispatch", "obsolete"),
         ("cancel_run", None),
     }
-    assert [row.payload for row in rows if row.kind == "cancel_run"] == [{"flow_run_id": str(run)}]
+    assert [row.payload for row in rows if row.kind == "cancel_run"] == [
+        {"flow_run_id": str(run), "attempt": 1}
+    ]
 
     running = new_job(engine, settings, user)
     run = dispatch(engine, running.id)

@@ -29,10 +29,10 @@ from flows.params import FINAL_STAGE, FuseFacesParams, idempotency_key, result_k
 from tests.webapi.conftest import make_settings
 from tests.webapi.relay_harness import (
     FAST,
+    QUALITY,
     SCRIPT,
     PrefectServer,
     body_json,
-    deploy_stand_ins,
     execute_run,
     in_thread,
     independent_verify,
@@ -41,7 +41,7 @@ from tests.webapi.relay_harness import (
     submit,
     write_result,
 )
-from tests.webapi.utils import auth, job_body, make_user, outbox_of, source_jpeg
+from tests.webapi.utils import auth, job_body, make_user, outbox_of, source_jpeg, target_jpeg
 from webapi import crud
 from webapi.config import Settings
 from webapi.main import create_app
@@ -54,34 +54,6 @@ from webapi.relay.runner import build_relay, reconcile_once, start_relay, stop_r
 from webapi.storage import LocalObjectStore
 
 pytestmark = pytest.mark.prefect
-
-
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    """A real Prefect server with the stand-in deployments; this process's Prefect client
-    settings point at it while the session lasts."""
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_HOME,
-        PREFECT_LOGGING_TO_API_ENABLED,
-        temporary_settings,
-    )
-
-    home = tmp_path_factory.mktemp("prefect-home")
-    server = PrefectServer(home)
-    server.start()
-    try:
-        with temporary_settings(
-            updates={
-                PREFECT_API_URL: server.api_url,
-                PREFECT_HOME: home / "client",
-                PREFECT_LOGGING_TO_API_ENABLED: False,
-            }
-        ):
-            deploy_stand_ins()
-            yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -416,6 +388,7 @@ def test_sync_maps_completed_failed_cancelled_and_running(
         "image/png",
     )
     assert (done.result_width, done.result_height, done.timings) == (24, 16, {"fuse": 1.5})
+    assert done.quality == QUALITY.as_json()  # copied from the result's sidecar
     failed = job(relay.engine, bad)
     assert failed.status is JobStatus.failed and failed.error_code == "no_face_found"
     assert failed.error_message == "No face was found in the image."
@@ -723,3 +696,47 @@ def test_the_real_fuse_faces_flow_accepts_the_relays_parameters(
         assert real.cancel_flow_run(run, message="contract test") is StateType.CANCELLED
     finally:
         real.close()
+
+
+def test_a_mapped_job_dispatches_alone_with_its_extra_images(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    from webapi.inputs import store_image
+    from webapi.models import JobCreate
+    from webapi.relay import batches
+
+    limits = relay.settings.image_limits
+    source = store_image(source_jpeg(), name="source", limits=limits, store=relay.store)
+    other = store_image(target_jpeg(), name="sources[1]", limits=limits, store=relay.store)
+    create = JobCreate.model_validate(
+        {"options": {"mapping": [{"source": 0, "target": 0}, {"source": 1, "reference": 0}]}}
+    )
+    with Session(relay.engine, expire_on_commit=False) as session:
+        mapped, _ = crud.submit_job(
+            session,
+            owner=owner.user,
+            create=create,
+            source=source,
+            target=other,
+            settings=relay.settings,
+            extra_sources=[other],
+            references=[source],
+        )
+    plain, plain_too = (submit(relay.engine, relay.settings, relay.store, owner) for _ in "ab")
+    plans = [
+        (Outbox(kind="dispatch", job_id=j.id), dispatch.plan_of(job(relay.engine, j.id), 1))
+        for j in (mapped, plain, plain_too)
+    ]
+    chunks = {frozenset(p.job_id for p in c.plans) for c in batches.group(plans, 8)}
+    assert chunks == {frozenset({mapped.id}), frozenset({plain.id, plain_too.id})}
+
+    assert dispatch.run_once(relay) == 3
+    [run] = prefect_server.runs_of_job(mapped.id)
+    params = FuseFacesParams.model_validate(run["parameters"])
+    assert params.extra_source_keys == [other.key] and params.reference_keys == [source.key]
+    assert [m.model_dump() for m in params.options.mapping] == [
+        {"source": 0, "target": 0, "reference": None},
+        {"source": 1, "target": None, "reference": 0},
+    ]
+    [plain_run] = prefect_server.runs_of_job(plain.id)
+    assert FuseFacesParams.model_validate(plain_run["parameters"]).extra_source_keys == []

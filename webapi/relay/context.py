@@ -7,7 +7,7 @@ the write lock at ``BEGIN``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -72,6 +72,8 @@ class Relay:
     metrics: RelayMetrics = METRICS
     outage: PrefectOutage = field(default_factory=PrefectOutage)
     http: httpx.Client = field(default_factory=lambda: httpx.Client(follow_redirects=False))
+    wake: Callable[[str], None] = field(default=lambda _step: None)
+    """Run a relay step's loop now (set by ``RelayRunner``; a no-op for single passes)."""
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
@@ -48,7 +48,7 @@ COUNTER = "faceflow_relay_dispatches_total"
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """What one dispatch needs, read in a short transaction."""
 
     job_id: uuid.UUID
@@ -63,7 +63,37 @@ class _Plan:
     source_url: str | None
     target_url: str | None
     options: dict[str, object]
-    priority: str
+    priority: str = "normal"
+    dispatch_key: str | None = None
+    extra_source_keys: tuple[str, ...] = ()
+    reference_keys: tuple[str, ...] = ()
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the job carries a per-face mapping (it runs in its own fuse-faces run)."""
+        return bool(self.options.get("mapping") or self.extra_source_keys or self.reference_keys)
+
+
+def plan_of(job: Job, attempt: int) -> Plan:
+    """The dispatch plan of ``job``'s attempt ``attempt``."""
+    return Plan(
+        job_id=job.id,
+        owner_id=job.owner_id,
+        attempt=attempt,
+        created_at=job.created_at,
+        deadline_at=job.deadline_at,
+        queue_deadline_at=job.queue_deadline_at,
+        started=job.started_at is not None,
+        source_key=job.source_key,
+        target_key=job.target_key,
+        source_url=job.source_url,
+        target_url=job.target_url,
+        options=dict(job.options),
+        priority=job.priority,
+        dispatch_key=job.dispatch_key,
+        extra_source_keys=tuple((job.extra_inputs or {}).get("sources", [])),
+        reference_keys=tuple((job.extra_inputs or {}).get("references", [])),
+    )
 
 
 def run_once(relay: Relay) -> int:
@@ -73,6 +103,10 @@ def run_once(relay: Relay) -> int:
     passes only probe Prefect's health until it answers (``webapi.relay.outage``)."""
     if relay.outage.active and not prefect_back(relay):
         return 0
+    if relay.settings.batching:
+        from webapi.relay import batches
+
+        return batches.run_once(relay)
     return until_prefect_down(relay, claim_due(relay), dispatch_row)
 
 
@@ -122,15 +156,28 @@ def dispatch_row(relay: Relay, row: Outbox) -> bool:
     plan = _plan(relay, row)
     if plan is None:
         return True
+    plan = ready(relay, row, plan)
+    if plan is None:
+        return True
+    return send_single(relay, row, plan)
+
+
+def ready(relay: Relay, row: Outbox, plan: Plan) -> Plan | None:
+    """``plan`` with its inputs stored, or None when the row was handled here instead:
+    deferred (too late to start: expire or reap ends the job), failed (an input URL that
+    cannot be used) or backed off (an input fetch to retry)."""
     now = utcnow()
     if now >= plan.deadline_at or (not plan.started and now >= plan.queue_deadline_at):
-        # Too late to start: expire (or reap) ends the job and closes this row.
         _defer(relay, row, "past the job's deadline", relay.timings.expire_interval_s)
-        return True
+        return None
     if plan.source_key is None or plan.target_key is None:
-        plan = _fetch_inputs(relay, row, plan)
-        if plan is None:
-            return True
+        return _fetch_inputs(relay, row, plan)
+    return plan
+
+
+def send_single(relay: Relay, row: Outbox, plan: Plan) -> bool:
+    """Create the ``fuse-faces`` run of one job attempt and record it; False when Prefect
+    was unreachable (the row is deferred)."""
     assert plan.source_key is not None and plan.target_key is not None
     params = FuseFacesParams(
         job_id=str(plan.job_id),
@@ -140,6 +187,8 @@ def dispatch_row(relay: Relay, row: Outbox) -> bool:
         options=FusionOptions.model_validate(plan.options),
         deadline_at=plan.deadline_at,
         attempt=plan.attempt,
+        extra_source_keys=list(plan.extra_source_keys),
+        reference_keys=list(plan.reference_keys),
         storage_block=DEFAULT_STORAGE_BLOCK,
         settings_block=DEFAULT_SETTINGS_BLOCK,
     )
@@ -150,61 +199,76 @@ def dispatch_row(relay: Relay, row: Outbox) -> bool:
         return False
     except PrefectRejected as exc:
         log.error("dispatch rejected", extra={"job_id": str(plan.job_id), "detail": exc.detail})
-        _fail(relay, row, plan, DISPATCH_REJECTED, "The job could not be scheduled.", str(exc))
+        fail(relay, row, plan, DISPATCH_REJECTED, "The job could not be scheduled.", str(exc))
         return True
     relay.outage.dispatched()
     _record_run(relay, row, plan, uuid.UUID(run.id))
     return True
 
 
-def work_queue(relay: Relay, plan: _Plan) -> str | None:
+def work_queue(relay: Relay, plan: Plan) -> str | None:
     """The GPU pool's work queue of the job's lane (None: the deployment's queue)."""
     return relay.settings.priority_work_queue if plan.priority == "high" else None
 
 
-def _plan(relay: Relay, row: Outbox) -> _Plan | None:
+def plans(relay: Relay, rows: list[Outbox]) -> list[tuple[Outbox, Plan]]:
+    """The dispatch plans of leased rows, read in one transaction, with their inputs
+    stored (``ready``); rows whose job no longer wants a run are closed as obsolete."""
+    with relay.session() as session:
+        jobs = {
+            job.id: job
+            for job in session.exec(select(Job).where(col(Job.id).in_([r.job_id for r in rows])))
+        }
+        planned: list[tuple[Outbox, Plan]] = []
+        obsolete = 0
+        for row in rows:
+            job = jobs.get(row.job_id)
+            attempt = _attempt_of(row, job)
+            if job is None or job.status is not JobStatus.queued or job.attempts >= attempt:
+                leases.finish(session, row, owner=relay.owner, outcome="obsolete")
+                obsolete += 1
+                continue
+            planned.append((row, plan_of(job, attempt)))
+        session.commit()
+    if obsolete:
+        relay.metrics.inc(COUNTER, "obsolete", obsolete)
+    found = [(row, ready(relay, row, plan)) for row, plan in planned]
+    return [(row, plan) for row, plan in found if plan is not None]
+
+
+def _attempt_of(row: Outbox, job: Job | None) -> int:
+    return int(row.payload.get("attempt") or ((job.attempts + 1) if job else 1))
+
+
+def _plan(relay: Relay, row: Outbox) -> Plan | None:
     """Read the job; close the row (obsolete) when the job no longer wants a run."""
     with relay.session() as session:
         job = session.get(Job, row.job_id)
-        attempt = int(row.payload.get("attempt") or ((job.attempts + 1) if job else 1))
+        attempt = _attempt_of(row, job)
         if job is None or job.status is not JobStatus.queued or job.attempts >= attempt:
             leases.finish(session, row, owner=relay.owner, outcome="obsolete")
             session.commit()
             relay.metrics.inc(COUNTER, "obsolete")
             return None
-        plan = _Plan(
-            job_id=job.id,
-            owner_id=job.owner_id,
-            attempt=attempt,
-            created_at=job.created_at,
-            deadline_at=job.deadline_at,
-            queue_deadline_at=job.queue_deadline_at,
-            started=job.started_at is not None,
-            source_key=job.source_key,
-            target_key=job.target_key,
-            source_url=job.source_url,
-            target_url=job.target_url,
-            options=dict(job.options),
-            priority=job.priority,
-        )
+        plan = plan_of(job, attempt)
         session.commit()  # end the read transaction before any network call
     return plan
 
 
-def _fetch_inputs(relay: Relay, row: Outbox, plan: _Plan) -> _Plan | None:
+def _fetch_inputs(relay: Relay, row: Outbox, plan: Plan) -> Plan | None:
     """Fetch, validate and store URL inputs; write their keys on the job."""
     fetched_at = utcnow()  # before any input is found already stored
     try:
         source_key = plan.source_key or _fetch_and_store(relay, plan.source_url, "source")
         target_key = plan.target_key or _fetch_and_store(relay, plan.target_url, "target")
     except FetchRejected as exc:
-        _fail(relay, row, plan, exc.code, exc.public_message, str(exc))
+        fail(relay, row, plan, exc.code, exc.public_message, str(exc))
         return None
     except FaceFlowError as exc:  # the fetched bytes are not an acceptable image
-        _fail(relay, row, plan, exc.code, exc.public_message, str(exc))
+        fail(relay, row, plan, exc.code, exc.public_message, str(exc))
         return None
     except ApiError as exc:  # empty or too large
-        _fail(relay, row, plan, exc.code, exc.message, str(exc))
+        fail(relay, row, plan, exc.code, exc.message, str(exc))
         return None
     except FetchError as exc:
         _back_off(relay, row, str(exc))
@@ -225,7 +289,7 @@ def _fetch_inputs(relay: Relay, row: Outbox, plan: _Plan) -> _Plan | None:
             return None
         stored = _update_queued(session, plan, source_key=source_key, target_key=target_key)
     if not stored:  # cancelled or expired meanwhile
-        _close(relay, row, "obsolete")
+        close(relay, row, "obsolete")
         return None
     return replace(plan, source_key=source_key, target_key=target_key)
 
@@ -248,7 +312,7 @@ def _fetch_and_store(relay: Relay, url: str | None, name: str) -> str:
     return ref.key
 
 
-def _update_queued(session: Session, plan: _Plan, **fields: Any) -> bool:
+def _update_queued(session: Session, plan: Plan, **fields: Any) -> bool:
     """Write ``fields`` on the job if it is still queued without a flow run."""
     return transition(
         session,
@@ -260,7 +324,7 @@ def _update_queued(session: Session, plan: _Plan, **fields: Any) -> bool:
     )
 
 
-def _record_run(relay: Relay, row: Outbox, plan: _Plan, flow_run_id: uuid.UUID) -> None:
+def _record_run(relay: Relay, row: Outbox, plan: Plan, flow_run_id: uuid.UUID) -> None:
     now = utcnow()
     with relay.session() as session:
         recorded = _update_queued(
@@ -275,9 +339,14 @@ def _record_run(relay: Relay, row: Outbox, plan: _Plan, flow_run_id: uuid.UUID) 
         relay.metrics.observe_dispatch_lag((now - plan.created_at).total_seconds())
         log.info("dispatched", extra={"job_id": str(plan.job_id), "attempt": plan.attempt})
         return
-    # The job was cancelled or expired while the run was being created: cancel that run
-    # (it is Scheduled, so no worker has it yet; best effort, the reaper covers failures).
     relay.metrics.inc(COUNTER, "obsolete")
+    cancel_orphan(relay, flow_run_id)
+
+
+def cancel_orphan(relay: Relay, flow_run_id: uuid.UUID) -> None:
+    """Cancel a run created for jobs that were cancelled or expired while it was being
+    created (it is Scheduled, so no worker has it yet; best effort, the reaper covers
+    failures)."""
     try:
         run = relay.prefect.read_flow_run(str(flow_run_id))
         if run is not None:
@@ -348,10 +417,14 @@ def _reschedule_after_backoff(relay: Relay, row: Outbox, error: str) -> float:
     return delay
 
 
-def _fail(relay: Relay, row: Outbox, plan: _Plan, code: str, message: str, detail: str) -> None:
+def fail(
+    relay: Relay, row: Outbox | None, plan: Plan, code: str, message: str, detail: str
+) -> None:
+    """Fail the queued job of ``plan`` with ``code`` and close its row (if held)."""
     with relay.session() as session:
         # Close the row first: the terminal transition would close it as "obsolete".
-        leases.finish(session, row, owner=relay.owner, outcome="done", error=detail)
+        if row is not None:
+            leases.finish(session, row, owner=relay.owner, outcome="done", error=detail)
         transition(
             session,
             job_id=plan.job_id,
@@ -366,7 +439,8 @@ def _fail(relay: Relay, row: Outbox, plan: _Plan, code: str, message: str, detai
     relay.metrics.inc(COUNTER, "rejected")
 
 
-def _close(relay: Relay, row: Outbox, outcome: OutboxOutcome) -> None:
+def close(relay: Relay, row: Outbox, outcome: OutboxOutcome) -> None:
+    """Close a leased row with ``outcome``."""
     with relay.session() as session:
         leases.finish(session, row, owner=relay.owner, outcome=outcome)
         session.commit()

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import CursorResult
 from sqlmodel import Session, col, select
 
-from webapi.models import Outbox, OutboxKind, OutboxOutcome, utcnow
+from webapi.models import Job, Outbox, OutboxKind, OutboxOutcome, utcnow
 
 DEFAULT_LEASE_S = 60.0
 MAX_ERROR_CHARS = 1000
@@ -63,8 +63,10 @@ def claim(
     limit: int = 50,
     lease_s: float = DEFAULT_LEASE_S,
     now: datetime | None = None,
+    job_filter: sa.ColumnElement[bool] | None = None,
 ) -> list[Outbox]:
     """Lease up to ``limit`` due rows of ``kinds`` for ``owner`` and commit; oldest due first.
+    ``job_filter`` (a condition on ``Job``) takes only rows whose job matches it.
 
     Returns the claimed rows (detached from any lock: the lease is the claim).
     """
@@ -76,6 +78,10 @@ def claim(
         .order_by(col(Outbox.next_attempt_at), col(Outbox.created_at))
         .limit(limit)
     )
+    if job_filter is not None:
+        candidates = candidates.where(
+            sa.exists().where(col(Job.id) == col(Outbox.job_id), job_filter)
+        )
     postgres = session.get_bind().dialect.name == "postgresql"
     if postgres:
         candidates = candidates.with_for_update(skip_locked=True)

@@ -25,9 +25,9 @@ from tasks.errors import DeadlineExceeded
 from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, OutboxKind, utcnow
 from webapi.prefect_api import FlowRun, PrefectRejected, PrefectUnavailable, StateType
-from webapi.relay import dispatch, leases
+from webapi.relay import batches, dispatch, leases
 from webapi.relay.context import Relay
-from webapi.relay.sync import Watched, observe
+from webapi.relay.sync import Watched, observe, settle
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,15 @@ def cancel_runs(relay: Relay) -> int:
 
 
 def _cancel_row(relay: Relay, row: Outbox) -> bool:
-    """Cancel one row's flow run; False when Prefect was unreachable (row deferred)."""
+    """Cancel one row's flow run; False when Prefect was unreachable (row deferred). A run
+    that still carries other active jobs is not cancelled: the job is stopped in it."""
     run_id = str(row.payload.get("flow_run_id") or "")
+    if run_id and shares_run(relay, uuid.UUID(run_id), row.job_id):
+        stop_in_shared_run(relay, row.job_id, uuid.UUID(run_id), row.payload.get("attempt"))
+        with relay.session() as session:
+            leases.finish(session, row, owner=relay.owner, outcome="done")
+            session.commit()
+        return True
     state: StateType | None = None
     error: str | None = None
     try:
@@ -96,11 +103,15 @@ def check(relay: Relay, job: Watched, run: FlowRun | None, *, now: datetime) -> 
     t = relay.timings
     if job.status is JobStatus.cancel_requested:
         return _check_cancel(relay, job, run, now=now)
-    if run is None:
-        return retry_or_fail(relay, job, run, reason="lost", now=now)
+    if run is None or run.state_type is StateType.CRASHED:
+        # A job that finished before its run was lost keeps its outcome (a batch run
+        # stores each job's as it ends); only the unfinished ones run again.
+        settled = settle(relay, job, run)
+        if settled is not None:
+            return settled
+        reason = "lost" if run is None else "crashed"
+        return retry_or_fail(relay, job, run, reason=reason, now=now)
     state = run.state_type
-    if state is StateType.CRASHED:
-        return retry_or_fail(relay, job, run, reason="crashed", now=now)
     if state.is_final:
         return False  # sync writes Completed / Failed / Cancelled
     if now > job.deadline_at + timedelta(seconds=t.running_grace_s):
@@ -111,6 +122,48 @@ def check(relay: Relay, job: Watched, run: FlowRun | None, *, now: datetime) -> 
     return False
 
 
+def shares_run(relay: Relay, flow_run_id: uuid.UUID, job_id: uuid.UUID) -> bool:
+    """Whether another active job holds ``flow_run_id`` (a ``fuse-batch`` run)."""
+    query = (
+        select(Job.id)
+        .where(
+            col(Job.flow_run_id) == flow_run_id,
+            col(Job.id) != job_id,
+            col(Job.status).in_(list(ACTIVE_STATUSES)),
+        )
+        .limit(1)
+    )
+    with relay.session() as session:
+        other = session.exec(query).first()
+        session.commit()
+    return other is not None
+
+
+def stop_in_shared_run(
+    relay: Relay, job_id: uuid.UUID, flow_run_id: uuid.UUID, attempt: object = None
+) -> bool:
+    """End a job inside a run it shares: write the stop marker of its attempt (the run
+    skips it; what it still produces is discarded) and move a cancel-requested job holding
+    that run to ``cancelled``. Returns whether the job changed."""
+    with relay.session() as session:
+        job = session.get(Job, job_id)
+        session.commit()
+    if job is None:
+        return False
+    batches.stop(relay, str(job_id), int(attempt) if isinstance(attempt, int) else job.attempts)
+    with relay.session() as session:
+        changed = transition(
+            session,
+            job_id=job_id,
+            to=JobStatus.cancelled,
+            expected=JobStatus.cancel_requested,
+            expected_flow_run_id=flow_run_id,
+        )
+    if changed:
+        relay.metrics.inc("faceflow_relay_transitions_total", JobStatus.cancelled.value)
+    return changed
+
+
 def _check_cancel(relay: Relay, job: Watched, run: FlowRun | None, *, now: datetime) -> bool:
     requested = job.cancel_requested_at or now
     overdue = now - requested > timedelta(seconds=relay.timings.cancel_grace_s)
@@ -119,6 +172,8 @@ def _check_cancel(relay: Relay, job: Watched, run: FlowRun | None, *, now: datet
     if run is not None and not run.state_type.is_final:
         if not overdue:
             return False
+        if shares_run(relay, job.flow_run_id, job.job_id):  # never force batch-mates' run
+            return stop_in_shared_run(relay, job.job_id, job.flow_run_id, job.attempts)
         try:  # the worker never stopped it: force the run's end
             relay.prefect.set_state(
                 run.id, StateType.CANCELLED, message="Cancel timed out", force=True
@@ -139,18 +194,28 @@ def _check_cancel(relay: Relay, job: Watched, run: FlowRun | None, *, now: datet
 
 
 def retry_or_fail(
-    relay: Relay, job: Watched, run: FlowRun | None, *, reason: str, now: datetime
+    relay: Relay,
+    job: Watched,
+    run: FlowRun | None,
+    *,
+    reason: str,
+    now: datetime,
+    failure: tuple[str, str] | None = None,
 ) -> bool:
-    """Fence off ``job``'s current run (and cancel it), then re-dispatch or fail the job."""
+    """Fence off ``job``'s current run (and cancel it, or stop the job in it when the run
+    carries other jobs), then re-dispatch or fail the job. ``failure`` is the (code,
+    message) a job fails with when it cannot run again (default ``worker_lost``)."""
     time_left = (job.deadline_at - now).total_seconds()
     enough_time = time_left > relay.expected_cost_s()
     can_retry = reason != "overdue" and job.attempts < job.max_attempts and enough_time
     fields: dict[str, Any]
     if can_retry:  # back to queued without a run: the old run is fenced off
-        to, fields = JobStatus.queued, {"flow_run_id": None, "stage": None}
+        to = JobStatus.queued
+        fields = {"flow_run_id": None, "stage": None, "dispatch_key": None}
     else:
         code = WORKER_LOST if reason != "overdue" and enough_time else DEADLINE_EXCEEDED
-        to, fields = JobStatus.failed, {"error_code": code, "error_message": MESSAGES[code]}
+        code, message = failure if failure and code == WORKER_LOST else (code, MESSAGES[code])
+        to, fields = JobStatus.failed, {"error_code": code, "error_message": message}
     with relay.session() as session:
         changed = transition(
             session,
@@ -165,7 +230,8 @@ def retry_or_fail(
         if changed and can_retry:
             session.add(_outbox("dispatch", job.job_id, {"attempt": job.attempts + 1}, now))
         if changed and run is not None and not run.state_type.is_final:
-            session.add(_outbox("cancel_run", job.job_id, {"flow_run_id": run.id}, now))
+            payload = {"flow_run_id": run.id, "attempt": job.attempts}
+            session.add(_outbox("cancel_run", job.job_id, payload, now))
         session.commit()
     if changed:
         outcome = "redispatched" if can_retry else "failed"

@@ -75,6 +75,7 @@ class RelayRunner:
 
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
+        relay.wake = self.wake
         self._stop = threading.Event()
         t = relay.timings
         intervals = {

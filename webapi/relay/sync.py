@@ -8,7 +8,9 @@ pass, every ``sync_interval_s``). Mapping:
   ``stage: <name>``; one batched artifact query per pass);
 - COMPLETED → the ``ResultRef`` sidecar (``flows.params.result_meta_key``) is read from
   storage → ``succeeded`` with the result and ``stage`` = the flow's last stage (the
-  progress artifact is written lazily and may lag behind a run that finished);
+  progress artifact is written lazily and may lag behind a run that finished); a job of a
+  ``fuse-batch`` run without one has a ``JobFailure`` (``result_error_key``) instead →
+  ``failed`` with its code, or re-dispatched when it is retryable (``settle``);
 - FAILED → ``failed`` with the code of the flow's ``[code] message`` (``tasks.errors``);
 - CANCELLED → ``cancelled``;
 - CRASHED, lost runs and overdue runs are the reaper's (``webapi.relay.reap``).
@@ -29,7 +31,13 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 from sqlmodel import col, select
 
-from flows.params import FINAL_STAGE, ResultRef, result_meta_key
+from flows.params import (
+    FINAL_STAGE,
+    JobFailure,
+    ResultRef,
+    result_error_key,
+    result_meta_key,
+)
 from tasks import errors as pipeline_errors
 from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, UTCDateTime, utcnow
@@ -183,18 +191,29 @@ def _started(relay: Relay, job: Watched, stage: str | None) -> bool:
 
 
 def _completed(relay: Relay, job: Watched, run: FlowRun) -> bool:
+    settled = settle(relay, job, run)
+    if settled is not None:
+        return settled
+    log.error("completed run without result", extra={"job_id": str(job.job_id)})
+    return _end(
+        relay,
+        job,
+        JobStatus.failed,
+        error_code="result_missing",
+        error_message="The job finished but its result could not be found.",
+    )
+
+
+def settle(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
+    """Apply the outcome the flow stored for ``job``'s current attempt: its ``ResultRef``
+    (succeeded) or, from a batch, its ``JobFailure`` (failed; a retryable failure is
+    re-dispatched while attempts and time remain). Returns whether the job changed, or
+    None when the attempt stored neither (False, to try again, when storage is down)."""
     key = result_meta_key(str(job.job_id), job.attempts)
     try:
         ref = ResultRef.model_validate_json(relay.store.get(key))
     except ObjectNotFound:
-        log.error("completed run without result", extra={"job_id": str(job.job_id)})
-        return _end(
-            relay,
-            job,
-            JobStatus.failed,
-            error_code="result_missing",
-            error_message="The job finished but its result could not be found.",
-        )
+        return _failed_in_batch(relay, job, run)
     except ValidationError:
         return _end(
             relay,
@@ -206,22 +225,42 @@ def _completed(relay: Relay, job: Watched, run: FlowRun) -> bool:
     except StorageError as exc:  # storage unreachable: try again next pass
         log.warning("result not readable yet", extra={"job_id": str(job.job_id), "error": str(exc)})
         return False
+    started = run.start_time if run is not None else None
     return _end(
         relay,
         job,
         JobStatus.succeeded,
-        started_at=sa.func.coalesce(
-            Job.started_at, sa.literal(run.start_time or utcnow(), UTCDateTime)
-        ),
+        started_at=sa.func.coalesce(Job.started_at, sa.literal(started or utcnow(), UTCDateTime)),
         stage=FINAL_STAGE,
         result_key=ref.key,
         result_content_type=ref.content_type,
         result_width=ref.width,
         result_height=ref.height,
         timings=ref.timings_ms,
+        quality=ref.quality.as_json() if ref.quality is not None else None,
         error_code=None,
         error_message=None,
     )
+
+
+def _failed_in_batch(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
+    key = result_error_key(str(job.job_id), job.attempts)
+    try:
+        failure = JobFailure.model_validate_json(relay.store.get(key))
+    except (ObjectNotFound, ValidationError):
+        return None
+    except StorageError as exc:
+        log.warning("outcome not readable yet", extra={"job_id": str(job.job_id), "e": str(exc)})
+        return False
+    code = failure.code
+    message = PUBLIC_MESSAGES.get(code, pipeline_errors.FaceFlowError.default_message)
+    if failure.retryable:
+        from webapi.relay.reap import retry_or_fail  # reap builds on sync
+
+        return retry_or_fail(
+            relay, job, run, reason="failed", now=utcnow(), failure=(code, message)
+        )
+    return _end(relay, job, JobStatus.failed, error_code=code, error_message=message)
 
 
 def _end(relay: Relay, job: Watched, to: JobStatus, **fields: Any) -> bool:
@@ -229,6 +268,7 @@ def _end(relay: Relay, job: Watched, to: JobStatus, **fields: Any) -> bool:
     if changed:
         relay.metrics.inc(COUNTER, to.value)
         log.info("job ended", extra={"job_id": str(job.job_id), "status": to.value})
+        relay.wake("dispatch")  # a run may have ended: batching dispatch may send more
     return changed
 
 

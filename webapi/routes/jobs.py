@@ -20,6 +20,8 @@ from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from tasks.options import MAX_REFERENCES, MAX_SOURCES
+from tasks.report import QualityReport
 from webapi import crud
 from webapi.admission import Admitter
 from webapi.config import Settings
@@ -36,7 +38,7 @@ from webapi.errors import (
     UnsupportedMediaType,
     describe_validation,
 )
-from webapi.inputs import accept_input
+from webapi.inputs import InputRef, accept_input
 from webapi.logs import log_context
 from webapi.metrics import ApiMetrics
 from webapi.models import (
@@ -131,16 +133,18 @@ async def create_job(
     metrics: ApiMetrics = request.app.state.metrics
     started = time.perf_counter()
     try:
-        create, source, target = await _read_submission(request, settings)
+        create, sources, target, references = await _read_submission(request, settings)
         work = functools.partial(
             _prepare,
             store=store,
             settings=settings,
             user=user,
             create=create,
-            raw_source=source,
+            raw_source=sources[0],
             raw_target=target,
             idempotency_key=idempotency_key,
+            raw_extra_sources=sources[1:],
+            raw_references=references,
         )
         admitter: Admitter = request.app.state.admitter
         for _ in range(PURGED_INPUT_RETRIES):
@@ -189,8 +193,13 @@ def _prepare(
     raw_source: str | bytes,
     raw_target: str | bytes,
     idempotency_key: str | None,
+    raw_extra_sources: Sequence[str | bytes] = (),
+    raw_references: Sequence[str | bytes] = (),
 ) -> crud.Submission:
-    """Check the callback URL, validate and store both inputs: a submission to admit."""
+    """Check the callback URL, validate and store the inputs: a submission to admit.
+
+    A per-face mapping's extra sources and references must be given inline (data: URIs or
+    files): only the first source and the target may be URLs the relay fetches."""
     prepared_at = utcnow()  # before any input is found already stored
     if create.callback_url is not None:
         try:
@@ -204,28 +213,60 @@ def _prepare(
     }
     source = accept_input(raw_source, name="source", **common)  # type: ignore[arg-type]
     target = accept_input(raw_target, name="target", **common)  # type: ignore[arg-type]
-    return crud.Submission(user, create, source, target, idempotency_key, prepared_at)
+    extras = [
+        _inline(accept_input(raw, name=f"sources[{i + 1}]", **common))  # type: ignore[arg-type]
+        for i, raw in enumerate(raw_extra_sources)
+    ]
+    references = [
+        _inline(accept_input(raw, name=f"references[{i}]", **common))  # type: ignore[arg-type]
+        for i, raw in enumerate(raw_references)
+    ]
+    return crud.Submission(
+        user,
+        create,
+        source,
+        target,
+        idempotency_key,
+        extra_sources=tuple(extras),
+        references=tuple(references),
+        prepared_at=prepared_at,
+    )
+
+
+def _inline(ref: InputRef) -> InputRef:
+    if ref.key is None:
+        raise InvalidRequest(
+            f"{ref.name}: give it as a data: URI or a file; only source and target may be URLs."
+        )
+    return ref
 
 
 async def _read_submission(
     request: Request, settings: Settings
-) -> tuple[JobCreate, str | bytes, str | bytes]:
+) -> tuple[JobCreate, list[str | bytes], str | bytes, list[str | bytes]]:
+    """The request's options, its sources (one, or several for a mapping), its target and
+    its reference images."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     is_json = content_type == "application/json" or content_type.endswith("+json")
     if not is_json and content_type != "multipart/form-data":
         raise UnsupportedMediaType()
     body = await _read_limited(request, settings.max_request_bytes)
-    source: str | bytes | None
+    sources: list[str | bytes]
+    references: list[str | bytes]
     target: str | bytes | None
     if is_json:
         create = _parse_create(body)
-        source, target = create.source, create.target
+        sources = list(create.sources or ([create.source] if create.source is not None else []))
+        target, references = create.target, list(create.references or [])
     else:
-        create, source, target = await _read_multipart(request, settings)
-    if source is None or target is None:
-        missing = " and ".join(n for n, v in (("source", source), ("target", target)) if v is None)
+        create, sources, target, references = await _read_multipart(request, settings)
+    if not sources or target is None:
+        missing = " and ".join(n for n, v in (("source", sources), ("target", target)) if not v)
         raise InvalidRequest(f"{missing}: required.")
-    return create, source, target
+    problem = create.mapping_problem(len(sources), len(references))
+    if problem is not None:
+        raise InvalidRequest(problem)
+    return create, sources, target, references
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:
@@ -253,24 +294,37 @@ def _parse_create(raw: bytes | str) -> JobCreate:
 
 async def _read_multipart(
     request: Request, settings: Settings
-) -> tuple[JobCreate, str | bytes | None, str | bytes | None]:
-    async with request.form(max_files=2, max_fields=3, max_part_size=1024 * 1024) as form:
+) -> tuple[JobCreate, list[str | bytes], str | bytes | None, list[str | bytes]]:
+    """``params`` (JSON) and the files: ``source`` (repeat it for several sources, in
+    order), ``target`` and ``reference`` (repeatable)."""
+    most = MAX_SOURCES + MAX_REFERENCES + 1
+    async with request.form(max_files=most, max_fields=most + 1, max_part_size=1024 * 1024) as form:
         field = form.get("params")
         params = (await field.read()) if isinstance(field, UploadFile) else field
         create = _parse_create(params or "{}")
-        if create.source is not None or create.target is not None:
-            raise InvalidRequest("params: give source and target as multipart files.")
-        inputs: list[str | bytes | None] = []
-        for name in ("source", "target"):
-            part = form.get(name)
-            if isinstance(part, UploadFile):
-                data = await part.read(settings.image_limits.max_bytes + 1)
-                if len(data) > settings.image_limits.max_bytes:
-                    raise PayloadTooLarge(f"{name}: the image exceeds the size limit.")
-                inputs.append(data)
-            else:
-                inputs.append(part)
-    return create, inputs[0], inputs[1]
+        if any(v is not None for v in (create.source, create.sources, create.target)) or (
+            create.references is not None
+        ):
+            raise InvalidRequest("params: give the images as multipart files.")
+        parts: dict[str, list[str | bytes]] = {}
+        for name in ("source", "target", "reference"):
+            parts[name] = []
+            for part in form.getlist(name):
+                if isinstance(part, UploadFile):
+                    data = await part.read(settings.image_limits.max_bytes + 1)
+                    if len(data) > settings.image_limits.max_bytes:
+                        raise PayloadTooLarge(f"{name}: the image exceeds the size limit.")
+                    parts[name].append(data)
+                else:
+                    parts[name].append(part)
+    if len(parts["source"]) > MAX_SOURCES or len(parts["reference"]) > MAX_REFERENCES:
+        raise InvalidRequest(
+            f"At most {MAX_SOURCES} source and {MAX_REFERENCES} reference images per job."
+        )
+    if len(parts["target"]) > 1:
+        raise InvalidRequest("target: give one target image.")
+    target = parts["target"][0] if parts["target"] else None
+    return create, parts["source"], target, parts["reference"]
 
 
 def _wake_relay(request: Request) -> None:
@@ -461,6 +515,7 @@ def to_public(job: Job, *, base_url: str, callbacks: Sequence[WebhookDelivery] =
         result_expires_at=job.result_purge_at if job.result_key and not expired else None,
         result_expired=expired,
         timings=job.timings or {},
+        quality=QualityReport.model_validate(job.quality) if job.quality else None,
         urls=JobUrls(self=self_url, cancel=f"{self_url}/cancel", result=f"{self_url}/result"),
         callback_url=job.callback_url,
         callback_events=job.callback_events or [],

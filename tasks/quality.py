@@ -1,0 +1,223 @@
+"""The quality report of a fusion: is the face still there, whose identity does it carry,
+and did the poses match.
+
+``identity_reference`` embeds the source face and the original target faces once per job
+(dlib ResNet, ``tasks.identity``) and estimates their poses (``tasks.pose``);
+``assess`` then re-detects each fused face in the result, near where it was pasted, and
+scores it against that reference. A quality-floor retry reuses the reference, so only
+the result's faces are embedded again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tasks.detect import detect_faces
+from tasks.identity import EMBEDDER, F32, embed_with_dlib, similarity
+from tasks.options import DetectorName, FaceChoice
+from tasks.pose import head_pose, pose_difference, pose_mismatch
+from tasks.report import AttemptQuality, FaceQuality, FuserSettings, PoseAngles, QualityReport
+from tasks.types import Box, Face, RGBImage
+
+SEARCH_MARGIN = 0.5
+"""The fused face is searched for in its target box grown by this fraction per side."""
+MIN_OVERLAP = 0.3
+"""Smallest IoU between a result detection and the target face box to count as found."""
+
+
+@dataclass(frozen=True)
+class IdentityReference:
+    """The source and original target faces: embeddings, poses and detector scores."""
+
+    source_face: Face
+    target_faces: list[Face]
+    target_indices: list[int]
+    source_embedding: F32
+    target_embeddings: F32
+    source_pose: PoseAngles
+    target_poses: list[PoseAngles]
+    ms: float
+    face_source_embeddings: F32 | None = None  # a per-face mapping's own source per face
+    face_source_poses: list[PoseAngles] | None = None
+
+    def source_embedding_for(self, i: int) -> F32:
+        """The embedding of the source fused onto target face ``i``."""
+        if self.face_source_embeddings is not None:
+            return self.face_source_embeddings[i]
+        return self.source_embedding
+
+    def source_pose_for(self, i: int) -> PoseAngles:
+        """The pose of the source fused onto target face ``i``."""
+        return self.face_source_poses[i] if self.face_source_poses else self.source_pose
+
+
+def target_indices(choice: FaceChoice, count: int) -> list[int]:
+    """Indices (largest first) of the target faces a ``face`` option selects."""
+    if choice == "largest":
+        return [0]
+    if choice == "all":
+        return list(range(count))
+    return [int(choice)]
+
+
+def identity_reference(
+    source: RGBImage,
+    target: RGBImage,
+    source_face: Face,
+    target_faces: Sequence[Face],
+    indices: Sequence[int],
+    *,
+    pins: Mapping[str, str] | None = None,
+    per_face_sources: Sequence[tuple[RGBImage, Face]] = (),
+) -> IdentityReference:
+    """Embed and pose the source face and the chosen target faces (one network batch);
+    with a per-face mapping, each target face's own source face too."""
+    start = time.perf_counter()
+    pairs = [(source, source_face), *((target, face) for face in target_faces)]
+    embeddings = embed_with_dlib([*pairs, *per_face_sources], pins=pins)
+    per_face = embeddings[len(pairs) :] if per_face_sources else None
+    embeddings = embeddings[: len(pairs)]
+    return IdentityReference(
+        source_face=source_face,
+        target_faces=list(target_faces),
+        target_indices=list(indices),
+        source_embedding=embeddings[0],
+        target_embeddings=embeddings[1:],
+        source_pose=head_pose(source_face.landmarks),
+        target_poses=[head_pose(face.landmarks) for face in target_faces],
+        ms=(time.perf_counter() - start) * 1000.0,
+        face_source_embeddings=per_face,
+        face_source_poses=(
+            [head_pose(face.landmarks) for _, face in per_face_sources]
+            if per_face_sources
+            else None
+        ),
+    )
+
+
+def iou(a: Box, b: Box) -> float:
+    """Intersection over union of two boxes."""
+    width = max(0.0, min(a.x2, b.x2) - max(a.x1, b.x1))
+    height = max(0.0, min(a.y2, b.y2) - max(a.y1, b.y1))
+    inter = width * height
+    union = a.area + b.area - inter
+    return inter / union if union > 0 else 0.0
+
+
+def find_fused_face(
+    result: RGBImage,
+    where: Face,
+    *,
+    detector: DetectorName,
+    device: str,
+    model_dir: object = None,
+    pins: Mapping[str, str] | None = None,
+) -> Face | None:
+    """The face detected in ``result`` at the place of target face ``where``, if any."""
+    height, width = result.shape[:2]
+    box = where.box
+    grow_x, grow_y = box.width * SEARCH_MARGIN, box.height * SEARCH_MARGIN
+    x0, y0 = max(0, int(box.x1 - grow_x)), max(0, int(box.y1 - grow_y))
+    x1, y1 = min(width, int(np.ceil(box.x2 + grow_x))), min(height, int(np.ceil(box.y2 + grow_y)))
+    region = np.ascontiguousarray(result[y0:y1, x0:x1])
+    faces = detect_faces(
+        region,
+        detector=detector,
+        device=device,
+        model_dir=model_dir,  # type: ignore[arg-type]
+        pins=pins,
+    )
+    offset = np.array([x0, y0], dtype=np.float32)
+    best: tuple[float, Face] | None = None
+    for face in faces:
+        moved = Face(
+            Box(face.box.x1 + x0, face.box.y1 + y0, face.box.x2 + x0, face.box.y2 + y0),
+            face.score,
+            (face.landmarks + offset).astype(np.float32),
+        )
+        overlap = iou(moved.box, box)
+        if overlap >= MIN_OVERLAP and (best is None or overlap > best[0]):
+            best = (overlap, moved)
+    return best[1] if best is not None else None
+
+
+def assess(
+    result: RGBImage,
+    reference: IdentityReference,
+    settings: FuserSettings,
+    *,
+    detector: DetectorName,
+    device: str = "cpu",
+    model_dir: object = None,
+    pins: Mapping[str, str] | None = None,
+    min_identity: float | None = None,
+    earlier: Sequence[AttemptQuality] = (),
+) -> QualityReport:
+    """The quality report of ``result`` against ``reference`` (its faces re-detected)."""
+    start = time.perf_counter()
+    found = [
+        find_fused_face(
+            result, face, detector=detector, device=device, model_dir=model_dir, pins=pins
+        )
+        for face in reference.target_faces
+    ]
+    present = [(i, face) for i, face in enumerate(found) if face is not None]
+    embeddings = embed_with_dlib([(result, face) for _, face in present], pins=pins)
+    by_face = {i: embeddings[k] for k, (i, _) in enumerate(present)}
+    faces: list[FaceQuality] = []
+    for i, target_face in enumerate(reference.target_faces):
+        fused = found[i]
+        difference = pose_difference(reference.source_pose_for(i), reference.target_poses[i])
+        embedding = by_face.get(i)
+        faces.append(
+            FaceQuality(
+                index=reference.target_indices[i],
+                detector_score=round(float(target_face.score), 4),
+                found=fused is not None,
+                result_score=round(float(fused.score), 4) if fused is not None else None,
+                source_similarity=(
+                    round(similarity(embedding, reference.source_embedding_for(i)), 4)
+                    if embedding is not None
+                    else None
+                ),
+                target_similarity=(
+                    round(similarity(embedding, reference.target_embeddings[i]), 4)
+                    if embedding is not None
+                    else None
+                ),
+                target_pose=reference.target_poses[i],
+                pose_difference=difference,
+                pose_mismatch=pose_mismatch(difference),
+            )
+        )
+    source_sims = [f.source_similarity for f in faces if f.source_similarity is not None]
+    target_sims = [f.target_similarity for f in faces if f.target_similarity is not None]
+    lost = sum(1 for f in faces if not f.found)
+    worst = min(source_sims) if source_sims and lost == 0 else None
+    attempt = AttemptQuality(settings=settings, source_similarity=worst, faces_lost=lost)
+    return QualityReport(
+        identity_model=EMBEDDER,
+        source_score=round(float(reference.source_face.score), 4),
+        source_pose=reference.source_pose,
+        faces=faces,
+        source_similarity=worst,
+        target_similarity=max(target_sims) if target_sims else None,
+        faces_lost=lost,
+        pose_mismatch=any(f.pose_mismatch for f in faces),
+        min_identity=min_identity,
+        below_floor=min_identity is not None and (worst is None or worst < min_identity),
+        settings=settings,
+        attempts=[*earlier, attempt],
+        ms=round((time.perf_counter() - start) * 1000.0 + reference.ms, 1),
+    )
+
+
+def better(first: QualityReport, second: QualityReport) -> bool:
+    """Whether ``second`` beats ``first``: fewer faces lost, then higher source similarity."""
+    if second.faces_lost != first.faces_lost:
+        return second.faces_lost < first.faces_lost
+    return (second.source_similarity or 0.0) > (first.source_similarity or 0.0)

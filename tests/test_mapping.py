@@ -1,0 +1,142 @@
+"""Per-face source mapping: reading order, index and reference entries, on real photos."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from tasks.detect import detect_faces
+from tasks.errors import InvalidInput, NoFaceFound
+from tasks.mapping import reading_order
+from tasks.options import FaceMapping, FusionOptions
+from tasks.pipeline import PipelineContext, detect_stage, fuse_images
+from tasks.types import Box, Face
+from tests.samples import (
+    astronaut_jpeg_bytes,
+    astronaut_rgb,
+    encode,
+    grace_hopper_jpeg_bytes,
+    grace_hopper_rgb,
+    no_face_rgb,
+    t1_jpeg_bytes,
+    t1_rgb,
+)
+
+LANDMARKS = np.zeros((5, 2), dtype=np.float32)
+
+
+def _face(cx: float, cy: float, size: float = 40.0) -> Face:
+    half = size / 2
+    return Face(Box(cx - half, cy - half, cx + half, cy + half), 0.99, LANDMARKS)
+
+
+def test_reading_order_is_rows_top_down_then_left_to_right() -> None:
+    faces = [_face(300, 110), _face(100, 100), _face(200, 95), _face(150, 300), _face(50, 310)]
+    assert reading_order(faces) == [1, 2, 0, 4, 3]
+    assert reading_order([]) == []
+
+
+def test_mapping_entries_name_one_target_and_exclude_a_face_choice() -> None:
+    with pytest.raises(ValidationError):
+        FaceMapping(source=0)
+    with pytest.raises(ValidationError):
+        FaceMapping(source=0, target=1, reference=0)
+    with pytest.raises(ValidationError):
+        FusionOptions(face="all", mapping=[FaceMapping(source=0, target=0)])
+    FusionOptions(mapping=[FaceMapping(source=1, reference=0)])
+
+
+def _reference_crop(reading_index: int) -> np.ndarray:
+    """A crop around one of t1's faces, as a caller would send a reference photo."""
+    faces = detect_faces(t1_rgb())
+    box = faces[reading_order(faces)[reading_index]].box
+    y0, x0 = max(0, int(box.y1) - 40), max(0, int(box.x1) - 40)
+    return np.ascontiguousarray(t1_rgb()[y0 : int(box.y2) + 40, x0 : int(box.x2) + 40])
+
+
+def test_detect_resolves_indices_and_references_to_their_own_sources() -> None:
+    target = t1_rgb()
+    faces = detect_faces(target)
+    order = reading_order(faces)
+    options = FusionOptions(
+        mapping=[FaceMapping(source=1, target=5), FaceMapping(source=0, reference=0)]
+    )
+    found = detect_stage(
+        astronaut_rgb(),
+        target,
+        options,
+        PipelineContext(),
+        extra_sources=[grace_hopper_rgb()],
+        references=[_reference_crop(3)],
+    )
+    assert [order.index(i) for i in found.target_indices] == [5, 3]
+    assert [s.index for s in found.per_face] == [1, 0]
+    assert found.per_face[0].image is not found.per_face[1].image
+    assert found.target_count == len(faces) == 6
+
+    with pytest.raises(InvalidInput, match="out of range"):
+        detect_stage(
+            astronaut_rgb(),
+            target,
+            FusionOptions(mapping=[FaceMapping(source=0, target=6)]),
+            PipelineContext(),
+        )
+    with pytest.raises(InvalidInput, match="same target face"):
+        detect_stage(
+            astronaut_rgb(),
+            target,
+            FusionOptions(
+                mapping=[FaceMapping(source=0, target=3), FaceMapping(source=0, reference=0)]
+            ),
+            PipelineContext(),
+            references=[_reference_crop(3)],
+        )
+    with pytest.raises(InvalidInput, match="source 1"):
+        detect_stage(
+            astronaut_rgb(),
+            target,
+            FusionOptions(mapping=[FaceMapping(source=1, target=0)]),
+            PipelineContext(),
+        )
+    with pytest.raises(NoFaceFound, match="source image 1"):
+        detect_stage(
+            astronaut_rgb(),
+            target,
+            FusionOptions(mapping=[FaceMapping(source=1, target=0)]),
+            PipelineContext(),
+            extra_sources=[no_face_rgb()],
+        )
+
+
+def test_two_sources_fused_onto_their_faces_with_a_quality_report_per_source() -> None:
+    options = FusionOptions(
+        mapping=[FaceMapping(source=0, target=0), FaceMapping(source=1, reference=0)]
+    )
+    result = fuse_images(
+        astronaut_jpeg_bytes(),
+        t1_jpeg_bytes(),
+        options,
+        PipelineContext(),
+        extra_sources=[grace_hopper_jpeg_bytes()],
+        references=[encode(_reference_crop(3))],
+    )
+    assert result.faces_replaced == 2
+    assert result.quality is not None and result.quality.faces_lost == 0
+    faces = detect_faces(t1_rgb())
+    order = reading_order(faces)
+    assert [f.index for f in result.quality.faces] == [order[0], order[3]]
+    # Each face is compared with its own source: swapping the sources' embeddings would
+    # not give the same similarities (grace_hopper and the astronaut differ).
+    assert all(f.source_similarity is not None for f in result.quality.faces)
+    import io
+
+    from PIL import Image
+
+    image = np.asarray(Image.open(io.BytesIO(result.data)).convert("RGB")).astype(int)
+    original = t1_rgb().astype(int)
+    for i in range(len(faces)):
+        box = faces[i].box
+        region = np.s_[int(box.y1) : int(box.y2), int(box.x1) : int(box.x2)]
+        changed = np.abs(image[region] - original[region]).mean() > 2.0
+        assert changed == (i in (order[0], order[3])), i

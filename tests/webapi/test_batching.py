@@ -1,0 +1,305 @@
+"""Micro-batched dispatch against a real Prefect server, with the real ``fuse-batch`` flow
+run in-process (as a worker would run it) on real photos, on SQLite and PostgreSQL.
+
+Each relay step is driven one pass at a time, so every interleaving below is deliberate:
+jobs that leave together, a lone job that leaves at once, runs in flight holding jobs
+back, a batch whose jobs end each on their own (no face, cancelled before it started,
+deadline passed while it waited, cancelled after it finished), and a batch run that is
+declared crashed mid-way while it goes on as a zombie.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from flows.params import (
+    BATCH_DEPLOYMENT_NAME,
+    FuseBatchParams,
+    result_key,
+    stop_marker_key,
+)
+from tasks.errors import NoFaceFound
+from tests.samples import no_face_jpeg_bytes
+from tests.webapi.conftest import make_settings
+from tests.webapi.relay_harness import FAST, PrefectServer, job, submit
+from tests.webapi.utils import make_user
+from webapi import crud
+from webapi.config import Settings
+from webapi.inputs import store_image
+from webapi.models import Job, JobCreate, JobStatus
+from webapi.relay import dispatch, reap, sync
+from webapi.relay.context import Relay
+from webapi.relay.runner import build_relay
+from webapi.storage import LocalObjectStore
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+
+@pytest.fixture(scope="session")
+def batch_blocks(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default blocks on the test server (storage under a session home) and the real
+    ``fuse-batch`` deployment; the storage directory the flow and the relay share."""
+    from blocks import init_default_blocks
+    from flows.batch import fuse_batch
+
+    home = tmp_path_factory.mktemp("batch-home")
+    saved = init_default_blocks(home, webhook_secret="whsec_test-secret")
+    fuse_batch.to_deployment(name=BATCH_DEPLOYMENT_NAME).apply()
+    return saved.storage_path
+
+
+@pytest.fixture
+def relay(
+    engine: Engine,
+    database_url: str,
+    tmp_path: Path,
+    prefect_server: PrefectServer,
+    batch_blocks: Path,
+) -> Iterator[Relay]:
+    settings = make_settings(
+        database_url,
+        tmp_path,
+        prefect_api_url=prefect_server.api_url,
+        batch_max_jobs=8,
+        batch_linger_ms=0,
+        worker_slots=1,
+        runs_ahead_per_slot=2,
+    )
+    instance = build_relay(
+        settings,
+        engine=engine,
+        store=LocalObjectStore(batch_blocks),
+        timings=replace(FAST, running_grace_s=30.0),
+    )
+    yield instance
+    instance.close()
+
+
+@pytest.fixture
+def owner(relay: Relay) -> crud.NewUser:
+    return make_user(relay.engine, relay.settings, quota=100)
+
+
+def _submit(relay: Relay, owner: crud.NewUser, **fields: Any) -> Job:
+    return submit(relay.engine, relay.settings, relay.store, owner, **fields)
+
+
+def _submit_faceless(relay: Relay, owner: crud.NewUser) -> Job:
+    """A job whose source photo has no face (a coffee cup)."""
+    settings: Settings = relay.settings
+    source = store_image(
+        no_face_jpeg_bytes(), name="source", limits=settings.image_limits, store=relay.store
+    )
+    target = store_image(
+        no_face_jpeg_bytes(), name="target", limits=settings.image_limits, store=relay.store
+    )
+    with Session(relay.engine, expire_on_commit=False) as session:
+        created, _ = crud.submit_job(
+            session,
+            owner=owner.user,
+            create=JobCreate.model_validate({}),
+            source=source,
+            target=target,
+            settings=settings,
+        )
+    return created
+
+
+def _run(flow_run_id: uuid.UUID | str) -> str:
+    """Run an existing ``fuse-batch`` run in this process, as a warm child does."""
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+
+    from flows.batch import fuse_batch
+
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(uuid.UUID(str(flow_run_id)))
+    state = run_flow(fuse_batch, flow_run=flow_run, return_type="state")
+    return str(state.type.value)  # type: ignore[union-attr]
+
+
+def _batch_of(prefect_server: PrefectServer, flow_run_id: uuid.UUID | None) -> FuseBatchParams:
+    assert flow_run_id is not None
+    return FuseBatchParams.model_validate(prefect_server.run(str(flow_run_id))["parameters"])
+
+
+def test_jobs_due_together_leave_in_one_batch_run(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    jobs = [_submit(relay, owner) for _ in range(3)]
+    assert dispatch.run_once(relay) == 3
+    stored = [job(relay.engine, j.id) for j in jobs]
+    run_ids = {j.flow_run_id for j in stored}
+    assert len(run_ids) == 1 and None not in run_ids
+    assert all(j.status is JobStatus.queued and j.attempts == 1 for j in stored)
+    assert len({j.dispatch_key for j in stored}) == 1
+    (run_id,) = run_ids
+    run = prefect_server.run(str(run_id))
+    assert {f"job:{j.id}" for j in jobs} <= set(run["tags"])
+    assert run["name"].endswith("+2")
+    params = FuseBatchParams.model_validate(run["parameters"])
+    assert sorted(p.job_id for p in params.jobs) == sorted(str(j.id) for j in jobs)
+    assert params.jobs[0].options.model_fields_set == {"identity_weight"}  # as the client set
+
+    assert _run(run_id) == "COMPLETED"
+    sync.run_once(relay)
+    for j in jobs:
+        done = job(relay.engine, j.id)
+        assert done.status is JobStatus.succeeded, (done.status, done.error_code)
+        assert done.result_key == result_key(str(j.id), 1, "png")
+        assert (relay.store.basepath / done.result_key).is_file()  # type: ignore[attr-defined]
+        assert set(done.timings) >= {"detect", "fuse"}
+
+
+def test_a_lone_job_gets_a_run_of_its_own_at_once(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    lone = _submit(relay, owner)
+    assert dispatch.run_once(relay) == 1
+    stored = job(relay.engine, lone.id)
+    assert stored.flow_run_id is not None and stored.dispatch_key is None
+    run = prefect_server.run(str(stored.flow_run_id))
+    assert run["name"] == str(lone.id)  # a fuse-faces run, as without batching
+    assert run["idempotency_key"] == f"job-{lone.id}-attempt-1"
+
+
+def test_runs_in_flight_hold_jobs_back_until_a_run_ends(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    first = _submit(relay, owner)
+    dispatch.run_once(relay)
+    second = _submit(relay, owner)
+    dispatch.run_once(relay)  # two runs in flight: worker_slots 1 x runs ahead 2
+    waiting = [_submit(relay, owner) for _ in range(4)]
+    assert dispatch.run_once(relay) == 0
+    assert all(job(relay.engine, j.id).flow_run_id is None for j in waiting)
+
+    second_run = prefect_server.run(str(job(relay.engine, second.id).flow_run_id))
+    assert second_run["name"] == str(second.id)  # alone when it came: a run of its own
+    prefect_server.set_state(str(job(relay.engine, first.id).flow_run_id), "CANCELLED")
+    sync.run_once(relay)  # the first run ended: a slot is free
+    assert job(relay.engine, first.id).status is JobStatus.cancelled
+    assert dispatch.run_once(relay) == 4
+    runs = {job(relay.engine, j.id).flow_run_id for j in waiting}
+    assert len(runs) == 1  # the jobs that waited leave together
+    batch = _batch_of(prefect_server, runs.pop())
+    assert sorted(j.job_id for j in batch.jobs) == sorted(str(j.id) for j in waiting)
+
+
+def test_each_job_of_a_mixed_batch_ends_on_its_own(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    good = _submit(relay, owner)
+    faceless = _submit_faceless(relay, owner)
+    cancelled = _submit(relay, owner)
+    late = _submit(relay, owner, deadline_seconds=3)
+    finished_late = _submit(relay, owner)
+    assert dispatch.run_once(relay) == 5
+    run_id = job(relay.engine, good.id).flow_run_id
+    assert all(job(relay.engine, j.id).flow_run_id == run_id for j in (faceless, late))
+
+    with Session(relay.engine) as session:  # cancelled before the run starts
+        outcome = crud.cancel_job(session, owner=owner.user, job_id=cancelled.id)
+    assert outcome.status is JobStatus.cancelled
+    assert reap.cancel_runs(relay) == 1  # a stop marker, not a cancelled run
+    assert relay.store.exists(stop_marker_key(str(cancelled.id), 1))
+    assert prefect_server.run(str(run_id))["state_type"] == "SCHEDULED"
+    time.sleep(max(0.0, (late.deadline_at - job(relay.engine, late.id).created_at).total_seconds()))
+
+    assert _run(run_id) == "COMPLETED"
+    with Session(relay.engine) as session:  # finished, but cancelled before the relay saw it
+        crud.cancel_job(session, owner=owner.user, job_id=finished_late.id)
+    sync.run_once(relay)
+    reap.cancel_runs(relay)
+    sync.run_once(relay)
+
+    assert job(relay.engine, good.id).status is JobStatus.succeeded
+    no_face = job(relay.engine, faceless.id)
+    assert (no_face.status, no_face.error_code, no_face.attempts) == (
+        JobStatus.failed,
+        NoFaceFound.code,
+        1,
+    )
+    assert job(relay.engine, cancelled.id).status is JobStatus.cancelled
+    assert not relay.store.exists(result_key(str(cancelled.id), 1, "png"))  # skipped
+    timed_out = job(relay.engine, late.id)
+    assert (timed_out.status, timed_out.error_code) == (JobStatus.failed, "deadline_exceeded")
+    discarded = job(relay.engine, finished_late.id)
+    assert discarded.status is JobStatus.cancelled and discarded.result_key is None
+
+
+def test_a_batch_declared_crashed_mid_way_reruns_only_unfinished_jobs_and_its_zombie_writes_nothing(
+    relay: Relay,
+    owner: crud.NewUser,
+    prefect_server: PrefectServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch stops (its fuse stage hangs) after the no-face job's failure was stored;
+    the run is declared Crashed (as a worker reports a killed child): the no-face job keeps
+    its outcome, the others run again as attempt 2 in a new batch. Then the first run
+    wakes up as a zombie and finishes: none of it reaches the jobs."""
+    from tasks import pipeline
+
+    good = [_submit(relay, owner) for _ in range(2)]
+    faceless = _submit_faceless(relay, owner)
+    dispatch.run_once(relay)
+    first_run = job(relay.engine, faceless.id).flow_run_id
+    assert first_run is not None
+
+    release, hung = threading.Event(), threading.Event()
+    real_fuse = pipeline.fuse_stage
+
+    def hanging_fuse(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "zombie":
+            hung.set()
+            release.wait(60)
+        return real_fuse(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "fuse_stage", hanging_fuse)
+    from tests.webapi.relay_harness import in_thread
+
+    zombie = in_thread(lambda: _run(first_run), name="zombie")
+    assert hung.wait(120), "the batch never reached its fuse stage"
+    sync.run_once(relay)  # Running: the jobs are running
+    prefect_server.set_state(str(first_run), "CRASHED", "child SIGKILLed")
+    sync.run_once(relay)
+    reap.run_once(relay)
+
+    no_face = job(relay.engine, faceless.id)
+    assert (no_face.status, no_face.error_code, no_face.attempts) == (
+        JobStatus.failed,
+        NoFaceFound.code,
+        1,
+    )
+    assert all(job(relay.engine, j.id).status is JobStatus.queued for j in good)
+    dispatch.run_once(relay)
+    second = [job(relay.engine, j.id) for j in good]
+    second_run = second[0].flow_run_id
+    assert second_run not in (None, first_run) and second[1].flow_run_id == second_run
+    assert [j.attempts for j in second] == [2, 2]
+    assert _run(second_run) == "COMPLETED"  # type: ignore[arg-type]
+    sync.run_once(relay)
+    for j in good:
+        done = job(relay.engine, j.id)
+        assert done.status is JobStatus.succeeded
+        assert done.result_key == result_key(str(j.id), 2, "png")
+
+    release.set()  # the zombie finishes attempt 1 late
+    zombie.join(120)
+    assert not zombie.is_alive()
+    sync.run_once(relay)
+    reap.run_once(relay)
+    for j in good:
+        after = job(relay.engine, j.id)
+        assert after.status is JobStatus.succeeded and after.attempts == 2
+        assert after.result_key == result_key(str(j.id), 2, "png")

@@ -1,0 +1,290 @@
+"""Micro-batched dispatch: the due jobs that can share a flow run leave together.
+
+With ``batch_max_jobs`` > 1 (``webapi.config``) a dispatch pass
+
+1. counts the lane's unfinished flow runs and, when they already fill
+   ``max_runs_in_flight`` (worker slots times runs ahead), dispatches nothing: the jobs wait
+   in the outbox and leave together once a run ends (sync wakes dispatch). Under load
+   batches grow up to ``batch_max_jobs``; when idle a job leaves at once;
+2. leases up to ``free runs * batch_max_jobs`` due rows and, when fewer arrived than a
+   batch holds and the oldest is younger than ``batch_linger_ms``, waits out the linger
+   once for more;
+3. groups the jobs by what a run must share (lane, detector and fuser as the client set
+   them), earliest deadline first, into chunks of at most ``batch_max_jobs``;
+4. dispatches a chunk of one as today (a ``fuse-faces`` run, key ``job-<id>-attempt-<n>``),
+   and a larger chunk as one ``fuse-batch`` run: its Prefect idempotency key
+   (``batch-<uuid>``) is first written to the jobs (``jobs.dispatch_key``, conditional on
+   each being queued without a run), then the run is created under it, then recorded on
+   every job that still wants it — so a relay that dies in between leaves jobs that the
+   next pass sends again under the same key, getting the same run back. A member that
+   stopped wanting the run meanwhile gets a stop marker (the run skips it), and a run no
+   member wants is cancelled.
+
+Prefect outages and refusals are handled as for single runs (``webapi.relay.dispatch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlmodel import col, select
+
+from flows.params import FuseBatchParams, JobAttempt, stop_marker_key
+from tasks.options import FusionOptions
+from webapi.jobstate import transition
+from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, utcnow
+from webapi.prefect_api import PrefectRejected, PrefectUnavailable
+from webapi.relay import dispatch, leases
+from webapi.relay.context import Relay
+from webapi.relay.dispatch import COUNTER, DISPATCH_REJECTED, Plan
+
+log = logging.getLogger(__name__)
+
+BATCH_KEY_PREFIX = "batch-"
+
+
+@dataclass
+class Chunk:
+    """Jobs that leave in one flow run: their plans and the rows this relay holds."""
+
+    plans: list[Plan]
+    rows: dict[uuid.UUID, Outbox]
+    key: str | None = None  # the dispatch key planned for these jobs by an earlier pass
+
+
+def run_once(relay: Relay) -> int:
+    """One batching dispatch pass; returns how many outbox rows it handled."""
+    free = free_runs(relay)
+    open_lanes = sorted(lane for lane, n in free.items() if n > 0)
+    if not open_lanes:
+        return 0
+    size = relay.settings.batch_max_jobs
+    limit = min(relay.timings.batch, sum(free[lane] for lane in open_lanes) * size)
+    rows = claim(relay, open_lanes, limit)
+    if rows and len(rows) < limit:
+        rows += _linger(relay, rows, open_lanes, limit)
+    if not rows:
+        return 0
+    chunks = group(dispatch.plans(relay, rows), size)
+    for index, chunk in enumerate(chunks):
+        if not send(relay, chunk):
+            rest = [row for later in chunks[index + 1 :] for row in later.rows.values()]
+            dispatch.defer_untried(relay, rest, "Prefect unavailable")
+            break
+    return len(rows)
+
+
+def free_runs(relay: Relay) -> dict[str, int]:
+    """Per lane (job priority), how many more flow runs may be in flight now."""
+    query = (
+        select(Job.priority, sa.func.count(sa.distinct(col(Job.flow_run_id))))
+        .where(col(Job.status).in_(list(ACTIVE_STATUSES)), col(Job.flow_run_id).is_not(None))
+        .group_by(col(Job.priority))
+    )
+    with relay.session() as session:
+        busy = {str(lane): int(n) for lane, n in session.exec(query).all()}
+        session.commit()
+    cap = relay.settings.max_runs_in_flight
+    return {lane: cap - busy.get(lane, 0) for lane in ("high", "normal")}
+
+
+def claim(relay: Relay, lanes: list[str], limit: int) -> list[Outbox]:
+    """Lease up to ``limit`` due dispatch rows of jobs in ``lanes``."""
+    with relay.session() as session:
+        return leases.claim(
+            session,
+            kinds=["dispatch"],
+            owner=relay.owner,
+            limit=limit,
+            lease_s=relay.timings.dispatch_lease_s,
+            job_filter=col(Job.priority).in_(lanes),
+        )
+
+
+def _linger(relay: Relay, rows: list[Outbox], lanes: list[str], limit: int) -> list[Outbox]:
+    """Wait once, up to the linger, for more rows to join a batch that is not full."""
+    linger_s = relay.settings.batch_linger_ms / 1000.0
+    oldest = min(row.created_at for row in rows)
+    wait_s = linger_s - (utcnow() - oldest).total_seconds()
+    if wait_s <= 0:
+        return []
+    time.sleep(wait_s)
+    return claim(relay, lanes, limit - len(rows))
+
+
+def group(planned: Iterable[tuple[Outbox, Plan]], size: int) -> list[Chunk]:
+    """Chunks of at most ``size`` jobs that can share a run, oldest job's chunk first.
+
+    Jobs already planned into a batch (``dispatch_key``) keep it; the others are grouped by
+    lane, detector and fuser (as the client set them: the flow fills the operator's
+    defaults, the same for every job), earliest deadline first; a job with a per-face
+    mapping goes alone (fuse-faces loads its extra images)."""
+    planned_keys: dict[str, Chunk] = {}
+    open_groups: dict[tuple[str, object, object], list[tuple[Outbox, Plan]]] = {}
+    chunks_alone: list[Chunk] = []
+    for row, plan in planned:
+        if plan.dispatch_key is not None:
+            chunk = planned_keys.setdefault(plan.dispatch_key, Chunk([], {}, plan.dispatch_key))
+            chunk.plans.append(plan)
+            chunk.rows[plan.job_id] = row
+            continue
+        if plan.mapped:  # its extra images need fuse-faces: a run of its own
+            chunks_alone.append(Chunk([plan], {plan.job_id: row}))
+            continue
+        key = (plan.priority, plan.options.get("detector"), plan.options.get("fuser"))
+        open_groups.setdefault(key, []).append((row, plan))
+    chunks = [*planned_keys.values(), *chunks_alone]
+    for members in open_groups.values():
+        members.sort(key=lambda member: member[1].deadline_at)
+        for start in range(0, len(members), size):
+            part = members[start : start + size]
+            chunks.append(Chunk([p for _r, p in part], {p.job_id: r for r, p in part}))
+    chunks.sort(key=lambda chunk: min(plan.created_at for plan in chunk.plans))
+    return chunks
+
+
+def send(relay: Relay, chunk: Chunk) -> bool:
+    """Dispatch one chunk; False when Prefect was unreachable (the chunk is deferred)."""
+    if chunk.key is None and len(chunk.plans) == 1:
+        (plan,) = chunk.plans
+        return dispatch.send_single(relay, chunk.rows[plan.job_id], plan)
+    key = chunk.key or f"{BATCH_KEY_PREFIX}{uuid.uuid4().hex}"
+    members = _members(relay, chunk, key)
+    if not members:
+        return True
+    latest = max(plan.deadline_at for plan in members)
+    params = FuseBatchParams(
+        jobs=[_attempt(plan) for plan in members],
+        deadline_at=latest,
+        storage_block=dispatch.DEFAULT_STORAGE_BLOCK,
+        settings_block=dispatch.DEFAULT_SETTINGS_BLOCK,
+    )
+    rows = list(chunk.rows.values())
+    try:
+        # A chunk holds one lane (``plan_chunks`` groups by it): the lane's work queue.
+        queue = dispatch.work_queue(relay, members[0])
+        run = relay.prefect.create_batch_run(params, key=key, work_queue_name=queue)
+    except PrefectUnavailable as exc:
+        dispatch.prefect_down(relay, rows[0], str(exc))
+        dispatch.defer_untried(relay, rows[1:], str(exc))
+        return False
+    except PrefectRejected as exc:
+        log.error("batch dispatch rejected", extra={"detail": exc.detail, "jobs": len(members)})
+        for plan in members:
+            dispatch.fail(
+                relay,
+                chunk.rows.get(plan.job_id),
+                plan,
+                DISPATCH_REJECTED,
+                "The job could not be scheduled.",
+                str(exc),
+            )
+        return True
+    relay.outage.dispatched()
+    record(relay, chunk, members, uuid.UUID(run.id), params)
+    return True
+
+
+def _attempt(plan: Plan) -> JobAttempt:
+    assert plan.source_key is not None and plan.target_key is not None
+    return JobAttempt(
+        job_id=str(plan.job_id),
+        owner_id=str(plan.owner_id),
+        source_key=plan.source_key,
+        target_key=plan.target_key,
+        options=FusionOptions.model_validate(plan.options),
+        deadline_at=plan.deadline_at,
+        attempt=plan.attempt,
+    )
+
+
+def _members(relay: Relay, chunk: Chunk, key: str) -> list[Plan]:
+    """The jobs that go into the run under ``key``: those that hold (or now take) the key
+    and are still queued without a run. A newly planned chunk writes the key to its jobs
+    first; a chunk planned by an earlier pass gathers every job holding its key."""
+    now = utcnow()
+    with relay.session() as session:
+        if chunk.key is None:
+            session.exec(
+                sa.update(Job)
+                .where(
+                    col(Job.id).in_([plan.job_id for plan in chunk.plans]),
+                    col(Job.status) == JobStatus.queued,
+                    col(Job.flow_run_id).is_(None),
+                    col(Job.dispatch_key).is_(None),
+                )
+                .values(dispatch_key=key, updated_at=now)
+            )
+        holders = session.exec(
+            select(Job).where(
+                col(Job.status) == JobStatus.queued,
+                col(Job.flow_run_id).is_(None),
+                col(Job.dispatch_key) == key,
+            )
+        ).all()
+        members = [dispatch.plan_of(job, job.attempts + 1) for job in holders]
+        session.commit()
+    given = {plan.job_id: plan for plan in chunk.plans}
+    members = [given.get(plan.job_id, plan) for plan in members]  # keep fetched inputs
+    gone = [row for job_id, row in chunk.rows.items() if job_id not in {p.job_id for p in members}]
+    for row in gone:
+        dispatch.close(relay, row, "obsolete")
+    ready = [plan for plan in members if plan.source_key and plan.target_key]
+    return sorted(ready, key=lambda plan: plan.deadline_at)
+
+
+def record(
+    relay: Relay, chunk: Chunk, members: list[Plan], run_id: uuid.UUID, params: FuseBatchParams
+) -> None:
+    """Write the run on every member still queued without a run, and close the rows held;
+    a member that no longer wants the run gets a stop marker, a run nobody wants is
+    cancelled."""
+    now = utcnow()
+    recorded: list[Plan] = []
+    with relay.session() as session:
+        for plan in members:
+            if transition(
+                session,
+                job_id=plan.job_id,
+                to=JobStatus.queued,
+                expected=JobStatus.queued,
+                expected_flow_run_id=None,
+                flow_run_id=run_id,
+                attempts=plan.attempt,
+                commit=False,
+                now=now,
+            ):
+                recorded.append(plan)
+        done = {plan.job_id for plan in recorded}
+        for job_id, row in chunk.rows.items():
+            leases.finish(
+                session, row, owner=relay.owner, outcome="done" if job_id in done else "obsolete"
+            )
+        session.commit()
+    relay.metrics.inc(COUNTER, "dispatched", len(recorded))
+    for plan in recorded:
+        relay.metrics.observe_dispatch_lag((now - plan.created_at).total_seconds())
+    log.info(
+        "batch dispatched",
+        extra={"flow_run_id": str(run_id), "jobs": len(recorded), "planned": len(params.jobs)},
+    )
+    unwanted = [job for job in params.jobs if uuid.UUID(job.job_id) not in done]
+    if not recorded:
+        dispatch.cancel_orphan(relay, run_id)
+        return
+    for job in unwanted:
+        stop(relay, job.job_id, job.attempt)
+
+
+def stop(relay: Relay, job_id: str, attempt: int) -> None:
+    """Write the stop marker of a job attempt whose run carries other jobs (best effort:
+    the relay discards whatever that attempt still produces)."""
+    try:
+        relay.store.put(stop_marker_key(job_id, attempt), b"stop")
+    except Exception as exc:
+        log.warning("could not write a stop marker", extra={"job_id": job_id, "error": str(exc)})
