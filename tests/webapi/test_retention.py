@@ -260,3 +260,50 @@ def test_a_retention_pass_over_many_jobs_touches_only_what_is_due(
         else:
             assert job.status is JobStatus.queued
             assert store.exists(job.source_key or "") and store.exists(job.target_key or "")
+
+
+def test_a_mapping_job_s_other_sources_and_references_expire_unless_still_used(
+    engine: Engine, settings: Settings, store: ObjectStore
+) -> None:
+    user = make_user(engine, settings)
+    source = _stored(store, source_jpeg(), "source", settings)
+    target = _stored(store, target_jpeg(), "target", settings)
+    second = _stored(store, image_bytes(150, 140, "PNG"), "sources[1]", settings)
+    reference = _stored(store, image_bytes(140, 150, "PNG"), "references[0]", settings)
+    with Session(engine, expire_on_commit=False) as session:
+        mapped, _ = crud.submit_job(
+            session,
+            owner=user.user,
+            create=JobCreate.model_validate({}),
+            source=source,
+            target=target,
+            settings=settings,
+            extra_sources=[second],
+            references=[reference],
+        )
+        # A queued job whose mapping uses the same reference (in the JSON column only).
+        other, _ = crud.submit_job(
+            session,
+            owner=user.user,
+            create=JobCreate.model_validate({}),
+            source=_stored(store, image_bytes(130, 130, "PNG"), "source", settings),
+            target=_stored(store, image_bytes(131, 131, "PNG"), "target", settings),
+            settings=settings,
+            references=[reference],
+        )
+    assert mapped.extra_inputs and other.extra_inputs
+    move(engine, mapped.id, JobStatus.cancelled, JobStatus.queued)
+    report = run_pass(engine, store, settings)
+    assert (report.input_objects, report.inputs_shared) == (3, 1)
+    assert not store.exists(second.key or "") and store.exists(reference.key or "")
+    # A late submit that found the mapping's second source stored is told to store it again.
+    late = crud.Submission(
+        user.user,
+        JobCreate.model_validate({}),
+        _stored(store, image_bytes(132, 132, "PNG"), "source", settings),
+        _stored(store, image_bytes(133, 133, "PNG"), "target", settings),
+        extra_sources=(second,),
+    )
+    with Session(engine, expire_on_commit=False) as session:
+        (admission,) = crud.submit_jobs(session, submissions=[late], settings=settings, store=store)
+    assert isinstance(admission.error, InputsPurged)
