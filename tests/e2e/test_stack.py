@@ -7,6 +7,7 @@ way an app would. Stopping the stack must leave no process behind.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import io
@@ -61,6 +62,20 @@ def _pids_with_home(home: Path) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def _stop(proc: subprocess.Popen[bytes], home: Path) -> None:
+    """Stop a stack that never became ready: SIGTERM to ``faceflow up`` (it stops its
+    children), then SIGKILL to whatever of this home is left (each child has its own
+    session, so killing ``faceflow up`` alone would orphan them)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    for pid in _pids_with_home(home):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @dataclass
@@ -155,7 +170,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
             pass
         time.sleep(1)
     else:
-        proc.kill()
+        _stop(proc, home)
         pytest.fail("stack not ready: " + (home.parent / "up.log").read_text()[-3000:])
     created = subprocess.run(
         [str(BIN / "faceflow"), "users", "create", "e2e"],
