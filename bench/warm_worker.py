@@ -806,12 +806,17 @@ def celery_figures(
     inputs: tuple[str, str, bytes, bytes], jobs: int, gpu_ms: float | None
 ) -> dict[str, Any]:
     """The same jobs through Celery + Redis as a classic GPU queue (bench/celery_queue.py)."""
-    from bench import celery_queue  # type: ignore[attr-defined]  # bench extra (issue 12)
+    from bench import celery_queue  # needs the bench extra (issue 12)
 
-    mode = "sleep" if gpu_ms is not None else "real"
-    return dict(
-        celery_queue.run_celery(jobs, inputs[2], inputs[3], mode=mode, sleep_ms=gpu_ms or 30.0)
+    # mode "gpu": the pipeline GPU-shaped in the Celery worker, as in the relay modes
+    figures = celery_queue.run_celery(
+        jobs,
+        inputs[2],
+        inputs[3],
+        mode="gpu" if gpu_ms is not None else "real",
+        sleep_ms=gpu_ms or 30.0,
     )
+    return dict(figures)
 
 
 if __name__ == "__main__":
