@@ -157,7 +157,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     api = f"http://127.0.0.1:{api_port}"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 480  # each prefect CLI step takes 30-40 s at load 10+
     while time.monotonic() < deadline:
         assert proc.poll() is None, (home.parent / "up.log").read_text()
         try:
