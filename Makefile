@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.faceflow-installed
 
-.PHONY: setup run demo test lint typecheck pytest bench clean
+.PHONY: setup bench-setup run demo test lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,13 +18,21 @@ $(BIN)/python:
 #    opencv-python-headless;
 #  - nudenet carries the moderation detector 320n.onnx (AGPL-3.0, see tasks/registry.py);
 #    what it requires (numpy, onnxruntime, opencv-python-headless) we pin ourselves.
+# The bench extra (Celery, kombu, billiard...: ~22 MB, nothing the service imports) comes
+# along so that tests/test_celery_bench.py runs in CI instead of skipping; `make test`
+# does not need it (that test skips without celery). kombu 5.7's redis extra pins
+# packaging==26.3, one patch release below what pip picks otherwise.
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	$(BIN)/pip install -q --no-deps facenet-pytorch==2.6.0 insightface==2.1 nudenet==3.4.2
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# the bench-only extra into an existing .venv (bench/celery_queue.py)
+bench-setup: setup
+	$(BIN)/pip install -q -e '.[bench]'
 
 lint: setup
 	$(BIN)/ruff check .

@@ -23,7 +23,7 @@ import numpy as np
 
 from faceflow import samples
 from tasks.models import MODEL_CACHE
-from tasks.options import FusionOptions
+from tasks.options import MODERATION_MODES, FusionOptions, ModerationPolicy
 from tasks.pipeline import STAGES, PipelineContext, fuse_images, warm_up
 
 
@@ -50,9 +50,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--moderation", choices=MODERATION_MODES, default="enforce", help="NSFW check mode."
+    )
     args = parser.parse_args()
 
-    ctx = PipelineContext.for_this_machine()
+    ctx = PipelineContext.for_this_machine(moderation=ModerationPolicy(mode=args.moderation))
     source = samples.astronaut_jpeg_bytes()
     target = samples.grace_hopper_jpeg_bytes()
     base_target = samples.grace_hopper_rgb()

@@ -375,24 +375,21 @@ class CpuMeter:
         return out
 
 
-def bench_mode(
+def pool_template(mode: str) -> dict[str, Any]:
+    """The base job template of a worker type's pool (``work_pools/``)."""
+    return dict(json.loads((REPO / "work_pools" / TEMPLATES[mode]).read_text()))
+
+
+def start_worker(
     mode: str,
     api: PrefectRest,
-    server_pid: int | None,
+    pool: str,
     env: dict[str, str],
     home: Path,
-    inputs: tuple[str, str, bytes, bytes],
-    jobs: int,
     extra_env: dict[str, str] | None = None,
     children: int = 1,
-) -> dict[str, Any]:
-    """Create the pool and deployment, start the worker, run the jobs, stop the worker.
-    The bare loop runs just before, so both see the same load on a shared machine."""
-    keys = inputs[:2]
-    pool = f"bench-{mode}"
-    template = json.loads((REPO / "work_pools" / TEMPLATES[mode]).read_text())
-    api.create_pool(pool, TYPES[mode], template)
-    deployment_id = api.deploy("fuse-faces", "flows/fuse.py:fuse_faces", pool)
+) -> tuple[Service, float]:
+    """Start a worker of ``mode`` on ``pool`` and wait until it takes runs; (service, s)."""
     health_port = free_port()
     worker_env = {
         **env,
@@ -409,7 +406,7 @@ def bench_mode(
     argv = [PREFECT, "worker", "start", "--pool", pool, "--type", TYPES[mode]]
     argv += ["--limit", str(limit)]
     worker = Service(
-        f"worker-{mode}", argv, log=home / f"worker-{mode}.log", env=worker_env, cwd=REPO
+        f"worker-{pool}", argv, log=home / f"worker-{pool}.log", env=worker_env, cwd=REPO
     )
     started = time.monotonic()
     worker.start()
@@ -420,7 +417,32 @@ def bench_mode(
         else:
             workers = f"/work_pools/{pool}/workers/filter"
             wait_until(lambda: bool(api.call("POST", workers, {})), 120, "process worker")
-        ready_s = time.monotonic() - started
+    except BaseException:
+        worker.stop(grace=10)
+        raise
+    return worker, time.monotonic() - started
+
+
+def bench_mode(
+    mode: str,
+    api: PrefectRest,
+    server_pid: int | None,
+    env: dict[str, str],
+    home: Path,
+    inputs: tuple[str, str, bytes, bytes],
+    jobs: int,
+    extra_env: dict[str, str] | None = None,
+    children: int = 1,
+) -> dict[str, Any]:
+    """Create the pool and deployment, start the worker, run the jobs, stop the worker.
+    The bare loop runs just before, so both see the same load on a shared machine."""
+    keys = inputs[:2]
+    pool = f"bench-{mode}"
+    api.create_pool(pool, TYPES[mode], pool_template(mode))
+    deployment_id = api.deploy("fuse-faces", "flows/fuse.py:fuse_faces", pool)
+    limit = children if mode == "warm" else 1
+    worker, ready_s = start_worker(mode, api, pool, env, home, extra_env, children)
+    try:
 
         def run_one() -> dict[str, Any]:
             return api.wait_final(api.create_run(deployment_id, job_parameters(*keys)))
@@ -481,6 +503,105 @@ def bench_mode(
         "stage_median_ms": stage_medians,
         "state_gaps_ms": state_gaps(api, sequential),
     }
+
+
+RELAY_MODES = {"per-job": 1, "batched": None}
+"""Relay modes: today's one ``fuse-faces`` run per job, and micro-batching (``--batch-size``)."""
+
+
+def relay_modes(
+    modes: list[str],
+    api: PrefectRest,
+    server_pid: int | None,
+    env: dict[str, str],
+    home: Path,
+    inputs: tuple[str, str, bytes, bytes],
+    jobs: int,
+    *,
+    batch_size: int,
+    worker_env: dict[str, str],
+    gpu_ms: float | None,
+    url: str,
+) -> dict[str, dict[str, Any]]:
+    """Jobs submitted over HTTP to the webapi, dispatched by its relay to one warm worker
+    shared by the modes (``bench/relay_bench.py``); the bare loop runs right before each."""
+    from bench import gpu_shaped, relay_bench
+
+    pool = "bench-relay"
+    api.create_pool(pool, TYPES["warm"], pool_template("warm"))
+    api.deploy("fuse-faces", "flows/fuse.py:fuse_faces", pool, name="fuse-faces")
+    api.deploy("fuse-batch", "flows/batch.py:fuse_batch", pool, name="fuse-batch")
+    extra = dict(worker_env)
+    if gpu_ms is not None:
+        extra[gpu_shaped.ENV] = str(gpu_ms)
+        extra["PYTHONPATH"] = str(REPO / "bench" / gpu_shaped.SITE)
+        gpu_shaped.install(gpu_ms)  # the bare loop in this process too
+    worker, ready_s = start_worker("warm", api, pool, env, home, extra)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for mode in modes:
+            bare = bare_loop(inputs[2], inputs[3], jobs)
+            results[mode] = relay_bench.relay_mode(
+                mode,
+                batch_max_jobs=RELAY_MODES[mode] or batch_size,
+                api=api,
+                pids={"server": server_pid, "worker": worker.pid},
+                env=env,
+                home=home,
+                storage=home / "faceflow" / "storage",
+                prefect_url=url,
+                body=relay_bench.request_body(inputs[2], inputs[3]),
+                jobs=jobs,
+                port=free_port(),
+                server_log=home / "server.log",
+            )
+            results[mode]["bare"] = bare
+            results[mode]["worker_ready_s"] = ready_s
+    finally:
+        worker.stop(grace=30)
+    return results
+
+
+def print_relay_table(results: dict[str, dict[str, Any]], gpu_ms: float | None) -> None:
+    """The relay modes side by side, against their bare loops."""
+    modes = list(results)
+    compute = f"GPU-shaped {gpu_ms:g} ms/job" if gpu_ms else "real pipeline"
+    print(f"relay modes, compute: {compute}")
+    rows = [
+        ("bare loop (jobs/min)", lambda r: r["bare"]["jobs_per_min"], "{:.1f}"),
+        ("bare median (ms)", lambda r: r["bare"]["median_ms"], "{:.0f}"),
+        ("jobs per run, at most", lambda r: r["batch_max_jobs"], "{}"),
+        ("dispatch median, one at a time (s)", lambda r: r["dispatch_median_s"] or 0, "{:.2f}"),
+        ("end-to-end median, one at a time (s)", lambda r: r["e2e_median_s"] or 0, "{:.2f}"),
+        ("burst throughput (jobs/min)", lambda r: r["burst_jobs_per_min"], "{:.1f}"),
+        (
+            "burst / bare loop",
+            lambda r: r["burst_jobs_per_min"] / r["bare"]["jobs_per_min"],
+            "{:.0%}",
+        ),
+        ("burst: runs", lambda r: r["burst_runs"], "{}"),
+        ("burst: jobs per run", lambda r: r["burst_jobs_per_run"], "{}"),
+        ("burst CPU/job: Prefect server (ms)", lambda r: r["burst_cpu_ms_per_job"]["server"], "{}"),
+        ("burst CPU/job: worker+child (ms)", lambda r: r["burst_cpu_ms_per_job"]["worker"], "{}"),
+        ("burst CPU/job: webapi+relay (ms)", lambda r: r["burst_cpu_ms_per_job"]["webapi"], "{}"),
+        ("burst CPU/job: postgres (ms)", lambda r: r["burst_cpu_ms_per_job"]["postgres"], "{}"),
+        (
+            "burst: machine busy",
+            lambda r: r["burst_cpu_ms_per_job"]["machine_busy_share"],
+            "{:.0%}",
+        ),
+        (
+            "burst: Prefect requests/job",
+            lambda r: r["burst_requests_per_job"].get("total", "-"),
+            "{}",
+        ),
+    ]
+    print(f"{'':38}" + "".join(f"{m:>12}" for m in modes))
+    for label, get, fmt in rows:
+        print(f"{label:38}" + "".join(f"{fmt.format(get(results[m])):>12}" for m in modes))
+    for mode in modes:
+        if results[mode]["failed"]:
+            print(f"{mode}: jobs not succeeded: {results[mode]['failed']}")
 
 
 def state_gaps(api: PrefectRest, runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -563,7 +684,28 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--jobs", type=int, default=20)
-    parser.add_argument("--modes", default="process,warm", help="comma-separated: process,warm")
+    parser.add_argument(
+        "--modes",
+        default="process,warm",
+        help="comma-separated: process,warm (runs created directly), per-job,batched "
+        "(jobs through the webapi and its relay)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="batched mode's FACEFLOW_BATCH_MAX_JOBS"
+    )
+    parser.add_argument(
+        "--gpu-ms",
+        type=float,
+        default=None,
+        help="GPU-shaped compute: each job's pipeline compute is a sleep of this many ms "
+        "(bench/gpu_shaped.py), in the relay modes and their bare loop",
+    )
+    parser.add_argument(
+        "--celery",
+        action="store_true",
+        help="also run the same jobs through Celery + Redis as a classic GPU queue "
+        "(bench/celery_queue.py; needs the bench extra)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--server-db",
@@ -619,17 +761,62 @@ def main() -> None:
                         m, api, server.pid, env, home, inputs, args.jobs, worker_env, args.children
                     )
                     for m in modes
+                    if m in TYPES
                 }
+                relay = [m for m in modes if m in RELAY_MODES]
+                relay_results = (
+                    relay_modes(
+                        relay,
+                        api,
+                        server.pid,
+                        env,
+                        home,
+                        inputs,
+                        args.jobs,
+                        batch_size=args.batch_size,
+                        worker_env=worker_env,
+                        gpu_ms=args.gpu_ms,
+                        url=url,
+                    )
+                    if relay
+                    else {}
+                )
+                celery = celery_figures(inputs, args.jobs, args.gpu_ms) if args.celery else None
                 reference = (
                     in_process_flow_loop(api, url, inputs, args.jobs) if args.in_process else None
                 )
             finally:
                 server.stop(grace=10)
-    out = report(results, reference)
+    out = report(results, reference) if results else {}
+    out["relay_modes"] = relay_results
+    out["celery"] = celery
+    out["gpu_ms"] = args.gpu_ms
     if args.json:
-        print(json.dumps(out, indent=1))
-    else:
+        print(json.dumps(out, indent=1, default=str))
+        return
+    if results:
         print_table(out)
+    if relay_results:
+        print_relay_table(relay_results, args.gpu_ms)
+    if celery:
+        print(f"celery + redis (same inputs, same compute): {celery}")
+
+
+def celery_figures(
+    inputs: tuple[str, str, bytes, bytes], jobs: int, gpu_ms: float | None
+) -> dict[str, Any]:
+    """The same jobs through Celery + Redis as a classic GPU queue (bench/celery_queue.py)."""
+    from bench import celery_queue  # needs the bench extra (issue 12)
+
+    # mode "gpu": the pipeline GPU-shaped in the Celery worker, as in the relay modes
+    figures = celery_queue.run_celery(
+        jobs,
+        inputs[2],
+        inputs[3],
+        mode="gpu" if gpu_ms is not None else "real",
+        sleep_ms=gpu_ms or 30.0,
+    )
+    return dict(figures)
 
 
 if __name__ == "__main__":

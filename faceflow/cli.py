@@ -58,6 +58,16 @@ def _fail(code: str, message: str, exit_code: int = 1) -> typer.Exit:
     return typer.Exit(exit_code)
 
 
+def _parse_map(spec: str) -> dict[str, int]:
+    """``S:T`` or ``S:rR`` as a mapping entry."""
+    source, _, face = spec.partition(":")
+    if source.isdigit() and face.isdigit():
+        return {"source": int(source), "target": int(face)}
+    if source.isdigit() and face[:1] == "r" and face[1:].isdigit():
+        return {"source": int(source), "reference": int(face[1:])}
+    raise typer.BadParameter(f"{spec!r}: use S:T or S:rR (numbers)")
+
+
 def _parse_face(value: str) -> str | int:
     if value in ("largest", "all"):
         return value
@@ -101,6 +111,22 @@ def fuse(
     moderation: Annotated[
         str, typer.Option(help="NSFW check of inputs and result: enforce, report or off.")
     ] = "enforce",
+    also: Annotated[
+        list[Path] | None,
+        typer.Option("--source", help="Another source image (repeatable; source 1, 2, ...)."),
+    ] = None,
+    reference: Annotated[
+        list[Path] | None,
+        typer.Option(help="A reference image for --map S:rR (repeatable; reference 0, 1, ...)."),
+    ] = None,
+    face_map: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--map",
+            help="Per-face mapping (repeatable): S:T puts source S onto target face T "
+            "(reading order), S:rR onto the target face most like reference R.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
     """Fuse the face of SOURCE into TARGET in this process and print per-stage timings."""
@@ -121,6 +147,7 @@ def fuse(
             enhancer=enhancer,  # type: ignore[arg-type]
             enhancer_blend=enhancer_blend,
             min_identity=min_identity,
+            mapping=[_parse_map(spec) for spec in face_map or []],  # type: ignore[misc]
             output_format=fmt,  # type: ignore[arg-type]
         )
         policy = ModerationPolicy(mode=moderation)  # type: ignore[arg-type]
@@ -130,6 +157,8 @@ def fuse(
         raise _fail("invalid_options", f"{where}: {first['msg']}", 2) from None
     try:
         source_bytes, target_bytes = source.read_bytes(), target.read_bytes()
+        extra_bytes = [path.read_bytes() for path in also or []]
+        reference_bytes = [path.read_bytes() for path in reference or []]
     except OSError as exc:
         raise _fail("invalid_input", f"cannot read input: {exc.strerror}: {exc.filename}") from None
 
@@ -138,7 +167,14 @@ def fuse(
     pins = dict(p.split("=", 1) for p in pin or [] if "=" in p)
     ctx = PipelineContext.for_this_machine(model_dir=model_dir, pins=pins, moderation=policy)
     try:
-        result = fuse_images(source_bytes, target_bytes, options, ctx)
+        result = fuse_images(
+            source_bytes,
+            target_bytes,
+            options,
+            ctx,
+            extra_sources=extra_bytes,
+            references=reference_bytes,
+        )
     except FaceFlowError as exc:
         raise _fail(exc.code, str(exc).split("] ", 1)[-1]) from None
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -308,16 +344,43 @@ def submit(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Save the result.")] = None,
     identity_weight: Annotated[float | None, typer.Option(help="0..1.")] = None,
     deadline: Annotated[float | None, typer.Option(help="Deadline in seconds.")] = None,
+    also: Annotated[
+        list[Path] | None,
+        typer.Option("--source", help="Another source image (repeatable; source 1, 2, ...)."),
+    ] = None,
+    reference: Annotated[
+        list[Path] | None,
+        typer.Option(help="A reference image for --map S:rR (repeatable; reference 0, 1, ...)."),
+    ] = None,
+    face_map: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--map",
+            help="Per-face mapping (repeatable): S:T puts source S onto target face T "
+            "(reading order), S:rR onto the target face most like reference R.",
+        ),
+    ] = None,
 ) -> None:
     """Submit a job to the API (FACEFLOW_API_URL, FACEFLOW_API_KEY)."""
     from faceflow.client import FaceFlowAPIError, wait_with_progress
 
-    options = {"identity_weight": identity_weight} if identity_weight is not None else None
+    options: dict[str, object] = {}
+    if identity_weight is not None:
+        options["identity_weight"] = identity_weight
+    if face_map:
+        options["mapping"] = [_parse_map(spec) for spec in face_map]
     with _client() as client:
         try:
             src = source if source.startswith("https://") else Path(source)
             tgt = target if target.startswith("https://") else Path(target)
-            job = client.submit(src, tgt, options=options, deadline_seconds=deadline)
+            job = client.submit(
+                src,
+                tgt,
+                options=options or None,
+                deadline_seconds=deadline,
+                extra_sources=list(also or []),
+                references=list(reference or []),
+            )
             typer.echo(f"job {job['id']} {job['status']}")
             if wait or output:
                 job = wait_with_progress(client, job["id"])

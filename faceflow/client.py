@@ -16,7 +16,7 @@ import asyncio
 import base64
 import mimetypes
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,8 +83,16 @@ def _submit_request(
     priority: str | None,
     idempotency_key: str | None,
     wait: int | None,
+    extra_sources: Sequence[ImageInput] = (),
+    references: Sequence[ImageInput] = (),
 ) -> _Request:
-    body: dict[str, Any] = {"source": as_image_ref(source), "target": as_image_ref(target)}
+    body: dict[str, Any] = {"target": as_image_ref(target)}
+    if extra_sources:  # a per-face mapping (options["mapping"]) says which face gets which
+        body["sources"] = [as_image_ref(image) for image in (source, *extra_sources)]
+    else:
+        body["source"] = as_image_ref(source)
+    if references:
+        body["references"] = [as_image_ref(image) for image in references]
     optional = {
         "options": dict(options) if options else None,
         "callback_url": callback_url,
@@ -149,8 +157,13 @@ class FaceFlowClient:
         priority: str | None = None,
         idempotency_key: str | None = None,
         wait: int | None = None,
+        extra_sources: Sequence[ImageInput] = (),
+        references: Sequence[ImageInput] = (),
     ) -> Job:
-        """Submit a job; returns the job object (202, or 200 for an idempotent repeat)."""
+        """Submit a job; returns the job object (202, or 200 for an idempotent repeat).
+
+        ``extra_sources`` (sources after ``source``) and ``references`` go with a per-face
+        mapping in ``options["mapping"]``, e.g. ``[{"source": 1, "target": 2}]``."""
         req = _submit_request(
             source,
             target,
@@ -162,6 +175,8 @@ class FaceFlowClient:
             priority=priority,
             idempotency_key=idempotency_key,
             wait=wait,
+            extra_sources=extra_sources,
+            references=references,
         )
         return self._send(req).json()  # type: ignore[no-any-return]
 
@@ -233,6 +248,8 @@ class AsyncFaceFlowClient:
         priority: str | None = None,
         idempotency_key: str | None = None,
         wait: int | None = None,
+        extra_sources: Sequence[ImageInput] = (),
+        references: Sequence[ImageInput] = (),
     ) -> Job:
         """Submit a job; returns the job object."""
         req = _submit_request(
@@ -246,6 +263,8 @@ class AsyncFaceFlowClient:
             priority=priority,
             idempotency_key=idempotency_key,
             wait=wait,
+            extra_sources=extra_sources,
+            references=references,
         )
         return (await self._send(req)).json()  # type: ignore[no-any-return]
 

@@ -6,7 +6,7 @@ Only when the flow run's environment has ``FACEFLOW_ENABLE_FAULTS=true`` does
 
     {"hang": [{"stage": "detect", "owner_ids": ["<user uuid>"], "seconds": 600}]}
 
-A matching entry (same stage, the run's ``owner_id`` parameter listed) blocks the flow's
+A matching entry (same stage, an owner of one of the run's jobs listed) blocks the flow's
 main thread in a plain sleep *outside* the stage's task, so no stage timeout can end it:
 the worker's deadline kill and the relay's reaper must. Nothing here runs in production
 unless an operator sets the variable on a worker.
@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +51,25 @@ def read_plan(path: Path) -> dict[str, Any]:
     return plan if isinstance(plan, dict) else {}
 
 
-def hang_seconds(plan: dict[str, Any], *, stage: str, owner_id: str | None) -> float:
-    """Seconds the plan makes ``stage`` of a run owned by ``owner_id`` hang (0: none)."""
+def hang_seconds(plan: dict[str, Any], *, stage: str, owner_ids: Collection[str]) -> float:
+    """Seconds the plan makes ``stage`` of a run carrying a job of one of ``owner_ids``
+    hang (0: none)."""
     for entry in plan.get("hang") or []:
         if not isinstance(entry, dict) or entry.get("stage") != stage:
             continue
-        if owner_id is not None and owner_id in (entry.get("owner_ids") or []):
+        if set(owner_ids) & set(entry.get("owner_ids") or []):
             return float(entry.get("seconds", 0.0))
     return 0.0
+
+
+def run_owners(parameters: dict[str, Any]) -> set[str]:
+    """The owners of the jobs a run carries: ``owner_id`` of a ``fuse-faces`` run, every
+    job's ``owner_id`` of a ``fuse-batch`` run."""
+    owners = {str(parameters["owner_id"])} if parameters.get("owner_id") else set()
+    for job in parameters.get("jobs") or []:
+        if isinstance(job, dict) and job.get("owner_id"):
+            owners.add(str(job["owner_id"]))
+    return owners
 
 
 def inject(stage: str) -> None:
@@ -66,8 +78,8 @@ def inject(stage: str) -> None:
         return
     from prefect.runtime import flow_run
 
-    owner_id = (flow_run.parameters or {}).get("owner_id")
-    seconds = hang_seconds(read_plan(plan_path()), stage=stage, owner_id=owner_id)
+    owners = run_owners(dict(flow_run.parameters or {}))
+    seconds = hang_seconds(read_plan(plan_path()), stage=stage, owner_ids=owners)
     if seconds > 0:
         log.warning("fault injection: stage %s hangs for %.0f s", stage, seconds)
         time.sleep(seconds)

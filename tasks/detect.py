@@ -28,10 +28,18 @@ def detect_faces(
     model_dir: str | Path | None = None,
     pins: Mapping[str, str] | None = None,
     max_side: int = DEFAULT_DETECT_MAX_SIDE,
+    min_face_size: int | None = None,
 ) -> list[Face]:
-    """All faces in ``image``, largest first, in ``image``'s pixel coordinates."""
+    """All faces in ``image``, largest first, in ``image``'s pixel coordinates
+    (``min_face_size``: smallest face MTCNN looks for, in the detector's pixels)."""
     return detect_faces_batch(
-        [image], detector=detector, device=device, model_dir=model_dir, pins=pins, max_side=max_side
+        [image],
+        detector=detector,
+        device=device,
+        model_dir=model_dir,
+        pins=pins,
+        max_side=max_side,
+        min_face_size=min_face_size,
     )[0]
 
 
@@ -43,15 +51,18 @@ def detect_faces_batch(
     model_dir: str | Path | None = None,
     pins: Mapping[str, str] | None = None,
     max_side: int = DEFAULT_DETECT_MAX_SIDE,
+    min_face_size: int | None = None,
 ) -> list[list[Face]]:
     """``detect_faces`` of several images; MTCNN runs them as one batch (its R-Net and
     O-Net on every image's crops at once, P-Net per pyramid level of same-size images)."""
     scales = [min(1.0, max_side / max(image.shape[:2])) for image in images]
     work = [_downscale(image, scale) for image, scale in zip(images, scales, strict=True)]
     if detector == "mtcnn":
-        from tasks.mtcnn import detect_batch_with_mtcnn
+        from tasks.mtcnn import DEFAULT_MIN_FACE_SIZE, detect_batch_with_mtcnn
 
-        found = detect_batch_with_mtcnn(work, device=device)
+        found = detect_batch_with_mtcnn(
+            work, device=device, min_face_size=min_face_size or DEFAULT_MIN_FACE_SIZE
+        )
     elif detector == "scrfd":
         from tasks.scrfd import detect_with_scrfd
 

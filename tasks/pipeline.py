@@ -52,6 +52,9 @@ STAGES: tuple[str, ...] = (
 CLASSIC_CROP_SIZE = 256
 INSWAPPER_CROP_SIZE = 128
 ARCFACE_CROP_SIZE = 112
+PASTE_MASK_ERODE = 0.015
+"""Erosion of the mask that pastes a fused crop back (a fraction of the crop; the classic
+fuser's own mask has the same, so none of the fused face is cut away)."""
 
 
 @dataclass(frozen=True)
@@ -431,7 +434,7 @@ def postprocess_stage(
     """Colour-match, mask and blend each fused crop back into the full-resolution target."""
     out = target
     for crop, aligned in zip(fused.crops, fused.targets, strict=True):
-        mask = face_mask(aligned.size, aligned.landmarks)
+        mask = face_mask(aligned.size, aligned.landmarks, erode=PASTE_MASK_ERODE)
         if options.color_transfer:
             crop = color_transfer(crop, aligned.crop, mask)
         out = paste_back(out, crop, aligned, mask, mode=options.blend)

@@ -27,6 +27,9 @@ SEARCH_MARGIN = 0.5
 """The fused face is searched for in its target box grown by this fraction per side."""
 MIN_OVERLAP = 0.3
 """Smallest IoU between a result detection and the target face box to count as found."""
+RECHECK_FACE_PX = 80
+"""MTCNN searches the region at a scale where the face is at most this wide, for faces of
+at least half of it (a few small pyramid levels instead of the whole photo's)."""
 
 
 @dataclass(frozen=True)
@@ -120,17 +123,32 @@ def find_fused_face(
     """The face detected in ``result`` at the place of target face ``where``, if any."""
     height, width = result.shape[:2]
     box = where.box
-    grow_x, grow_y = box.width * SEARCH_MARGIN, box.height * SEARCH_MARGIN
-    x0, y0 = max(0, int(box.x1 - grow_x)), max(0, int(box.y1 - grow_y))
-    x1, y1 = min(width, int(np.ceil(box.x2 + grow_x))), min(height, int(np.ceil(box.y2 + grow_y)))
-    region = np.ascontiguousarray(result[y0:y1, x0:x1])
-    faces = detect_faces(
-        region,
-        detector=detector,
-        device=device,
-        model_dir=model_dir,  # type: ignore[arg-type]
-        pins=pins,
-    )
+    if detector == "mtcnn":
+        # MTCNN's pyramid costs by the image's size: search the face's region only, at a
+        # scale where the face is small.
+        grow_x, grow_y = box.width * SEARCH_MARGIN, box.height * SEARCH_MARGIN
+        x0, y0 = max(0, int(box.x1 - grow_x)), max(0, int(box.y1 - grow_y))
+        x1 = min(width, int(np.ceil(box.x2 + grow_x)))
+        y1 = min(height, int(np.ceil(box.y2 + grow_y)))
+        region = np.ascontiguousarray(result[y0:y1, x0:x1])
+        scale = min(1.0, RECHECK_FACE_PX / max(box.width, box.height, 1.0))
+        faces = detect_faces(
+            region,
+            detector=detector,
+            device=device,
+            pins=pins,
+            max_side=max(16, round(max(region.shape[:2]) * scale)),
+            min_face_size=max(12, round(0.5 * max(box.width, box.height) * scale)),
+        )
+    else:  # SCRFD sees a fixed-size input: the whole photo, as it was detected at first
+        x0 = y0 = 0
+        faces = detect_faces(
+            result,
+            detector=detector,
+            device=device,
+            model_dir=model_dir,  # type: ignore[arg-type]
+            pins=pins,
+        )
     offset = np.array([x0, y0], dtype=np.float32)
     best: tuple[float, Face] | None = None
     for face in faces:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tasks.align import align_face
-from tasks.fuse import fuse_with_classic, warp_to_landmarks
+from tasks.fuse import fuse_with_classic, in_target_geometry, warp_to_landmarks
 from tasks.options import BLEND_MODES, BlendMode
 from tasks.postprocess import color_transfer, face_mask, image_mask, paste_back, sharpen
 from tasks.types import AlignedFace, Box, Face, RGBImage
@@ -104,7 +104,7 @@ def test_full_weight_carries_source_detail_and_target_lighting() -> None:
     fused = fuse_with_classic(source, target, identity_weight=1.0)
     assert fused.shape == target.crop.shape and fused.dtype == np.uint8
     inner = face_mask(SIZE, target.landmarks) > 0.95
-    warped_source = warp_to_landmarks(source.crop, source.landmarks, target.landmarks)
+    warped_source = in_target_geometry(source, target)
     # Detail (features, edges) follows the source face ...
     detail = _high_pass(fused)
     to_source = _correlation(detail, _high_pass(warped_source), inner)

@@ -140,3 +140,15 @@ def test_two_sources_fused_onto_their_faces_with_a_quality_report_per_source() -
         region = np.s_[int(box.y1) : int(box.y2), int(box.x1) : int(box.x2)]
         changed = np.abs(image[region] - original[region]).mean() > 2.0
         assert changed == (i in (order[0], order[3])), i
+
+
+def test_cli_map_specs() -> None:
+    import typer
+
+    from faceflow.cli import _parse_map
+
+    assert _parse_map("1:4") == {"source": 1, "target": 4}
+    assert _parse_map("0:r2") == {"source": 0, "reference": 2}
+    for bad in ("1", "a:1", "1:x", "1:r"):
+        with pytest.raises(typer.BadParameter):
+            _parse_map(bad)

@@ -285,3 +285,5 @@ def test_pipeline_runs_scrfd_arcface_and_inswapper_end_to_end(tmp_path: Path) ->
     result = fuse_images(source, target, options, ctx)
     assert (result.width, result.height) == (960, 600)
     assert result.faces_replaced == result.source_faces == result.target_faces == 1
+    # the quality stage finds the fused "face" again with the same (tiny) detector
+    assert result.quality is not None and result.quality.faces[0].found

@@ -127,7 +127,10 @@ def test_a_result_without_its_face_is_face_lost() -> None:
     assert info.value.code == "face_lost" and info.value.permanent
 
 
-def test_all_faces_of_a_group_photo_are_reported_by_index() -> None:
+def test_the_astronaut_on_every_face_of_a_group_photo_carries_her_identity() -> None:
+    """The classic fuser keeps the source's proportions (``tasks.fuse.TARGET_GEOMETRY``):
+    every fused face is past the same-person threshold (0.5). With the source's landmarks
+    warped onto the target's, the worst face scored 0.485 and the median 0.57."""
     result = fuse_images(
         samples.astronaut_jpeg_bytes(), samples.t1_jpeg_bytes(), FusionOptions(face="all")
     )
@@ -135,4 +138,7 @@ def test_all_faces_of_a_group_photo_are_reported_by_index() -> None:
     assert report is not None
     assert [f.index for f in report.faces] == list(range(result.target_faces))
     assert report.faces_lost == 0
-    assert report.source_similarity == min(f.source_similarity or 0 for f in report.faces)
+    similarities = [f.source_similarity or 0.0 for f in report.faces]
+    assert report.source_similarity == min(similarities)
+    assert min(similarities) > 0.55 and float(np.median(similarities)) > 0.62, similarities
+    assert all(f.source_similarity > (f.target_similarity or 0) for f in report.faces)  # type: ignore[operator]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import itertools
 import json
 import statistics
 import threading
@@ -623,25 +622,45 @@ def service_estimate(session: Session, *, settings: Settings) -> tuple[float, bo
     if cached is not None and now - cached[0] < SERVICE_TIME_TTL_S:
         return cached[1], cached[2]
     rows = session.exec(
-        select(Job.created_at, Job.finished_at)
+        select(Job.created_at, Job.finished_at, Job.flow_run_id)
         .where(col(Job.status) == JobStatus.succeeded, col(Job.started_at).is_not(None))
         .order_by(col(Job.created_at).desc())
         .limit(SERVICE_TIME_SAMPLE)
     ).all()
-    done = sorted(
-        ((created, end) for created, end in rows if end is not None and end >= created),
-        key=lambda row: row[1],
+    costs = run_costs(
+        [(created, end, run) for created, end, run in rows if end is not None and end >= created],
+        slots=settings.worker_slots,
     )
-    costs = [(done[0][1] - done[0][0]).total_seconds()] if done else []
-    for (_, previous_end), (created, end) in itertools.pairwise(done):
-        if created < previous_end:  # it was waiting when the one before it finished
-            costs.append((end - previous_end).total_seconds() * settings.worker_slots)
-        else:
-            costs.append((end - created).total_seconds())
     value = max(0.05, statistics.median(costs)) if costs else settings.default_service_seconds
     with _service_lock:
         _service_cache[url] = (now, value, bool(costs))
     return value, bool(costs)
+
+
+def run_costs(
+    jobs: Sequence[tuple[datetime, datetime, uuid.UUID | None]], *, slots: int
+) -> list[float]:
+    """What each finished job cost the queue (``service_estimate``), from its (created,
+    finished, flow run): the jobs of one run (a ``fuse-batch`` run carries several) finish
+    together and share their run's cost, so a batch of ``k`` counts ``k`` times its cost / k."""
+    done = sorted(jobs, key=lambda job: job[1])
+    runs: list[list[tuple[datetime, datetime, uuid.UUID | None]]] = []
+    for job in done:
+        if runs and job[2] is not None and runs[-1][-1][2] == job[2]:
+            runs[-1].append(job)
+        else:
+            runs.append([job])
+    costs: list[float] = []
+    previous_end: datetime | None = None
+    for run in runs:
+        created, end = min(job[0] for job in run), max(job[1] for job in run)
+        if previous_end is not None and created < previous_end:  # it waited for the one before
+            cost = (end - previous_end).total_seconds() * slots
+        else:
+            cost = (end - created).total_seconds()
+        costs += [cost / len(run)] * len(run)
+        previous_end = end
+    return costs
 
 
 #: PostgreSQL advisory-lock key that serialises the backlog check with the insert.

@@ -161,6 +161,14 @@ def test_fault_plan_reading_tolerates_missing_and_malformed_files(tmp_path: Path
     (tmp_path / "list.json").write_text("[1, 2]")
     assert faults.read_plan(tmp_path / "list.json") == {}
     plan = {"hang": [{"stage": "fuse", "owner_ids": ["u"], "seconds": 2}, "junk"]}
-    assert faults.hang_seconds(plan, stage="fuse", owner_id="u") == 2.0
-    assert faults.hang_seconds(plan, stage="fuse", owner_id=None) == 0.0
-    assert faults.hang_seconds(plan, stage="detect", owner_id="u") == 0.0
+    assert faults.hang_seconds(plan, stage="fuse", owner_ids={"u"}) == 2.0
+    assert faults.hang_seconds(plan, stage="fuse", owner_ids=set()) == 0.0
+    assert faults.hang_seconds(plan, stage="detect", owner_ids={"u"}) == 0.0
+    assert faults.hang_seconds(plan, stage="fuse", owner_ids={"v", "u"}) == 2.0  # a batch
+
+
+def test_the_owners_of_a_run_are_its_jobs_owners() -> None:
+    assert faults.run_owners({"owner_id": "a", "job_id": "j"}) == {"a"}
+    batch = {"jobs": [{"owner_id": "a"}, {"owner_id": "b"}, {"owner_id": "a"}], "deadline_at": 1}
+    assert faults.run_owners(batch) == {"a", "b"}
+    assert faults.run_owners({}) == set()

@@ -9,6 +9,7 @@ finishes (times the worker slots) is what each queued job costs the ones behind 
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -57,3 +58,29 @@ def test_an_idle_job_costs_its_whole_latency_not_the_idle_time(
         start, end = created + timedelta(seconds=0.5), created + timedelta(seconds=2)
         finished_job(engine, settings, user, created=created, started=start, finished=end)
     assert _service_s(engine, database_url=database_url, tmp_path=tmp_path) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_the_jobs_of_one_batch_run_share_its_cost(
+    database_url: str, tmp_path: Path, engine: Engine, slots: int
+) -> None:
+    """Under load the relay batches: 4 runs of 4 jobs finish 8 s apart. Each job costs the
+    queue 8 s / 4 (times the slots), not 0 (the gaps inside a run) and not 8 s."""
+    settings = make_settings(database_url, tmp_path)
+    user = make_user(engine, settings, quota=100)
+    t0 = utcnow() - timedelta(minutes=5)
+    for batch in range(4):
+        run = uuid.uuid4()
+        for i in range(4):
+            finished = t0 + timedelta(seconds=8 * (batch + 1), milliseconds=5 * i)
+            finished_job(
+                engine,
+                settings,
+                user,
+                created=t0,
+                started=finished - timedelta(seconds=7),
+                finished=finished,
+                flow_run_id=run,
+            )
+    value = _service_s(engine, database_url=database_url, tmp_path=tmp_path, worker_slots=slots)
+    assert value == pytest.approx(2.0 * slots, rel=0.01)

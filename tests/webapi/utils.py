@@ -182,16 +182,17 @@ def finished_job(
     created: datetime,
     started: datetime,
     finished: datetime,
+    flow_run_id: uuid.UUID | None = None,
 ) -> uuid.UUID:
-    """A succeeded job with the given submit, start and finish times (service-time tests)."""
+    """A succeeded job with the given submit, start and finish times (service-time tests),
+    and the flow run that carried it (a batch run carries several jobs)."""
     job_id = new_job(engine, settings, user).id
     succeed(engine, job_id, result_key=f"results/{job_id}/attempt-1.png")
+    values: dict[str, Any] = {"created_at": created, "started_at": started, "finished_at": finished}
+    if flow_run_id is not None:
+        values["flow_run_id"] = flow_run_id
     with Session(engine) as session:
-        session.execute(
-            sa.update(Job)
-            .where(col(Job.id) == job_id)
-            .values(created_at=created, started_at=started, finished_at=finished)
-        )
+        session.execute(sa.update(Job).where(col(Job.id) == job_id).values(**values))
         session.commit()
     crud.reset_service_time_cache()
     return job_id

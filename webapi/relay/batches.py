@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import get_args
 
 import sqlalchemy as sa
 from sqlmodel import col, select
@@ -37,7 +38,7 @@ from sqlmodel import col, select
 from flows.params import FuseBatchParams, JobAttempt, stop_marker_key
 from tasks.options import FusionOptions
 from webapi.jobstate import transition
-from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, utcnow
+from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, Priority, utcnow
 from webapi.prefect_api import PrefectRejected, PrefectUnavailable
 from webapi.relay import dispatch, leases
 from webapi.relay.context import Relay
@@ -90,7 +91,7 @@ def free_runs(relay: Relay) -> dict[str, int]:
         busy = {str(lane): int(n) for lane, n in session.exec(query).all()}
         session.commit()
     cap = relay.settings.max_runs_in_flight
-    return {lane: cap - busy.get(lane, 0) for lane in ("high", "normal")}
+    return {lane: cap - busy.get(lane, 0) for lane in get_args(Priority)}
 
 
 def claim(relay: Relay, lanes: list[str], limit: int) -> list[Outbox]:

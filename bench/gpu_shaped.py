@@ -1,0 +1,120 @@
+"""GPU-shaped compute for the benchmarks: the pipeline's compute becomes a fixed time per job.
+
+On a GPU host a job's model and image maths leave the CPU: what remains on the cores is
+orchestration. To show the control plane's share as it would be there, ``install(ms)``
+replaces every compute stage of ``tasks.pipeline`` (moderation, detection, alignment,
+fusion, enhancement, postprocess, quality) by a ``time.sleep`` of its share of ``ms`` per
+job — a sleep releases the GIL, as a GPU kernel does — returning what the real stage
+returned the first time it saw the same inputs (the benchmarks use the same photos for
+every job), so every later stage, the result and its store are real. Decoding and
+encoding stay real CPU work, as they are on a GPU host.
+
+Installed in a process by ``bench/gpu_shaped_site/sitecustomize.py`` when
+``FACEFLOW_BENCH_GPU_MS`` is set in its environment (the bench sets it on the warm worker,
+whose children inherit it), and by the bench itself for its bare loop. Nothing outside
+``bench/`` knows about it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+ENV = "FACEFLOW_BENCH_GPU_MS"
+SITE = "gpu_shaped_site"
+
+#: Share of a job's compute time each stage sleeps (detection dominates on a GPU too).
+SHARES: dict[str, float] = {
+    "moderate_inputs_stage": 0.05,
+    "detect_stage": 0.35,
+    "align_stage": 0.05,
+    "fuse_stage": 0.2,
+    "enhance_stage": 0.0,
+    "postprocess_stage": 0.1,
+    "checked_stage": 0.2,
+    "moderate_result_stage": 0.05,
+}
+
+
+def fingerprint(value: Any) -> str:
+    """A cheap digest of a stage's inputs: arrays by shape, dtype and a strided sample,
+    dataclasses and containers by their fields, pydantic models by their JSON, the
+    pipeline context by its type only."""
+    digest = hashlib.sha1()
+
+    def visit(item: Any) -> None:
+        if isinstance(item, np.ndarray):
+            flat = np.ascontiguousarray(item).reshape(-1)
+            digest.update(f"{item.shape}{item.dtype}".encode())
+            digest.update(flat[:: max(1, flat.size // 4096)].tobytes())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            digest.update(type(item).__name__.encode())
+            if type(item).__name__ == "PipelineContext":
+                return
+            for f in dataclasses.fields(item):
+                visit(getattr(item, f.name))
+        elif hasattr(item, "model_dump_json"):
+            digest.update(item.model_dump_json().encode())
+        elif isinstance(item, list | tuple):
+            for part in item:
+                visit(part)
+        elif isinstance(item, dict):
+            for key in sorted(item, key=str):
+                digest.update(str(key).encode())
+                visit(item[key])
+        elif callable(item):
+            digest.update(b"callable")
+        else:
+            digest.update(repr(item).encode())
+
+    visit(value)
+    return digest.hexdigest()
+
+
+def shaped(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    """``fn`` that sleeps ``seconds`` and returns its real result for the same inputs
+    (computed once, the first time)."""
+    seen: dict[str, Any] = {}
+
+    @functools.wraps(fn)
+    def stage(*args: Any, **kwargs: Any) -> Any:
+        key = fingerprint((args, kwargs))
+        if key not in seen:
+            seen[key] = fn(*args, **kwargs)
+        else:
+            time.sleep(seconds)
+        return seen[key]
+
+    return stage
+
+
+def install(ms: float) -> None:
+    """Make ``tasks.pipeline``'s compute stages GPU-shaped: ``ms`` per job in all."""
+    from tasks import pipeline
+
+    if getattr(pipeline, "_gpu_shaped_ms", None) is not None:
+        return
+    for name, share in SHARES.items():
+        real = getattr(pipeline, name, None)
+        if real is not None:
+            setattr(pipeline, name, shaped(real, ms * share / 1000.0))
+    detect = pipeline.detect_stage
+
+    def detect_stage_batch(jobs: Sequence[tuple[Any, Any, Any]], ctx: Any) -> list[Any]:
+        """Per job, as the shaped ``detect_stage`` (errors per job, as the real one)."""
+        found: list[Any] = []
+        for source, target, options in jobs:
+            try:
+                found.append(detect(source, target, options, ctx))
+            except pipeline.FaceFlowError as error:
+                found.append(error)
+        return found
+
+    pipeline.detect_stage_batch = detect_stage_batch  # type: ignore[assignment]
+    pipeline._gpu_shaped_ms = ms  # type: ignore[attr-defined]

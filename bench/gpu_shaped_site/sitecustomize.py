@@ -1,0 +1,20 @@
+"""Interpreter start-up hook of the GPU-shaped benchmark mode (``bench/gpu_shaped.py``).
+
+The bench puts this folder on ``PYTHONPATH`` of the warm worker it starts, together with
+``FACEFLOW_BENCH_GPU_MS``: every Python process of that worker (its warm children
+included) then runs the pipeline's compute stages as fixed sleeps. Without the variable
+it does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+_MS = os.environ.get("FACEFLOW_BENCH_GPU_MS")
+if _MS:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.gpu_shaped import install
+
+    install(float(_MS))
