@@ -25,6 +25,7 @@ from flows.params import (
     FLOW_NAME,
     FuseBatchParams,
     FuseFacesParams,
+    JobAttempt,
     batch_run_name,
     batch_tags,
     idempotency_key,
@@ -35,6 +36,20 @@ FILTER_BATCH = 200  # PREFECT_SERVER_API_DEFAULT_LIMIT: the most runs one filter
 # 4xx answers that say "not now" rather than "never": auth being fixed, a deployment
 # re-created, rate limits. The job keeps waiting instead of failing.
 TRANSIENT_4XX = frozenset({401, 403, 404, 408, 425, 429})
+
+
+MAPPING_INPUTS = ("extra_source_keys", "reference_keys")
+
+
+def sent_parameters(params: JobAttempt) -> dict[str, Any]:
+    """A job attempt's flow parameters as sent: only the options the client set (the flow
+    takes the rest from its settings block), and a per-face mapping's extra image keys only
+    when there are some (so a flow deployed before them still accepts every other job)."""
+    sent = {**params.model_dump(mode="json"), "options": params.options.as_sent()}
+    for name in MAPPING_INPUTS:
+        if not sent.get(name):
+            sent.pop(name, None)
+    return sent
 
 
 class PrefectError(Exception):
@@ -227,7 +242,7 @@ class PrefectAPI:
         body = {
             "name": params.job_id,
             # Only the options the client set: the flow takes the rest from its settings block.
-            "parameters": {**params.model_dump(mode="json"), "options": params.options.as_sent()},
+            "parameters": sent_parameters(params),
             "idempotency_key": idempotency_key(params.job_id, params.attempt),
             "tags": run_tags(params.job_id, params.owner_id),
             "job_variables": job_variables or {},
@@ -248,8 +263,7 @@ class PrefectAPI:
         job attempts: named after its first job, tagged with every job's and owner's tag
         (``work_queue_name`` as for ``create_flow_run``)."""
         parameters = params.model_dump(mode="json")
-        for job, sent in zip(params.jobs, parameters["jobs"], strict=True):
-            sent["options"] = job.options.as_sent()
+        parameters["jobs"] = [sent_parameters(job) for job in params.jobs]
         body = {
             "name": batch_run_name(params.jobs),
             "parameters": parameters,

@@ -72,7 +72,7 @@ def _stop(proc: subprocess.Popen[bytes], home: Path) -> None:
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole stack, not just faceflow up
     for pid in _pids_with_home(home):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
