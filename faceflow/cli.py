@@ -301,13 +301,31 @@ def up(
     api_port: Annotated[int, typer.Option(help="Port of the webapi on 127.0.0.1.")] = 8000,
     prefect_port: Annotated[int, typer.Option(help="Port of the Prefect server.")] = 4200,
     home: Annotated[Path | None, typer.Option(help="State directory (default .faceflow).")] = None,
+    prefect: Annotated[
+        str,
+        typer.Option(
+            help="Prefect server layout: embedded (one process, SQLite) or scale-out "
+            "(PostgreSQL FACEFLOW_PREFECT_DATABASE_URL + Redis FACEFLOW_PREFECT_REDIS_URL, "
+            "several API processes, background services in their own process)."
+        ),
+    ] = "embedded",
+    prefect_api_workers: Annotated[
+        int, typer.Option(min=1, help="API processes of the scale-out Prefect server.")
+    ] = 2,
 ) -> None:
     """Start the whole stack on this machine; Ctrl-C or SIGTERM stops it cleanly."""
     from faceflow.stack import Stack, StackConfig, run_demo, serve_forever
     from faceflow.supervisor import ServiceFailed
 
+    if prefect not in ("embedded", "scale-out"):
+        raise _fail("bad_option", f"--prefect must be embedded or scale-out, not {prefect!r}", 2)
     config = StackConfig(
-        api_port=api_port, prefect_port=prefect_port, workers=workers, worker_type=worker_type
+        api_port=api_port,
+        prefect_port=prefect_port,
+        workers=workers,
+        worker_type=worker_type,
+        prefect_mode="scale-out" if prefect == "scale-out" else "embedded",
+        prefect_api_workers=prefect_api_workers,
     )
     if home is not None:
         config.home = home.resolve()

@@ -1,6 +1,7 @@
 """``faceflow up``: the whole service on one machine, with embedded defaults.
 
-Prefect server (SQLite under the home, unless ``PREFECT_API_URL`` names one) → work pool
+Prefect server (SQLite under the home, unless ``PREFECT_API_URL`` names one; or with
+``--prefect scale-out`` PostgreSQL + Redis, API processes and services apart) → work pool
 from ``work_pools/gpu-process.json`` and its priority work queue → blocks → ``prefect
 --no-prompt deploy --all`` → worker(s) → job-store migrations → webapi with its relay.
 Every child runs in its own process group with a log under ``<home>/logs/`` and is stopped
@@ -23,6 +24,8 @@ from types import FrameType
 
 import httpx
 
+from faceflow import prefect_server
+from faceflow.prefect_server import PrefectMode
 from faceflow.supervisor import Service, ServiceFailed, Supervisor
 from webapi import services
 
@@ -46,6 +49,21 @@ class StackConfig:
     worker_type: str = "faceflow-gpu"
     external_prefect: str | None = field(default_factory=lambda: os.environ.get("PREFECT_API_URL"))
     ready_timeout: float = 120.0
+    prefect_mode: PrefectMode = "embedded"
+    """embedded: one server process on SQLite; scale-out: PostgreSQL + Redis, API processes
+    and background services apart (``faceflow.prefect_server``)."""
+    prefect_api_workers: int = 2
+    """API processes of the scale-out server."""
+    prefect_database_url: str = field(
+        default_factory=lambda: os.environ.get(
+            "FACEFLOW_PREFECT_DATABASE_URL", prefect_server.DEFAULT_DATABASE_URL
+        )
+    )
+    prefect_redis_url: str = field(
+        default_factory=lambda: os.environ.get(
+            "FACEFLOW_PREFECT_REDIS_URL", prefect_server.DEFAULT_REDIS_URL
+        )
+    )
 
     def __post_init__(self) -> None:
         self.home = self.home.resolve()
@@ -70,6 +88,12 @@ class StackConfig:
     def services(self) -> Path:
         """Start records of the parts (``webapi.services``; the API's default too)."""
         return self.home / "services"
+
+    def server_env(self) -> dict[str, str]:
+        """Environment of the Prefect server's own processes (none extra when embedded)."""
+        if self.prefect_mode == "scale-out":
+            return prefect_server.scale_out_env(self.prefect_database_url, self.prefect_redis_url)
+        return {}
 
     def env(self) -> dict[str, str]:
         """Environment shared by every child process."""
@@ -97,6 +121,13 @@ def _http_ok(url: str) -> Callable[[], bool]:
         return httpx.get(url, timeout=2.0).status_code == 200
 
     return check
+
+
+def _redacted(url: str) -> str:
+    """A URL without its password, for the console."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def webapi_argv(cfg: StackConfig) -> list[str]:
@@ -166,22 +197,7 @@ class Stack:
         if cfg.external_prefect:
             self.progress(f"prefect: using existing server {cfg.prefect_api_url}")
         else:
-            self.progress(f"prefect: starting server on 127.0.0.1:{cfg.prefect_port}")
-            server = self.supervisor.start(
-                self._service(
-                    "prefect-server",
-                    [
-                        prefect,
-                        "server",
-                        "start",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(cfg.prefect_port),
-                    ],
-                )
-            )
-            server.wait_ready(_http_ok(f"{cfg.prefect_api_url}/health"), cfg.ready_timeout)
+            self._start_prefect_server(prefect)
         self.progress("prefect: work pool, blocks, deployments")
         template = REPO_ROOT / "work_pools" / POOL_TEMPLATES[cfg.worker_type]
         self._run_step(
@@ -259,6 +275,36 @@ class Stack:
         api.wait_ready(_http_ok(f"{cfg.api_url}/readyz"), cfg.ready_timeout)
         self.supervisor.check_alive()
         self.progress(f"ready: API {cfg.api_url}/docs  Prefect UI {cfg.prefect_ui_url}")
+
+    def _start_prefect_server(self, prefect: str) -> None:
+        """The Prefect server in the configured mode, waited for until healthy."""
+        cfg = self.config
+        server_env = cfg.server_env()
+        if cfg.prefect_mode == "scale-out":
+            self.progress(
+                f"prefect: scale-out server on 127.0.0.1:{cfg.prefect_port}: "
+                f"{cfg.prefect_api_workers} API processes, services apart, "
+                f"PostgreSQL {_redacted(cfg.prefect_database_url)}, "
+                f"Redis {_redacted(cfg.prefect_redis_url)}"
+            )
+            try:
+                prefect_server.ensure_database(cfg.prefect_database_url)
+            except Exception as exc:
+                log = cfg.logs / "prefect-database.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                log.write_text(f"{exc}\n")
+                raise ServiceFailed("prefect-database", f"is not reachable: {exc}", log) from exc
+            self._run_step("prefect-migrate", prefect_server.migrate_argv(prefect), server_env)
+            self.supervisor.start(
+                self._service("prefect-services", prefect_server.services_argv(prefect), server_env)
+            )
+        else:
+            self.progress(f"prefect: starting server on 127.0.0.1:{cfg.prefect_port}")
+        argv = prefect_server.api_argv(
+            prefect, cfg.prefect_port, cfg.prefect_mode, cfg.prefect_api_workers
+        )
+        server = self.supervisor.start(self._service("prefect-server", argv, server_env))
+        server.wait_ready(_http_ok(f"{cfg.prefect_api_url}/health"), cfg.ready_timeout)
 
     def _priority_queue(self) -> None:
         """The priority lane: a work queue of the GPU pool that workers take first."""

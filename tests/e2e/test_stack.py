@@ -7,16 +7,13 @@ way an app would. Stopping the stack must leave no process behind.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import hmac
 import io
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,49 +30,19 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from blocks.settings import FusionSettings
 from tests import samples
+from tests.e2e.harness import (
+    create_user,
+    data_uri,
+    free_port,
+    pid_of,
+    pids_with_home,
+    start_stack,
+    stop_stack,
+    watch,
+)
 from tests.onnx_builders import build_tiny_gfpgan
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-BIN = Path(sys.executable).parent
-TERMINAL = {"succeeded", "failed", "expired", "cancelled"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _pids_with_home(home: Path) -> list[int]:
-    """Every live process whose environment names this stack's home."""
-    marker = f"FACEFLOW_HOME={home}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                status = (entry / "status").read_text()
-                if "State:\tZ" not in status:
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def _stop(proc: subprocess.Popen[bytes], home: Path) -> None:
-    """Stop a stack that never became ready: SIGTERM to ``faceflow up`` (it stops its
-    children), then SIGKILL to whatever of this home is left (each child has its own
-    session, so killing ``faceflow up`` alone would orphan them)."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole stack, not just faceflow up
-    for pid in _pids_with_home(home):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 @dataclass
@@ -134,14 +101,10 @@ class RunningStack:
         )
 
 
-def _data_uri(data: bytes, mime: str = "image/jpeg") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     home = tmp_path_factory.mktemp("stack") / "home"
-    api_port, prefect_port = _free_port(), _free_port()
+    api_port, prefect_port = free_port(), free_port()
     env = {
         **os.environ,
         "FACEFLOW_HOME": str(home),
@@ -150,40 +113,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("PREFECT_API_URL", None)
-    log = (home.parent / "up.log").open("wb")
-    proc = subprocess.Popen(
-        [str(BIN / "faceflow"), "up", "--home", str(home), "--api-port", str(api_port),
-         "--prefect-port", str(prefect_port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    args = ["--api-port", str(api_port), "--prefect-port", str(prefect_port)]
+    proc = start_stack(home, args, env)
     api = f"http://127.0.0.1:{api_port}"
-    deadline = time.monotonic() + 480  # each prefect CLI step takes 30-40 s at load 10+
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (home.parent / "up.log").read_text()
-        try:
-            if (
-                httpx.get(f"{api}/readyz", timeout=2).status_code == 200
-                and b"ready:" in (home.parent / "up.log").read_bytes()
-            ):
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        _stop(proc, home)
-        pytest.fail("stack not ready: " + (home.parent / "up.log").read_text()[-3000:])
-    created = subprocess.run(
-        [str(BIN / "faceflow"), "users", "create", "e2e"],
-        env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    fields = dict(line.split(":", 1) for line in created.stdout.splitlines() if ":" in line)
+    fields = create_user(env, "e2e")
     receiver = _receiver()
     running = RunningStack(
         home=home,
         api=api,
         prefect_api=f"http://127.0.0.1:{prefect_port}/api",
-        api_key=fields["api key"].strip(),
-        webhook_secret=fields["webhook secret"].strip(),
+        api_key=fields["api key"],
+        webhook_secret=fields["webhook secret"],
         process=proc,
         receiver=receiver,
     )
@@ -191,26 +131,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
         yield running
     finally:
         receiver.server.shutdown()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-
-
-def _watch(client: httpx.Client, job_id: str, timeout: float = 180) -> tuple[dict, list[str]]:
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if not seen or seen[-1] != job["status"]:
-            seen.append(job["status"])
-        if job["status"] in TERMINAL:
-            return job, seen
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} not terminal after {timeout} s: {seen}")
+        stop_stack(proc)
 
 
 def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: RunningStack) -> None:
@@ -218,8 +139,8 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
         response = client.post(
             "/v1/jobs",
             json={
-                "source": _data_uri(samples.astronaut_jpeg_bytes()),
-                "target": _data_uri(samples.grace_hopper_jpeg_bytes()),
+                "source": data_uri(samples.astronaut_jpeg_bytes()),
+                "target": data_uri(samples.grace_hopper_jpeg_bytes()),
                 "options": {"min_identity": 0.99},  # out of reach: the floor retries once
                 "callback_url": stack.receiver.url,
                 "callback_events": ["job.running", "job.succeeded", "job.failed"],
@@ -228,7 +149,7 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
         assert response.status_code == 202, response.text
         assert response.headers["Location"].endswith(response.json()["id"])
         job_id = response.json()["id"]
-        job, seen = _watch(client, job_id)
+        job, seen = watch(client, job_id)
         assert job["status"] == "succeeded", job
         assert seen[0] == "queued" and "running" in seen and seen[-1] == "succeeded", seen
         result = client.get(f"/v1/jobs/{job_id}/result")
@@ -272,12 +193,12 @@ def test_no_face_fails_without_retry(stack: RunningStack) -> None:
         response = client.post(
             "/v1/jobs",
             json={
-                "source": _data_uri(samples.astronaut_jpeg_bytes()),
-                "target": _data_uri(samples.no_face_jpeg_bytes()),
+                "source": data_uri(samples.astronaut_jpeg_bytes()),
+                "target": data_uri(samples.no_face_jpeg_bytes()),
             },
         )
         assert response.status_code == 202, response.text
-        job, _ = _watch(client, response.json()["id"])
+        job, _ = watch(client, response.json()["id"])
     assert job["status"] == "failed"
     assert job["error"]["code"] == "no_face_found"
     assert job["attempts"] == 1
@@ -288,12 +209,12 @@ def test_moderation_blocks_a_flagged_target_without_retry(stack: RunningStack) -
         response = client.post(
             "/v1/jobs",
             json={
-                "source": _data_uri(samples.astronaut_jpeg_bytes()),
-                "target": _data_uri(samples.encode(samples.colorwheel_rgb(), "PNG"), "image/png"),
+                "source": data_uri(samples.astronaut_jpeg_bytes()),
+                "target": data_uri(samples.encode(samples.colorwheel_rgb(), "PNG"), "image/png"),
             },
         )
         assert response.status_code == 202, response.text
-        job, _ = _watch(client, response.json()["id"])
+        job, _ = watch(client, response.json()["id"])
     assert job["status"] == "failed"
     assert job["error"] == {
         "code": "content_blocked",
@@ -335,19 +256,19 @@ def test_enhancer_is_refused_until_pinned_then_restores_the_face(
     options = {"color_transfer": False, "blend": "feather"}
     enhanced = {**options, "enhancer": "gfpgan", "enhancer_blend": 1.0}
     body = {
-        "source": _data_uri(samples.astronaut_jpeg_bytes()),
-        "target": _data_uri(samples.grace_hopper_jpeg_bytes()),
+        "source": data_uri(samples.astronaut_jpeg_bytes()),
+        "target": data_uri(samples.grace_hopper_jpeg_bytes()),
     }
     with stack.client() as client:
         with _operator_settings(stack, FusionSettings(model_dir=str(tiny.path.parent))):
-            job, _ = _watch(client, _submit(client, {**body, "options": enhanced}), timeout=600)
+            job, _ = watch(client, _submit(client, {**body, "options": enhanced}), timeout=600)
         assert job["status"] == "failed" and job["error"]["code"] == "model_unavailable", job
         assert job["attempts"] == 1
 
         pinned = FusionSettings(model_dir=str(tiny.path.parent), model_pins=tiny.pins)
         with _operator_settings(stack, pinned):
             ids = [_submit(client, {**body, "options": o}) for o in (options, enhanced)]
-            jobs = [_watch(client, job_id, timeout=600)[0] for job_id in ids]
+            jobs = [watch(client, job_id, timeout=600)[0] for job_id in ids]
         assert [j["status"] for j in jobs] == ["succeeded", "succeeded"], jobs
         assert "enhance" in jobs[1]["timings"] and "enhance" not in jobs[0]["timings"]
         plain, restored = (
@@ -409,26 +330,15 @@ def test_cancel_of_a_queued_job(stack: RunningStack) -> None:
         response = client.post(
             "/v1/jobs",
             json={
-                "source": _data_uri(samples.astronaut_jpeg_bytes()),
-                "target": _data_uri(samples.grace_hopper_jpeg_bytes()),
+                "source": data_uri(samples.astronaut_jpeg_bytes()),
+                "target": data_uri(samples.grace_hopper_jpeg_bytes()),
             },
         )
         job_id = response.json()["id"]
         cancel = client.post(f"/v1/jobs/{job_id}/cancel")
         assert cancel.status_code in (200, 202), cancel.text
-        job, _ = _watch(client, job_id, timeout=90)
+        job, _ = watch(client, job_id, timeout=90)
     assert job["status"] == "cancelled"
-
-
-def _pid_of(home: Path, word: bytes) -> int:
-    """The stack process whose command line has ``word``."""
-    for pid in _pids_with_home(home):
-        try:
-            if word in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                return pid
-        except OSError:
-            continue
-    raise AssertionError(f"no stack process with {word!r} in its command line")
 
 
 def test_the_stack_restarts_a_part_that_dies_and_counts_it(stack: RunningStack) -> None:
@@ -437,14 +347,14 @@ def test_the_stack_restarts_a_part_that_dies_and_counts_it(stack: RunningStack) 
     assert queue["priority"] == 1
     retention = httpx.get(f"{stack.prefect_api}/deployments/name/retention/retention", timeout=10)
     assert retention.status_code == 200
-    os.kill(_pid_of(stack.home, b"local-control"), signal.SIGKILL)
+    os.kill(pid_of(stack.home, b"local-control"), signal.SIGKILL)
     log = stack.home.parent / "up.log"
     deadline = time.monotonic() + 30
     while b"restarted worker-control" not in log.read_bytes():
         assert time.monotonic() < deadline, log.read_text()[-2000:]
         time.sleep(0.2)
     assert b"killed by SIGKILL (restart 1" in log.read_bytes()
-    assert _pid_of(stack.home, b"local-control") > 0  # running again
+    assert pid_of(stack.home, b"local-control") > 0  # running again
     metrics = httpx.get(f"{stack.api}/metrics", timeout=10).text
     assert 'faceflow_service_restarts_total{service="worker-control"} 1.0' in metrics
     assert 'faceflow_service_restarts_total{service="webapi"} 0.0' in metrics
@@ -452,10 +362,10 @@ def test_the_stack_restarts_a_part_that_dies_and_counts_it(stack: RunningStack) 
 
 
 def test_stopping_the_stack_leaves_no_process(stack: RunningStack) -> None:
-    assert _pids_with_home(stack.home), "the stack's processes should be visible while it runs"
+    assert pids_with_home(stack.home), "the stack's processes should be visible while it runs"
     stack.process.send_signal(signal.SIGTERM)
     stack.process.wait(timeout=90)
     deadline = time.monotonic() + 15
-    while _pids_with_home(stack.home) and time.monotonic() < deadline:
+    while pids_with_home(stack.home) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _pids_with_home(stack.home) == []
+    assert pids_with_home(stack.home) == []

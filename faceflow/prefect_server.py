@@ -1,0 +1,91 @@
+"""How the local stack runs the Prefect server: embedded (one process, SQLite) or scale-out.
+
+Scale-out is Prefect's production layout ("How to scale self-hosted Prefect"): the API in
+several processes (``prefect server start --no-services --workers N``; one uvicorn socket,
+N processes), the background services (scheduler, late runs, event persisters, triggers,
+task-run recorder...) in their own process (``prefect server services start``), state in
+PostgreSQL and events, the message cache, causal ordering, concurrency leases and Docket
+in Redis (``prefect-redis``). Migrations run once, before any API process starts, because
+several processes must not migrate at the same time. A real deployment puts more API
+replicas behind a load balancer with the same environment; ``docs/prefect-scale-out.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import psycopg
+from psycopg import sql
+from sqlalchemy.engine import make_url
+
+PrefectMode = Literal["embedded", "scale-out"]
+
+DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/faceflow_prefect"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+REDIS_SERVER_MODULES = {
+    "PREFECT_MESSAGING_BROKER": "prefect_redis.messaging",
+    "PREFECT_MESSAGING_CACHE": "prefect_redis.messaging",
+    "PREFECT_SERVER_EVENTS_CAUSAL_ORDERING": "prefect_redis.ordering",
+    "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect_redis.lease_storage",
+}
+"""The server settings that move Prefect's in-memory parts to Redis (all four are needed
+for ``--workers`` > 1: ``prefect.cli._server_utils._validate_multi_worker``)."""
+
+
+def scale_out_env(database_url: str, redis_url: str) -> dict[str, str]:
+    """Environment of every scale-out server process (API processes, services, migrations)."""
+    return {
+        "PREFECT_API_DATABASE_CONNECTION_URL": database_url,
+        "PREFECT_API_DATABASE_MIGRATE_ON_START": "false",
+        **REDIS_SERVER_MODULES,
+        "PREFECT_REDIS_MESSAGING_URL": redis_url,
+        "PREFECT_SERVER_DOCKET_URL": redis_url,
+    }
+
+
+def api_argv(prefect: str, port: int, mode: PrefectMode, api_workers: int) -> list[str]:
+    """``prefect server start`` for the mode: embedded runs the services in the API process;
+    scale-out runs ``api_workers`` API processes without them."""
+    argv = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    if mode == "scale-out":
+        argv += ["--no-services", "--workers", str(api_workers)]
+    return argv
+
+
+def services_argv(prefect: str) -> list[str]:
+    """The background services in one process of their own (scale-out only)."""
+    return [prefect, "server", "services", "start"]
+
+
+def migrate_argv(prefect: str) -> list[str]:
+    """The server database's migrations, run once before the API processes start."""
+    return [prefect, "server", "database", "upgrade", "-y"]
+
+
+def ensure_database(database_url: str) -> bool:
+    """Create the server's PostgreSQL database if it does not exist; True if created.
+
+    Connects to the ``postgres`` maintenance database of the same server with the URL's
+    credentials (a managed database that the operator created is left alone)."""
+    url = make_url(database_url)
+    if not url.database:
+        raise ValueError(f"the Prefect database URL names no database: {url!r}")
+    params: Mapping[str, object] = {
+        "host": url.host or "127.0.0.1",
+        "port": url.port or 5432,
+        "user": url.username or "postgres",
+        "password": url.password or None,
+        "dbname": "postgres",
+        "connect_timeout": 10,
+        "autocommit": True,
+    }
+    with psycopg.connect(**params) as conn:  # type: ignore[arg-type]
+        exists = conn.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (url.database,)
+        ).fetchone()
+        if exists:
+            return False
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(url.database)))
+    return True

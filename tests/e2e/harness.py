@@ -1,0 +1,140 @@
+"""Helpers of the end-to-end suites: ``faceflow up`` as a subprocess, found and stopped by
+the processes that carry its home, and jobs watched over real HTTP."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+import pytest
+
+BIN = Path(sys.executable).parent
+TERMINAL = {"succeeded", "failed", "expired", "cancelled"}
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pids_with_home(home: Path) -> list[int]:
+    """Every live process whose environment names this stack's home."""
+    marker = f"FACEFLOW_HOME={home}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                status = (entry / "status").read_text()
+                if "State:\tZ" not in status:
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def stop_unready(proc: subprocess.Popen[bytes], home: Path) -> None:
+    """Stop a stack that never became ready: SIGTERM to ``faceflow up`` (it stops its
+    children), then SIGKILL to whatever of this home is left (each child has its own
+    session, so killing ``faceflow up`` alone would orphan them)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole stack, not just faceflow up
+    for pid in pids_with_home(home):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def start_stack(
+    home: Path, args: Sequence[str], env: Mapping[str, str], ready_s: float = 480
+) -> subprocess.Popen[bytes]:
+    """``faceflow up --home HOME ARGS...`` logging to ``HOME/../up.log``, returned once its
+    API answers ``/readyz`` and it printed ``ready:`` (the test fails, with the log's tail,
+    if it exits or is not ready in ``ready_s``: each prefect CLI step took 30-40 s at load
+    10+)."""
+    log_path = home.parent / "up.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "faceflow"), "up", "--home", str(home), *args],
+            env=dict(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    port = args[list(args).index("--api-port") + 1]
+    deadline = time.monotonic() + ready_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if (
+                httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+                and b"ready:" in log_path.read_bytes()
+            ):
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_unready(proc, home)
+    pytest.fail("stack not ready: " + log_path.read_text()[-3000:])
+
+
+def stop_stack(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to ``faceflow up`` (it stops its children by PID); SIGKILL to its group if it
+    does not end in 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def create_user(env: Mapping[str, str], name: str) -> dict[str, str]:
+    """``faceflow users create NAME``: its printed fields (``api key``, ``webhook secret``)."""
+    created = subprocess.run(
+        [str(BIN / "faceflow"), "users", "create", name],
+        env=dict(env), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    fields = dict(line.split(":", 1) for line in created.stdout.splitlines() if ":" in line)
+    return {key: value.strip() for key, value in fields.items()}
+
+
+def data_uri(data: bytes, mime: str = "image/jpeg") -> str:
+    """An image as a ``data:`` URI for a JSON job request."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def watch(client: httpx.Client, job_id: str, timeout: float = 180) -> tuple[dict, list[str]]:
+    """Poll a job until it ends: the job and the statuses seen on the way."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if not seen or seen[-1] != job["status"]:
+            seen.append(job["status"])
+        if job["status"] in TERMINAL:
+            return job, seen
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} not terminal after {timeout} s: {seen}")
+
+
+def pid_of(home: Path, word: bytes) -> int:
+    """The stack process whose command line has ``word``."""
+    for pid in pids_with_home(home):
+        try:
+            if word in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no stack process with {word!r} in its command line")

@@ -1,0 +1,60 @@
+"""The Prefect server layouts of the local stack (``faceflow.prefect_server``)."""
+
+from __future__ import annotations
+
+import uuid
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from faceflow import prefect_server
+from faceflow.stack import StackConfig
+
+
+def test_embedded_is_one_process_with_its_services() -> None:
+    argv = prefect_server.api_argv("prefect", 4200, "embedded", 4)
+    assert argv == ["prefect", "server", "start", "--host", "127.0.0.1", "--port", "4200"]
+    assert StackConfig(prefect_mode="embedded").server_env() == {}
+
+
+def test_scale_out_moves_every_in_memory_part_to_redis_and_state_to_postgres() -> None:
+    argv = prefect_server.api_argv("prefect", 4200, "scale-out", 3)
+    assert argv[-3:] == ["--no-services", "--workers", "3"]
+    assert "127.0.0.1" in argv  # loopback only, like every service of the local stack
+    env = StackConfig(
+        prefect_mode="scale-out",
+        prefect_database_url="postgresql+asyncpg://u:p@db:5432/pf",
+        prefect_redis_url="redis://cache:6379/2",
+    ).server_env()
+    # what prefect.cli._server_utils._validate_multi_worker requires for --workers > 1
+    for name in ("PREFECT_MESSAGING_BROKER", "PREFECT_MESSAGING_CACHE"):
+        assert env[name] == "prefect_redis.messaging"
+    assert env["PREFECT_SERVER_EVENTS_CAUSAL_ORDERING"] == "prefect_redis.ordering"
+    assert env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"] == "prefect_redis.lease_storage"
+    assert env["PREFECT_REDIS_MESSAGING_URL"] == env["PREFECT_SERVER_DOCKET_URL"]
+    assert env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://")
+    assert env["PREFECT_API_DATABASE_MIGRATE_ON_START"] == "false"  # migrated once, first
+    for module in set(prefect_server.REDIS_SERVER_MODULES.values()):
+        __import__(module)  # the modules exist in the installed prefect-redis
+
+
+@pytest.mark.postgres
+def test_ensure_database_creates_it_once() -> None:
+    name = f"faceflow_prefect_t{uuid.uuid4().hex[:8]}"
+    url = f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+    try:
+        with psycopg.connect("host=127.0.0.1 user=postgres dbname=postgres connect_timeout=3"):
+            pass
+    except psycopg.Error as exc:
+        pytest.skip(f"PostgreSQL at 127.0.0.1:5432 is unreachable: {exc}")
+    try:
+        assert prefect_server.ensure_database(url) is True
+        assert prefect_server.ensure_database(url) is False
+    finally:
+        with psycopg.connect(
+            "host=127.0.0.1 user=postgres dbname=postgres", autocommit=True
+        ) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
+    with pytest.raises(ValueError):
+        prefect_server.ensure_database("postgresql+asyncpg://postgres@127.0.0.1:5432")
