@@ -96,6 +96,17 @@ def _job(keys: tuple[str, str]) -> dict[str, Any]:
     }
 
 
+def drain_client_queues() -> None:
+    """Send what this process still queues for the server (events, logs): the runs' events
+    are counted against the server that ran them, not the next configuration's (a backlog
+    of thousands of events was seen crossing over otherwise, and hanging the exit)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=120)
+    EventsWorker.drain_all(timeout=120)
+
+
 def measure(
     api: PrefectRest,
     url: str,
@@ -137,6 +148,7 @@ def measure(
         log_start = server_log.stat().st_size if server_log.exists() else 0
         cpu0 = (sum(os.times()[:2]), process_tree_cpu_s(server_pid), postgres_cpu_s())
         timed = [one() for _ in range(runs)]
+        drain_client_queues()  # every event and log of these runs reaches this server
         time.sleep(1.0)  # let the server finish the events of the last run
         cpu1 = (sum(os.times()[:2]), process_tree_cpu_s(server_pid), postgres_cpu_s())
     jobs = timed[0][1]

@@ -84,18 +84,21 @@ class Settings(BaseSettings):
         "threads only contend); their jobs are then admitted in batches (webapi.admission).",
     )
     batch_max_jobs: int = Field(
-        16,
+        32,
         ge=1,
         description="Most jobs the relay puts in one fuse-batch flow run (1: one fuse-faces "
         "run per job, dispatched at once, no batching). Sized so Prefect's per-run cost "
-        "stays under 10 % of the batch's compute (docs/benchmarks.md).",
+        "stays under 10 % of the batch's compute on the CPU pipeline (docs/batching.md); "
+        "a batch holds its jobs' decoded images at once.",
     )
     batch_linger_ms: float = Field(
-        20.0,
+        0.0,
         ge=0,
         le=1000,
         description="How long dispatch waits for more jobs when fewer than batch_max_jobs "
-        "are due and the oldest is younger than this (ms); a lone job waits at most this.",
+        "are due and the oldest is younger than this (ms); a lone job waits at most this. "
+        "0 by default: under load the runs-ahead hold-back forms the batches, and a linger "
+        "only delayed single jobs (docs/batching.md).",
     )
     runs_ahead_per_slot: int = Field(
         2,
