@@ -679,6 +679,13 @@ def print_table(out: dict[str, Any]) -> None:
             print(f"{mode} FAILED runs: {r['failed']}")
 
 
+def default_batch_size() -> int:
+    """The webapi's default ``batch_max_jobs`` (what a stack runs with unless set)."""
+    from webapi.config import Settings
+
+    return int(Settings.model_fields["batch_max_jobs"].default)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -691,7 +698,10 @@ def main() -> None:
         "(jobs through the webapi and its relay)",
     )
     parser.add_argument(
-        "--batch-size", type=int, default=16, help="batched mode's FACEFLOW_BATCH_MAX_JOBS"
+        "--batch-size",
+        type=int,
+        default=None,
+        help="batched mode's FACEFLOW_BATCH_MAX_JOBS (default: the webapi's default)",
     )
     parser.add_argument(
         "--gpu-ms",
@@ -773,7 +783,7 @@ def main() -> None:
                         home,
                         inputs,
                         args.jobs,
-                        batch_size=args.batch_size,
+                        batch_size=args.batch_size or default_batch_size(),
                         worker_env=worker_env,
                         gpu_ms=args.gpu_ms,
                         url=url,

@@ -15,7 +15,7 @@ import pytest
 
 from faceflow.faults.runner import run
 from faceflow.faults.scenarios import SHORT
-from tests.e2e.test_stack import _pids_with_home
+from tests.e2e.harness import pids_with_home
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200, method="thread")]
 
@@ -25,7 +25,7 @@ def test_short_fault_matrix_loses_nothing(tmp_path: Path) -> None:
     lines: list[str] = []
     result = run(SHORT, home=home, out=lines.append, progress=lambda _: None)
     print("\n".join(lines))
-    assert _pids_with_home(home) == [], "the stack left processes behind"
+    assert pids_with_home(home) == [], "the stack left processes behind"
     rows = {row.number: row for row in result.rows}
     assert sorted(rows) == [str(n) for n in range(1, 9)]
     assert rows["5"].skipped is not None and "full run only" in rows["5"].skipped
