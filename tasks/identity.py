@@ -8,7 +8,7 @@ detector's box, then the 150 x 150 chip with 25 % padding the network was traine
 (the ``dlib-bin`` wheel) runs the shape predictor and cuts the chip; the ResNet runs in
 torch (``tasks.dlib_resnet``: the same network, its weights read from the pinned ``.dat``
 file, on the pipeline's device), because dlib-bin is built without BLAS and took about
-107 ms per chip on one core. Distances below ``SAME_PERSON_DISTANCE`` mean the same person.
+100 ms per chip on one core. Distances below ``SAME_PERSON_DISTANCE`` mean the same person.
 """
 
 from __future__ import annotations
