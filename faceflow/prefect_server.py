@@ -64,6 +64,11 @@ def migrate_argv(prefect: str) -> list[str]:
     return [prefect, "server", "database", "upgrade", "-y"]
 
 
+def redacted(url: str) -> str:
+    """A database or Redis URL without its password, for the console."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
 def ensure_database(database_url: str) -> bool:
     """Create the server's PostgreSQL database if it does not exist; True if created.
 

@@ -123,13 +123,6 @@ def _http_ok(url: str) -> Callable[[], bool]:
     return check
 
 
-def _redacted(url: str) -> str:
-    """A URL without its password, for the console."""
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
-
-
 def webapi_argv(cfg: StackConfig) -> list[str]:
     """The webapi's command line: uvicorn with the app factory, which logs JSON lines at
     INFO (``webapi.main.create_app``); uvicorn's own access log is off (the app logs
@@ -284,8 +277,8 @@ class Stack:
             self.progress(
                 f"prefect: scale-out server on 127.0.0.1:{cfg.prefect_port}: "
                 f"{cfg.prefect_api_workers} API processes, services apart, "
-                f"PostgreSQL {_redacted(cfg.prefect_database_url)}, "
-                f"Redis {_redacted(cfg.prefect_redis_url)}"
+                f"PostgreSQL {prefect_server.redacted(cfg.prefect_database_url)}, "
+                f"Redis {prefect_server.redacted(cfg.prefect_redis_url)}"
             )
             try:
                 prefect_server.ensure_database(cfg.prefect_database_url)

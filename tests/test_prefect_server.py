@@ -10,6 +10,7 @@ from psycopg import sql
 
 from faceflow import prefect_server
 from faceflow.stack import StackConfig
+from tests.webapi.conftest import postgres_unavailable
 
 
 def test_embedded_is_one_process_with_its_services() -> None:
@@ -43,11 +44,8 @@ def test_scale_out_moves_every_in_memory_part_to_redis_and_state_to_postgres() -
 def test_ensure_database_creates_it_once() -> None:
     name = f"faceflow_prefect_t{uuid.uuid4().hex[:8]}"
     url = f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-    try:
-        with psycopg.connect("host=127.0.0.1 user=postgres dbname=postgres connect_timeout=3"):
-            pass
-    except psycopg.Error as exc:
-        pytest.skip(f"PostgreSQL at 127.0.0.1:5432 is unreachable: {exc}")
+    if why := postgres_unavailable():
+        pytest.skip(why)
     try:
         assert prefect_server.ensure_database(url) is True
         assert prefect_server.ensure_database(url) is False

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, get_args
@@ -341,32 +341,39 @@ def inputs_purged_since(
     under the same lock, so it sees every deletion that could have followed its own
     existence check, and looks at those objects again (``_check_inputs``): one that exists
     now stays until this admission commits, since the next pass then sees its job."""
-    if not keys:
-        return {}
-    wanted = sorted(set(keys))
     floor = since - timedelta(seconds=INPUT_PURGE_MARGIN_S)
     found: dict[str, datetime] = {}
-    for column in (Job.source_key, Job.target_key):
-        rows = session.exec(
-            select(column, sa.func.max(Job.inputs_purged_at))
-            .where(col(column).in_(wanted), col(Job.inputs_purged_at) >= floor)
-            .group_by(column)
-        ).all()
-        for key, at in rows:
-            if key is not None and at is not None:
-                found[key] = max(found.get(key, at), at)
-    # A per-face mapping's other images are listed in a JSON column: look at the few jobs
-    # purged since ``floor`` that have any.
-    extra = session.exec(
-        select(Job.extra_inputs, Job.inputs_purged_at).where(
-            col(Job.inputs_purged_at) >= floor, col(Job.extra_inputs).is_not(None)
-        )
-    ).all()
-    for inputs, at in extra:
-        for key in extra_input_keys(inputs):
-            if key in wanted and at is not None:
-                found[key] = max(found.get(key, at), at)
+    uses = input_key_uses(
+        session, keys=keys, where=col(Job.inputs_purged_at) >= floor, value=Job.inputs_purged_at
+    )
+    for key, at in uses:
+        if at is not None:
+            found[key] = max(found.get(key, at), at)
     return found
+
+
+def input_key_uses(
+    session: Session, *, keys: Iterable[str], where: Any, value: Any = None
+) -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` for each job matching ``where`` that uses one of ``keys`` as an
+    input: its source, its target, or one of a per-face mapping's other images (kept in
+    the ``extra_inputs`` JSON column, so those rows are read and matched here). ``value``
+    is a column (or expression) of the job to return with the key; ``None`` without one.
+    One piece of logic for the retention pass (what is still in use) and the admission
+    (what a pass may just have deleted)."""
+    wanted = set(keys)
+    if not wanted:
+        return
+    value = sa.null() if value is None else value
+    for column in (Job.source_key, Job.target_key):
+        yield from session.exec(  # type: ignore[misc]
+            select(column, value).where(col(column).in_(sorted(wanted)), where).distinct()
+        ).all()
+    mapped = session.exec(
+        select(Job.extra_inputs, value).where(col(Job.extra_inputs).is_not(None), where)
+    ).all()
+    for inputs, at in mapped:
+        yield from ((key, at) for key in extra_input_keys(inputs) if key in wanted)
 
 
 def extra_input_keys(extra_inputs: Mapping[str, Sequence[str]] | None) -> list[str]:
@@ -376,16 +383,30 @@ def extra_input_keys(extra_inputs: Mapping[str, Sequence[str]] | None) -> list[s
     return [key for keys in extra_inputs.values() for key in keys if key]
 
 
+def missing_inputs(
+    keys: Sequence[str],
+    purged: Mapping[str, datetime],
+    since: datetime,
+    store: ObjectStore | None,
+) -> list[str]:
+    """Of ``keys`` found stored at ``since``, those a retention pass deleted after that
+    (``purged``: from ``inputs_purged_since``) and that ``store`` no longer has (all of
+    them without a store to look in): they must be stored or fetched again."""
+    floor = since - timedelta(seconds=INPUT_PURGE_MARGIN_S)
+    return [
+        key
+        for key in keys
+        if (at := purged.get(key)) is not None
+        and at >= floor
+        and (store is None or not store.exists(key))
+    ]
+
+
 def _check_inputs(
     submission: Submission, purged: Mapping[str, datetime], store: ObjectStore | None
 ) -> None:
-    floor = submission.prepared_at - timedelta(seconds=INPUT_PURGE_MARGIN_S)
-    for key in submission.input_keys():
-        at = purged.get(key)
-        if at is None or at < floor:
-            continue
-        if store is None or not store.exists(key):
-            raise InputsPurged(retry_after=1)
+    if missing_inputs(submission.input_keys(), purged, submission.prepared_at, store):
+        raise InputsPurged(retry_after=1)
 
 
 def _admit_one(

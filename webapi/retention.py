@@ -140,21 +140,11 @@ def _purge_inputs(
 def keys_in_use(session: Session, *, keys: set[str], now: datetime) -> set[str]:
     """The input keys among ``keys`` that a job whose inputs are not due still uses: a job
     that has not ended (no purge time, never purged) or one whose purge time is later."""
-    if not keys:
-        return set()
-    wanted = sorted(keys)
     live = sa.or_(
         sa.and_(col(Job.inputs_purge_at).is_(None), col(Job.inputs_purged_at).is_(None)),
         col(Job.inputs_purge_at) > now,
     )
-    used: set[str] = set()
-    for column in (Job.source_key, Job.target_key):
-        rows = session.exec(select(column).where(col(column).in_(wanted), live).distinct()).all()
-        used.update(key for key in rows if key is not None)
-    # A per-face mapping's other images (a JSON column): read those of the live jobs.
-    extra = session.exec(select(Job.extra_inputs).where(col(Job.extra_inputs).is_not(None), live))
-    used.update(key for inputs in extra for key in crud.extra_input_keys(inputs) if key in keys)
-    return used
+    return {key for key, _ in crud.input_key_uses(session, keys=keys, where=live)}
 
 
 def _mark_inputs(session: Session, ids: Sequence[uuid.UUID], now: datetime, *, done: bool) -> None:

@@ -35,6 +35,7 @@ from tests.e2e.harness import (
     stop_stack,
     watch,
 )
+from tests.webapi.conftest import postgres_unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.postgres]
 
@@ -43,11 +44,8 @@ REDIS_DB = 11  # out of the way of a developer's own Redis data in database 0
 
 
 def _unavailable() -> str | None:
-    try:
-        with psycopg.connect(dbname="test", **PG):  # type: ignore[arg-type]
-            pass
-    except psycopg.Error as exc:
-        return f"PostgreSQL at 127.0.0.1:5432 is unreachable: {exc}"
+    if why := postgres_unavailable():
+        return why
     try:
         redis.Redis(host="127.0.0.1", port=6379, socket_connect_timeout=3).ping()
     except redis.RedisError as exc:

@@ -33,11 +33,11 @@ from sqlmodel import Session
 from faceflow.supervisor import Service
 from flows.params import ResultRef, result_key, result_meta_key
 from tasks.report import FaceQuality, FuserSettings, PoseAngles, QualityReport
-from tests.webapi.utils import image_bytes, source_jpeg, target_jpeg
+from tests.webapi.utils import image_bytes, new_job, source_jpeg, target_jpeg
 from webapi import crud
 from webapi.config import Settings
 from webapi.inputs import InputRef, store_image
-from webapi.models import Job, JobCreate
+from webapi.models import Job
 from webapi.relay.context import RelayTimings
 from webapi.storage import ObjectStore
 
@@ -386,7 +386,7 @@ def submit(
     **fields: Any,
 ) -> Job:
     """Submit a job the way the API does (inputs validated and stored, one transaction)."""
-    create = JobCreate.model_validate({"options": {"identity_weight": 0.8}, **fields})
+    create = {"options": {"identity_weight": 0.8}, **fields}
     if source_url is not None:
         source = InputRef(name="source", digest="0" * 64, url=source_url)
     else:
@@ -394,17 +394,7 @@ def submit(
             source_jpeg(), name="source", limits=settings.image_limits, store=store
         )
     target = store_image(target_jpeg(), name="target", limits=settings.image_limits, store=store)
-    with Session(engine, expire_on_commit=False) as session:
-        job, created = crud.submit_job(
-            session,
-            owner=owner.user,
-            create=create,
-            source=source,
-            target=target,
-            settings=settings,
-        )
-    assert created
-    return job
+    return new_job(engine, settings, owner, source=source, target=target, **create)
 
 
 def job(engine: Engine, job_id: uuid.UUID) -> Job:

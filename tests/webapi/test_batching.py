@@ -32,11 +32,11 @@ from tasks.errors import NoFaceFound
 from tests.samples import no_face_jpeg_bytes
 from tests.webapi.conftest import make_settings
 from tests.webapi.relay_harness import FAST, PrefectServer, job, submit
-from tests.webapi.utils import make_user
+from tests.webapi.utils import make_user, new_job
 from webapi import crud
 from webapi.config import Settings
 from webapi.inputs import store_image
-from webapi.models import Job, JobCreate, JobStatus
+from webapi.models import Job, JobStatus
 from webapi.relay import dispatch, reap, sync
 from webapi.relay.context import Relay
 from webapi.relay.runner import build_relay
@@ -103,16 +103,7 @@ def _submit_faceless(relay: Relay, owner: crud.NewUser) -> Job:
     target = store_image(
         no_face_jpeg_bytes(), name="target", limits=settings.image_limits, store=relay.store
     )
-    with Session(relay.engine, expire_on_commit=False) as session:
-        created, _ = crud.submit_job(
-            session,
-            owner=owner.user,
-            create=JobCreate.model_validate({}),
-            source=source,
-            target=target,
-            settings=settings,
-        )
-    return created
+    return new_job(relay.engine, settings, owner, source=source, target=target)
 
 
 def _run(flow_run_id: uuid.UUID | str) -> str:

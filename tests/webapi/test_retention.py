@@ -21,6 +21,7 @@ from tests.webapi.utils import (
     jobs_of,
     make_user,
     move,
+    new_job,
     source_jpeg,
     succeed,
     target_jpeg,
@@ -68,25 +69,6 @@ def _stored(store: ObjectStore, data: bytes, name: str, settings: Settings) -> I
     return store_image(data, name=name, limits=settings.image_limits, store=store)
 
 
-def _job(
-    engine: Engine,
-    settings: Settings,
-    user: crud.NewUser,
-    source: InputRef,
-    target: InputRef,
-) -> Job:
-    with Session(engine, expire_on_commit=False) as session:
-        job, _ = crud.submit_job(
-            session,
-            owner=user.user,
-            create=JobCreate.model_validate({}),
-            source=source,
-            target=target,
-            settings=settings,
-        )
-    return job
-
-
 def _finish_with_result(engine: Engine, store: ObjectStore, job: Job) -> str:
     key = result_key(str(job.id), 1, "png")
     store.put(key, image_bytes(64, 48))
@@ -107,8 +89,10 @@ def test_inputs_results_and_rows_expire_in_turn_and_nothing_else(
     shared = _stored(store, source_jpeg(), "source", settings)
     own = _stored(store, target_jpeg(), "target", settings)
     other = _stored(store, image_bytes(200, 160, "PNG"), "target", settings)
-    done = _job(engine, settings, user, shared, own)
-    waiting = _job(engine, settings, user, shared, other)  # never ends in this test
+    done = new_job(engine, settings, user, source=shared, target=own)
+    waiting = new_job(
+        engine, settings, user, source=shared, target=other
+    )  # never ends in this test
     result = _finish_with_result(engine, store, done)
     ended = _get(engine, done.id)
     assert ended is not None and ended.finished_at is not None
@@ -155,12 +139,12 @@ def test_the_owner_s_retention_times_override_the_settings(
     engine: Engine, settings: Settings, store: ObjectStore
 ) -> None:
     keeper = make_user(engine, settings, input_retention_s=600, result_retention_s=60)
-    job = _job(
+    job = new_job(
         engine,
         settings,
         keeper,
-        _stored(store, source_jpeg(), "source", settings),
-        _stored(store, target_jpeg(), "target", settings),
+        source=_stored(store, source_jpeg(), "source", settings),
+        target=_stored(store, target_jpeg(), "target", settings),
     )
     assert (job.input_retention_s, job.result_retention_s) == (600, 60)
     _finish_with_result(engine, store, job)
@@ -176,12 +160,12 @@ def test_a_failed_job_loses_its_inputs_and_attempt_files_but_is_not_result_expir
     engine: Engine, settings: Settings, store: ObjectStore
 ) -> None:
     user = make_user(engine, settings)
-    job = _job(
+    job = new_job(
         engine,
         settings,
         user,
-        _stored(store, source_jpeg(), "source", settings),
-        _stored(store, target_jpeg(), "target", settings),
+        source=_stored(store, source_jpeg(), "source", settings),
+        target=_stored(store, target_jpeg(), "target", settings),
     )
     sidecar = result_meta_key(str(job.id), 1)
     store.put(sidecar, b"{}")  # a first attempt wrote its sidecar, then the job failed
@@ -200,7 +184,7 @@ def test_a_submit_reusing_an_input_deleted_meanwhile_is_told_to_store_it_again(
     user = make_user(engine, settings)
     source = _stored(store, source_jpeg(), "source", settings)
     target = _stored(store, target_jpeg(), "target", settings)
-    old = _job(engine, settings, user, source, target)
+    old = new_job(engine, settings, user, source=source, target=target)
     move(engine, old.id, JobStatus.cancelled, JobStatus.queued)
     # A new submit found both inputs stored (its check ran before the pass)...
     late = crud.Submission(user.user, JobCreate.model_validate({}), source, target)
@@ -239,7 +223,7 @@ def test_a_retention_pass_over_many_jobs_touches_only_what_is_due(
     for index in range(75):
         source = _stored(store, image_bytes(120, 100 + index, "PNG"), "source", settings)
         target = _stored(store, image_bytes(100 + index, 120, "PNG"), "target", settings)
-        job = _job(engine, settings, user, source, target)
+        job = new_job(engine, settings, user, source=source, target=target)
         if index < 70:
             _finish_with_result(engine, store, job)
         (due if index < 60 else fresh if index < 70 else queued).append(job.id)
@@ -270,27 +254,24 @@ def test_a_mapping_job_s_other_sources_and_references_expire_unless_still_used(
     target = _stored(store, target_jpeg(), "target", settings)
     second = _stored(store, image_bytes(150, 140, "PNG"), "sources[1]", settings)
     reference = _stored(store, image_bytes(140, 150, "PNG"), "references[0]", settings)
-    with Session(engine, expire_on_commit=False) as session:
-        mapped, _ = crud.submit_job(
-            session,
-            owner=user.user,
-            create=JobCreate.model_validate({}),
-            source=source,
-            target=target,
-            settings=settings,
-            extra_sources=[second],
-            references=[reference],
-        )
-        # A queued job whose mapping uses the same reference (in the JSON column only).
-        other, _ = crud.submit_job(
-            session,
-            owner=user.user,
-            create=JobCreate.model_validate({}),
-            source=_stored(store, image_bytes(130, 130, "PNG"), "source", settings),
-            target=_stored(store, image_bytes(131, 131, "PNG"), "target", settings),
-            settings=settings,
-            references=[reference],
-        )
+    mapped = new_job(
+        engine,
+        settings,
+        user,
+        source=source,
+        target=target,
+        extra_sources=[second],
+        references=[reference],
+    )
+    # A queued job whose mapping uses the same reference (in the JSON column only).
+    other = new_job(
+        engine,
+        settings,
+        user,
+        source=_stored(store, image_bytes(130, 130, "PNG"), "source", settings),
+        target=_stored(store, image_bytes(131, 131, "PNG"), "target", settings),
+        references=[reference],
+    )
     assert mapped.extra_inputs and other.extra_inputs
     move(engine, mapped.id, JobStatus.cancelled, JobStatus.queued)
     report = run_pass(engine, store, settings)

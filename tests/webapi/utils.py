@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cache
 from typing import Any
@@ -18,6 +18,7 @@ from sqlmodel import Session, col, select
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 from webapi import crud
 from webapi.config import Settings
+from webapi.inputs import InputRef
 from webapi.jobstate import transition
 from webapi.models import Job, JobStatus, Outbox, Priority
 
@@ -153,14 +154,26 @@ def dispatch(engine: Engine, job_id: uuid.UUID | str) -> uuid.UUID:
     return flow_run_id
 
 
-def new_job(engine: Engine, settings: Settings, user: crud.NewUser, **create: Any) -> Job:
-    """A queued job created through ``crud.submit_job`` (inputs named by fake keys)."""
-    from webapi.inputs import InputRef
+def new_job(
+    engine: Engine,
+    settings: Settings,
+    user: crud.NewUser,
+    *,
+    source: InputRef | None = None,
+    target: InputRef | None = None,
+    extra_sources: Sequence[InputRef] = (),
+    references: Sequence[InputRef] = (),
+    **create: Any,
+) -> Job:
+    """A queued job created through ``crud.submit_job``, from ``create`` (the request's
+    fields); inputs as given (stored ones for tests that read them), else fake keys."""
     from webapi.models import JobCreate
 
     digest = uuid.uuid4().hex * 2
-    source = InputRef(name="source", digest=digest, key=f"inputs/{digest[:2]}/{digest}.jpeg")
-    target = InputRef(name="target", digest=digest[::-1], key=f"inputs/x/{digest[::-1]}.png")
+    if source is None:
+        source = InputRef(name="source", digest=digest, key=f"inputs/{digest[:2]}/{digest}.jpeg")
+    if target is None:
+        target = InputRef(name="target", digest=digest[::-1], key=f"inputs/x/{digest[::-1]}.png")
     with Session(engine, expire_on_commit=False) as session:
         job, created = crud.submit_job(
             session,
@@ -169,6 +182,8 @@ def new_job(engine: Engine, settings: Settings, user: crud.NewUser, **create: An
             source=source,
             target=target,
             settings=settings,
+            extra_sources=extra_sources,
+            references=references,
         )
     assert created
     return job

@@ -75,22 +75,12 @@ def relay(prefect_api: Api, warm_worker: WarmWorker, tmp_path: Path) -> Iterator
 
 def _faceless(relay: Any, owner: Any) -> Any:
     from tests.samples import no_face_jpeg_bytes
-    from webapi import crud
+    from tests.webapi.utils import new_job
     from webapi.inputs import store_image
-    from webapi.models import JobCreate
 
     limits = relay.settings.image_limits
     cup = store_image(no_face_jpeg_bytes(), name="source", limits=limits, store=relay.store)
-    with Session(relay.engine, expire_on_commit=False) as session:
-        created, _ = crud.submit_job(
-            session,
-            owner=owner.user,
-            create=JobCreate.model_validate({}),
-            source=cup,
-            target=cup,
-            settings=relay.settings,
-        )
-    return created
+    return new_job(relay.engine, relay.settings, owner, source=cup, target=cup)
 
 
 def _wait_for(condition: Any, timeout: float, step: float = 0.002) -> bool:

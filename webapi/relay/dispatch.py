@@ -283,7 +283,7 @@ def _fetch_inputs(relay: Relay, row: Outbox, plan: Plan) -> Plan | None:
         # was found already stored; then fetch it again later.
         crud.serialise_admission(session)
         purged = crud.inputs_purged_since(session, keys=fetched, since=fetched_at)
-        if any(not relay.store.exists(key) for key in purged):
+        if crud.missing_inputs(fetched, purged, fetched_at, relay.store):
             session.rollback()
             _back_off(relay, row, "an input was deleted by retention while it was stored")
             return None
