@@ -311,9 +311,12 @@ def _fuse(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
 
 
 def _enhance(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
-    inputs = [(_img(job.target), _req(job.fused), job.options) for job in jobs]
+    # Only the jobs that asked for an enhancer: the others get no "enhance" timing (their
+    # result was not enhanced, and their timings say what ran for them).
+    wanting = [job for job in jobs if job.options.enhancer != "none"]
+    inputs = [(_img(job.target), _req(job.fused), job.options) for job in wanting]
     enhanced = guard.run(enhance_batch_task, inputs, batch.ctx)
-    for job, value in zip(jobs, batch.settle(jobs, enhanced, "enhance"), strict=True):
+    for job, value in zip(wanting, batch.settle(wanting, enhanced, "enhance"), strict=True):
         job.fused = value
 
 
