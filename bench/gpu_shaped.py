@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,16 +80,20 @@ def fingerprint(value: Any) -> str:
 
 def shaped(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
     """``fn`` that sleeps ``seconds`` and returns its real result for the same inputs
-    (computed once, the first time)."""
+    (computed once, the first time, also when a batch calls it on several threads: the
+    later stages then see the very objects they saw before)."""
     seen: dict[str, Any] = {}
+    first = threading.Lock()
 
     @functools.wraps(fn)
     def stage(*args: Any, **kwargs: Any) -> Any:
         key = fingerprint((args, kwargs))
         if key not in seen:
-            seen[key] = fn(*args, **kwargs)
-        else:
-            time.sleep(seconds)
+            with first:
+                if key not in seen:
+                    seen[key] = fn(*args, **kwargs)
+                    return seen[key]
+        time.sleep(seconds)
         return seen[key]
 
     return stage

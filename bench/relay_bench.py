@@ -171,6 +171,27 @@ def run_starts(api: Any, run_ids: set[str]) -> dict[str, float]:
     return starts
 
 
+def burst_timeline(api: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs that carried a burst, by start: jobs, and when (seconds after the first job
+    was created) the run was created, started and ended."""
+    members: dict[str, int] = {}
+    for row in rows:
+        if (rid := _run_id(row)) is not None:
+            members[rid] = members.get(rid, 0) + 1
+    origin = min(utc_seconds(row["created_at"]) for row in rows)
+    body = {"flow_runs": {"id": {"any_": sorted(members)}}, "limit": len(members)}
+    timeline = []
+    for run in api.call("POST", "/flow_runs/filter", body):
+        times = {k: run.get(k) for k in ("created", "start_time", "end_time")}
+        timeline.append(
+            {
+                "jobs": members[str(run["id"])],
+                **{k: round(utc_seconds(v) - origin, 2) if v else None for k, v in times.items()},
+            }
+        )
+    return sorted(timeline, key=lambda r: (r["start_time"] is None, r["start_time"] or 0.0))
+
+
 def _run_id(row: dict[str, Any]) -> str | None:
     value = row["flow_run_id"]
     return None if value is None else str(uuid.UUID(str(value)))
@@ -252,6 +273,8 @@ def relay_mode(
         "burst_jobs_per_min": jobs / (max(finished) - min(created)) * 60.0,
         "burst_runs": len(runs),
         "burst_jobs_per_run": round(jobs / max(1, len(runs)), 1),
+        "burst_timeline": burst_timeline(api, burst_rows),
+        "burst_last_created_s": round(max(created) - min(created), 2),
         "burst_cpu_ms_per_job": cpu,
         "burst_requests_per_job": requests,
     }

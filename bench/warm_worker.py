@@ -600,6 +600,16 @@ def print_relay_table(results: dict[str, dict[str, Any]], gpu_ms: float | None) 
     for label, get, fmt in rows:
         print(f"{label:38}" + "".join(f"{fmt.format(get(results[m])):>12}" for m in modes))
     for mode in modes:
+        result = results[mode]
+        runs = "; ".join(
+            f"{r['jobs']} jobs c{r['created']} s{r['start_time']} e{r['end_time']}"
+            for r in result.get("burst_timeline", [])
+        )
+        print(
+            f"{mode} burst runs (s after the first job; last job created at "
+            f"{result.get('burst_last_created_s')}): {runs}"
+        )
+    for mode in modes:
         if results[mode]["failed"]:
             print(f"{mode}: jobs not succeeded: {results[mode]['failed']}")
 

@@ -117,6 +117,13 @@ class FusionSettings(Block):
         description="NSFW check of the inputs (before detection) and of the result: mode "
         "(enforce, report or off), blocked detector labels and their score thresholds.",
     )
+    batch_cpu_threads: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="Threads a fuse-batch run gives its jobs' CPU work (reading and decoding "
+        "inputs, blending and encoding results, writing them); 0: one per CPU core, at most 8.",
+    )
     model_dir: str | None = Field(
         default=None,
         description="Directory of operator-provided model files (None uses FACEFLOW_MODEL_DIR).",

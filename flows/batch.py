@@ -378,7 +378,7 @@ def _store(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
         )
         job.row.result_key = ref.key
         results.append((job.spec.job_id, job.spec.attempt, ref, encoded.data))
-    uris = guard.run(store_batch_task, batch.storage_block, results)
+    uris = guard.run(store_batch_task, batch.storage_block, results, batch.ctx.cpu_threads)
     for job, uri in zip(jobs, batch.settle(jobs, uris, "store"), strict=True):
         if uri is not None:
             job.row.outcome, job.row.result_uri = "succeeded", uri

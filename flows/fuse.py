@@ -44,6 +44,7 @@ from flows.params import (
     run_tags,
 )
 from flows.storage_tasks import load_more_task, load_task, store_task
+from tasks.batch import cpu_threads
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats, select_device
 from tasks.options import FusionOptions
@@ -69,6 +70,7 @@ def pipeline_context(settings: FusionSettings) -> PipelineContext:
         pins=dict(settings.model_pins),
         limits=settings.image_limits,
         moderation=settings.moderation,
+        cpu_threads=cpu_threads(settings.batch_cpu_threads),
     )
 
 

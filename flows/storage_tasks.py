@@ -64,13 +64,15 @@ def load_batch_task(
             decode_stage(read_from(store, pair[1]), ctx),
         ),
         keys,
+        threads=ctx.cpu_threads,
     )
 
 
 @task(name="store-batch", task_run_name="store", persist_result=False, cache_policy=NO_CACHE)
 def store_batch_task(
-    storage_block: str, results: list[tuple[str, int, ResultRef, bytes]]
+    storage_block: str, results: list[tuple[str, int, ResultRef, bytes]], threads: int = 1
 ) -> list[Each[str]]:
-    """``store_task`` of every job (job id, attempt, ref, image bytes): image, then sidecar."""
+    """``store_task`` of every job (job id, attempt, ref, image bytes): image, then sidecar;
+    the jobs on up to ``threads`` threads."""
     store = load_storage(storage_block)
-    return each(lambda result: write_result(store, *result), results)
+    return each(lambda result: write_result(store, *result), results, threads=threads)

@@ -7,8 +7,10 @@ not caught here: a stage that runs out of time fails as a whole (``flows.deadlin
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -40,21 +42,41 @@ def as_error(exc: Exception) -> FaceFlowError:
     return FaceFlowError(detail=type(exc).__name__)
 
 
-def each(fn: Callable[[A], R], items: Sequence[A]) -> list[Each[R]]:
+def each(fn: Callable[[A], R], items: Sequence[A], *, threads: int = 1) -> list[Each[R]]:
     """``fn`` on every item, timed; an exception ends only its own item. ``TimeoutError``
-    (the stage's timeout) propagates: the stage as a whole ran out of time."""
-    outcomes: list[Each[R]] = []
-    for item in items:
-        start = time.perf_counter()
-        try:
-            value = fn(item)
-        except TimeoutError:
-            raise
-        except Exception as exc:
-            outcomes.append(Each(None, as_error(exc), (time.perf_counter() - start) * 1e3))
-            continue
-        outcomes.append(Each(value, None, (time.perf_counter() - start) * 1e3))
-    return outcomes
+    (the stage's timeout) propagates: the stage as a whole ran out of time.
+
+    With ``threads`` > 1 the items run on that many threads (for work that releases the
+    GIL: image decoding and encoding, storage I/O); outcomes keep the items' order. On a
+    timeout the items not yet started are dropped and those running finish unobserved.
+    """
+    if threads <= 1 or len(items) <= 1:
+        return [_timed(fn, item) for item in items]
+    pool = ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="faceflow-each")
+    try:
+        futures = [pool.submit(_timed, fn, item) for item in items]
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def cpu_threads(setting: int, cap: int = 8) -> int:
+    """Threads for per-job CPU work: ``setting``, or for 0 the CPU cores this process may
+    use (at most ``cap``)."""
+    if setting > 0:
+        return setting
+    return max(1, min(len(os.sched_getaffinity(0)), cap))
+
+
+def _timed(fn: Callable[[A], R], item: A) -> Each[R]:
+    start = time.perf_counter()
+    try:
+        value = fn(item)
+    except TimeoutError:
+        raise
+    except Exception as exc:
+        return Each(None, as_error(exc), (time.perf_counter() - start) * 1e3)
+    return Each(value, None, (time.perf_counter() - start) * 1e3)
 
 
 def shared(values: Sequence[R | FaceFlowError], ms: float) -> list[Each[R]]:

@@ -69,6 +69,8 @@ class PipelineContext:
     crop_size: int = CLASSIC_CROP_SIZE
     detect_max_side: int = DEFAULT_DETECT_MAX_SIDE
     moderation: ModerationPolicy = field(default_factory=ModerationPolicy)
+    cpu_threads: int = 1
+    """Threads for a batch's per-job CPU work (``tasks.batch.each``); models run on one."""
 
     @classmethod
     def for_this_machine(

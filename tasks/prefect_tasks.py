@@ -249,7 +249,7 @@ def postprocess_batch_task(
     jobs: list[tuple[RGBImage, Fused, FusionOptions]], ctx: PipelineContext
 ) -> list[Each[EncodedImage]]:
     """``postprocess_task`` of every job."""
-    return each(lambda job: postprocess_task.fn(*job, ctx), jobs)
+    return each(lambda job: postprocess_task.fn(*job, ctx), jobs, threads=ctx.cpu_threads)
 
 
 @task(name="quality-batch", task_run_name="quality", persist_result=False, cache_policy=NO_CACHE)

@@ -100,6 +100,15 @@ class Settings(BaseSettings):
         "0 by default: under load the runs-ahead hold-back forms the batches, and a linger "
         "only delayed single jobs (docs/batching.md).",
     )
+    batch_ahead_linger_ms: float = Field(
+        300.0,
+        ge=0,
+        le=5000,
+        description="With batching on, how long the jobs of a run that would only wait behind "
+        "the lane's running ones (every worker slot busy) wait for more jobs to join them "
+        "(ms, from the oldest's arrival; a full batch leaves at once). A burst then leaves in "
+        "fewer, larger runs; a job on an idle lane never waits for it (docs/batching.md).",
+    )
     runs_ahead_per_slot: int = Field(
         2,
         ge=1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -147,3 +148,40 @@ def test_no_first_attempt_without_the_expected_time() -> None:
 def test_naive_deadline_is_utc() -> None:
     naive = datetime.now(UTC).replace(tzinfo=None) + timedelta(seconds=10)
     assert 9.0 < Deadline.of(naive).left() <= 10.0
+
+
+@dataclass
+class _Watched:
+    """A stage input that records every read of its ``payload`` field."""
+
+    payload: list[int]
+    reads: list[str] = field(default_factory=list)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "payload":
+            object.__getattribute__(self, "reads").append(name)
+        return object.__getattribute__(self, name)
+
+
+@task(name="identity", task_run_name="identity", persist_result=False, cache_policy=NO_CACHE)
+def identity(value: _Watched, others: list[_Watched]) -> tuple[int, list[int]]:
+    return id(value), [id(v) for v in others]
+
+
+@flow(name="quote-probe", persist_result=False)
+def quote_probe(deadline_at: datetime) -> dict[str, Any]:
+    guard = StageGuard(Deadline.of(deadline_at), StagePolicy(**_policy()))
+    value, others = _Watched([1, 2, 3]), [_Watched([4]) for _ in range(3)]
+    seen, seen_others = guard.run(identity, value, others=others)
+    return {
+        "same": seen == id(value) and seen_others == [id(v) for v in others],
+        "reads": [*value.reads, *(r for v in others for r in v.reads)],
+    }
+
+
+def test_stage_inputs_reach_the_task_as_they_are_and_unwalked(prefect_harness: Home) -> None:
+    """Prefect would walk every stage input (a batch's job lists, twice per call) looking for
+    futures; the guard passes them quoted, so they arrive as the same objects, unread."""
+    out = quote_probe(datetime.now(UTC) + timedelta(seconds=60))
+
+    assert out == {"same": True, "reads": []}

@@ -72,6 +72,7 @@ def relay(
         prefect_api_url=prefect_server.api_url,
         batch_max_jobs=8,
         batch_linger_ms=0,
+        batch_ahead_linger_ms=0,  # each pass dispatches what is due (one test lingers)
         worker_slots=1,
         runs_ahead_per_slot=2,
     )
@@ -185,6 +186,37 @@ def test_runs_in_flight_hold_jobs_back_until_a_run_ends(
     assert len(runs) == 1  # the jobs that waited leave together
     batch = _batch_of(prefect_server, runs.pop())
     assert sorted(j.job_id for j in batch.jobs) == sorted(str(j.id) for j in waiting)
+
+
+def test_a_run_that_would_queue_behind_a_busy_slot_waits_for_more_jobs(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """With the ahead linger on, a lone job on an idle lane leaves at once; jobs that arrive
+    while the worker slot is busy wait (from the oldest's arrival) for the ones that follow
+    them, and all leave in one run."""
+    relay.settings = relay.settings.model_copy(update={"batch_ahead_linger_ms": 600.0})
+    first = _submit(relay, owner)
+    started = time.monotonic()
+    assert dispatch.run_once(relay) == 1
+    assert time.monotonic() - started < 0.5  # idle lane: no linger
+    assert job(relay.engine, first.id).flow_run_id is not None
+
+    early = _submit(relay, owner)
+    later: list[Job] = []
+    arrivals = threading.Thread(
+        target=lambda: [time.sleep(0.15), later.extend(_submit(relay, owner) for _ in range(3))]
+    )
+    started = time.monotonic()
+    arrivals.start()
+    handled = dispatch.run_once(relay)
+    waited = time.monotonic() - started
+    arrivals.join()
+
+    assert handled == 4 and waited >= 0.4
+    runs = {job(relay.engine, j.id).flow_run_id for j in [early, *later]}
+    assert len(runs) == 1 and None not in runs
+    batch = _batch_of(prefect_server, runs.pop())
+    assert sorted(j.job_id for j in batch.jobs) == sorted(str(j.id) for j in [early, *later])
 
 
 def test_each_job_of_a_mixed_batch_ends_on_its_own(

@@ -8,7 +8,9 @@ With ``batch_max_jobs`` > 1 (``webapi.config``) a dispatch pass
    batches grow up to ``batch_max_jobs``; when idle a job leaves at once;
 2. leases up to ``free runs * batch_max_jobs`` due rows and, when fewer arrived than a
    batch holds and the oldest is younger than ``batch_linger_ms``, waits out the linger
-   once for more;
+   once for more — ``batch_ahead_linger_ms`` instead when every worker slot of their lane
+   is busy (the run would only queue behind those: a burst then leaves in fewer, larger
+   runs, while a job on an idle lane still leaves at once);
 3. groups the jobs by what a run must share (lane, detector and fuser as the client set
    them), earliest deadline first, into chunks of at most ``batch_max_jobs``;
 4. dispatches a chunk of one as today (a ``fuse-faces`` run, key ``job-<id>-attempt-<n>``),
@@ -68,7 +70,7 @@ def run_once(relay: Relay) -> int:
     limit = min(relay.timings.batch, sum(free[lane] for lane in open_lanes) * size)
     rows = claim(relay, open_lanes, limit)
     if rows and len(rows) < limit:
-        rows += _linger(relay, rows, open_lanes, limit)
+        rows += _linger(relay, rows, open_lanes, limit, _linger_s(relay, rows, free))
     if not rows:
         return 0
     chunks = group(dispatch.plans(relay, rows), size)
@@ -107,9 +109,31 @@ def claim(relay: Relay, lanes: list[str], limit: int) -> list[Outbox]:
         )
 
 
-def _linger(relay: Relay, rows: list[Outbox], lanes: list[str], limit: int) -> list[Outbox]:
-    """Wait once, up to the linger, for more rows to join a batch that is not full."""
-    linger_s = relay.settings.batch_linger_ms / 1000.0
+def _linger_s(relay: Relay, rows: list[Outbox], free: dict[str, int]) -> float:
+    """How long (from the oldest row's arrival) the rows may wait for more to join them:
+    ``batch_linger_ms``, or the longer ``batch_ahead_linger_ms`` when every lane they are
+    in has all its worker slots busy (their run would only queue behind those)."""
+    settings = relay.settings
+    linger_ms = settings.batch_linger_ms
+    if settings.batch_ahead_linger_ms > linger_ms:
+        free_when_slots_busy = settings.max_runs_in_flight - settings.worker_slots
+        with relay.session() as session:
+            lanes = set(
+                session.exec(
+                    select(Job.priority).where(col(Job.id).in_([row.job_id for row in rows]))
+                ).all()
+            )
+            session.commit()
+        if lanes and all(free[str(lane)] <= free_when_slots_busy for lane in lanes):
+            linger_ms = settings.batch_ahead_linger_ms
+    return linger_ms / 1000.0
+
+
+def _linger(
+    relay: Relay, rows: list[Outbox], lanes: list[str], limit: int, linger_s: float
+) -> list[Outbox]:
+    """Wait once, up to ``linger_s`` after the oldest row's arrival, for more rows to join
+    a batch that is not full."""
     oldest = min(row.created_at for row in rows)
     wait_s = linger_s - (utcnow() - oldest).total_seconds()
     if wait_s <= 0:
