@@ -37,7 +37,7 @@ from webapi import crud
 from webapi.config import Settings
 from webapi.inputs import store_image
 from webapi.models import Job, JobStatus
-from webapi.relay import dispatch, reap, sync
+from webapi.relay import batches, dispatch, reap, sync
 from webapi.relay.context import Relay
 from webapi.relay.runner import build_relay
 from webapi.storage import LocalObjectStore
@@ -186,6 +186,38 @@ def test_runs_in_flight_hold_jobs_back_until_a_run_ends(
     assert len(runs) == 1  # the jobs that waited leave together
     batch = _batch_of(prefect_server, runs.pop())
     assert sorted(j.job_id for j in batch.jobs) == sorted(str(j.id) for j in waiting)
+
+
+def test_a_lane_never_has_more_runs_in_flight_than_it_may(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """The idle high-priority lane's free runs do not widen the busy normal lane's: a burst
+    leaves as one more run of at most ``batch_max_jobs`` (8), and jobs that cannot share
+    that run (another detector) wait too, instead of becoming runs past the cap."""
+    first = _submit(relay, owner)
+    dispatch.run_once(relay)  # one run in flight of the lane's two
+    burst = [_submit(relay, owner) for _ in range(12)]
+    other_detector = [
+        _submit(relay, owner, options={"identity_weight": 0.8, "detector": "scrfd"})
+        for _ in range(2)
+    ]
+
+    dispatch.run_once(relay)
+    dispatch.run_once(relay)  # the held-back jobs are due again, and still wait
+
+    stored = [job(relay.engine, j.id) for j in [*burst, *other_detector]]
+    runs = {j.flow_run_id for j in stored if j.flow_run_id is not None}
+    assert len(runs) == 1
+    assert sum(1 for j in stored if j.flow_run_id is not None) == 8
+    assert all(j.status is JobStatus.queued and j.attempts <= 1 for j in stored)
+    assert batches.free_runs(relay)["normal"] == 0
+
+    prefect_server.set_state(str(job(relay.engine, first.id).flow_run_id), "CANCELLED")
+    sync.run_once(relay)
+    dispatch.run_once(relay)
+    stored = [job(relay.engine, j.id) for j in [*burst, *other_detector]]
+    assert len({j.flow_run_id for j in stored if j.flow_run_id is not None}) == 2
+    assert sum(1 for j in stored if j.flow_run_id is None) == 2  # the other detector's
 
 
 def test_a_run_that_would_queue_behind_a_busy_slot_waits_for_more_jobs(

@@ -2,17 +2,18 @@
 
 With ``batch_max_jobs`` > 1 (``webapi.config``) a dispatch pass
 
-1. counts the lane's unfinished flow runs and, when they already fill
-   ``max_runs_in_flight`` (worker slots times runs ahead), dispatches nothing: the jobs wait
-   in the outbox and leave together once a run ends (sync wakes dispatch). Under load
-   batches grow up to ``batch_max_jobs``; when idle a job leaves at once;
-2. leases up to ``free runs * batch_max_jobs`` due rows and, when fewer arrived than a
-   batch holds and the oldest is younger than ``batch_linger_ms``, waits out the linger
-   once for more — ``batch_ahead_linger_ms`` instead when every worker slot of their lane
+1. counts each lane's unfinished flow runs and, when they already fill
+   ``max_runs_in_flight`` (worker slots times runs ahead), dispatches nothing for it: the
+   jobs wait in the outbox and leave together once a run ends (sync wakes dispatch). Under
+   load batches grow up to ``batch_max_jobs``; when idle a job leaves at once;
+2. per lane, leases up to ``free runs * batch_max_jobs`` due rows of that lane and, when
+   fewer arrived than a batch holds and the oldest is younger than ``batch_linger_ms``,
+   waits out the linger once for more — ``batch_ahead_linger_ms`` instead when every worker slot of their lane
    is busy (the run would only queue behind those: a burst then leaves in fewer, larger
    runs, while a job on an idle lane still leaves at once);
 3. groups the jobs by what a run must share (lane, detector and fuser as the client set
-   them), earliest deadline first, into chunks of at most ``batch_max_jobs``;
+   them), earliest deadline first, into chunks of at most ``batch_max_jobs``, and sends at
+   most the lane's free runs of them (the other jobs are due again at once);
 4. dispatches a chunk of one as today (a ``fuse-faces`` run, key ``job-<id>-attempt-<n>``),
    and a larger chunk as one ``fuse-batch`` run: its Prefect idempotency key
    (``batch-<uuid>``) is first written to the jobs (``jobs.dispatch_key``, conditional on
@@ -61,25 +62,58 @@ class Chunk:
 
 
 def run_once(relay: Relay) -> int:
-    """One batching dispatch pass; returns how many outbox rows it handled."""
+    """One batching dispatch pass; returns how many outbox rows it handled.
+
+    Lane by lane (those with nothing ahead of their worker slots first, so a lane's ahead
+    linger never holds another's jobs back), at most the lane's free runs of at most
+    ``batch_max_jobs`` jobs each."""
     free = free_runs(relay)
-    open_lanes = sorted(lane for lane, n in free.items() if n > 0)
-    if not open_lanes:
-        return 0
+    lanes = sorted(
+        (lane for lane, n in free.items() if n > 0), key=lambda name: _ahead(relay, free, name)
+    )
     size = relay.settings.batch_max_jobs
-    limit = min(relay.timings.batch, sum(free[lane] for lane in open_lanes) * size)
-    rows = claim(relay, open_lanes, limit)
-    if rows and len(rows) < limit:
-        rows += _linger(relay, rows, open_lanes, limit, _linger_s(relay, rows, free))
-    if not rows:
-        return 0
-    chunks = group(dispatch.plans(relay, rows), size)
+    handled = 0
+    for lane in lanes:
+        limit = min(relay.timings.batch - handled, free[lane] * size)
+        if limit <= 0:
+            break
+        rows = claim(relay, [lane], limit)
+        if rows and len(rows) < limit:
+            rows += _linger(relay, rows, [lane], limit, _linger_s(relay, free, lane))
+        handled += len(rows)
+        if rows and not _dispatch(relay, rows, runs=free[lane]):
+            break  # Prefect unreachable: the rest waits for the outage to end
+    return handled
+
+
+def _dispatch(relay: Relay, rows: list[Outbox], *, runs: int) -> bool:
+    """Send one lane's rows as at most ``runs`` runs (jobs that cannot share a run beyond
+    those wait for the next pass); False when Prefect was unreachable."""
+    chunks = group(dispatch.plans(relay, rows), relay.settings.batch_max_jobs)
     for index, chunk in enumerate(chunks):
+        if index >= runs:
+            hold_back(relay, [row for later in chunks[index:] for row in later.rows.values()])
+            return True
         if not send(relay, chunk):
             rest = [row for later in chunks[index + 1 :] for row in later.rows.values()]
             dispatch.defer_untried(relay, rest, "Prefect unavailable")
-            break
-    return len(rows)
+            return False
+    return True
+
+
+def hold_back(relay: Relay, rows: list[Outbox]) -> None:
+    """Release leased rows untried, due again at once (their lane has no free run now)."""
+    with relay.session() as session:
+        for row in rows:
+            leases.reschedule(
+                session,
+                row,
+                owner=relay.owner,
+                error="held back: the lane's runs are in flight",
+                delay_s=0.0,
+                count_attempt=False,
+            )
+        session.commit()
 
 
 def free_runs(relay: Relay) -> dict[str, int]:
@@ -109,23 +143,20 @@ def claim(relay: Relay, lanes: list[str], limit: int) -> list[Outbox]:
         )
 
 
-def _linger_s(relay: Relay, rows: list[Outbox], free: dict[str, int]) -> float:
-    """How long (from the oldest row's arrival) the rows may wait for more to join them:
-    ``batch_linger_ms``, or the longer ``batch_ahead_linger_ms`` when every lane they are
-    in has all its worker slots busy (their run would only queue behind those)."""
+def _ahead(relay: Relay, free: dict[str, int], lane: str) -> bool:
+    """Whether every worker slot of ``lane`` has a run: a new one would queue behind."""
+    settings = relay.settings
+    return free[lane] <= settings.max_runs_in_flight - settings.worker_slots
+
+
+def _linger_s(relay: Relay, free: dict[str, int], lane: str) -> float:
+    """How long (from the oldest row's arrival) a lane's rows may wait for more to join
+    them: ``batch_linger_ms``, or the longer ``batch_ahead_linger_ms`` when their run would
+    only queue behind the lane's running ones."""
     settings = relay.settings
     linger_ms = settings.batch_linger_ms
-    if settings.batch_ahead_linger_ms > linger_ms:
-        free_when_slots_busy = settings.max_runs_in_flight - settings.worker_slots
-        with relay.session() as session:
-            lanes = set(
-                session.exec(
-                    select(Job.priority).where(col(Job.id).in_([row.job_id for row in rows]))
-                ).all()
-            )
-            session.commit()
-        if lanes and all(free[str(lane)] <= free_when_slots_busy for lane in lanes):
-            linger_ms = settings.batch_ahead_linger_ms
+    if _ahead(relay, free, lane):
+        linger_ms = max(linger_ms, settings.batch_ahead_linger_ms)
     return linger_ms / 1000.0
 
 
