@@ -59,3 +59,22 @@ def machine_busy_s() -> tuple[float, float]:
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + fields[4]
     return (sum(fields) - idle) / TICKS, sum(fields) / TICKS
+
+
+def wait_until_quiet(
+    pid: int | None, *, share: float = 0.1, window_s: float = 1.0, timeout_s: float = 60.0
+) -> float:
+    """Wait until ``pid``'s process tree uses under ``share`` of a core over ``window_s``
+    (a Prefect server still working through an earlier mode's events would otherwise take
+    CPU from the next one); returns the seconds waited (``timeout_s`` at most)."""
+    import time
+
+    start = time.monotonic()
+    before = process_tree_cpu_s(pid)
+    while time.monotonic() - start < timeout_s:
+        time.sleep(window_s)
+        now = process_tree_cpu_s(pid)
+        if now - before < share * window_s:
+            break
+        before = now
+    return time.monotonic() - start

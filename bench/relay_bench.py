@@ -158,17 +158,18 @@ def utc_seconds(value: Any) -> float:
     return (value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp()
 
 
-def run_starts(api: Any, run_ids: set[str]) -> dict[str, float]:
-    """``start_time`` of each flow run (one filter call per 200)."""
+def run_times(api: Any, run_ids: set[str]) -> dict[str, tuple[float, float | None]]:
+    """``start_time`` and ``end_time`` of each flow run that started (one call per 200)."""
     wanted = sorted(run_ids)
-    starts: dict[str, float] = {}
+    times: dict[str, tuple[float, float | None]] = {}
     for start in range(0, len(wanted), 200):
         chunk = wanted[start : start + 200]
         body = {"flow_runs": {"id": {"any_": chunk}}, "limit": len(chunk)}
         for run in api.call("POST", "/flow_runs/filter", body):
             if run.get("start_time"):
-                starts[str(run["id"])] = utc_seconds(run["start_time"])
-    return starts
+                end = utc_seconds(run["end_time"]) if run.get("end_time") else None
+                times[str(run["id"])] = (utc_seconds(run["start_time"]), end)
+    return times
 
 
 def burst_timeline(api: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -198,18 +199,23 @@ def _run_id(row: dict[str, Any]) -> str | None:
 
 
 def latencies(api: Any, rows: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Per succeeded job: dispatch (created → run start) and end-to-end (created → finished)."""
-    starts = run_starts(api, {rid for row in rows if (rid := _run_id(row))})
-    dispatch, e2e = [], []
+    """Per succeeded job: dispatch (created → run start), end-to-end (created → finished),
+    and the parts after dispatch: the run (start → end) and the relay's notice (run end →
+    the job's ``finished_at``)."""
+    times = run_times(api, {rid for row in rows if (rid := _run_id(row))})
+    out: dict[str, list[float]] = {"dispatch": [], "e2e": [], "run": [], "notice": []}
     for row in rows:
         if row["status"] != "succeeded":
             continue
-        created = utc_seconds(row["created_at"])
-        rid = _run_id(row)
-        if rid in starts:
-            dispatch.append(starts[rid] - created)
-        e2e.append(utc_seconds(row["finished_at"]) - created)
-    return {"dispatch": dispatch, "e2e": e2e}
+        created, finished = utc_seconds(row["created_at"]), utc_seconds(row["finished_at"])
+        out["e2e"].append(finished - created)
+        start, end = times.get(_run_id(row) or "", (None, None))
+        if start is not None:
+            out["dispatch"].append(start - created)
+        if start is not None and end is not None:
+            out["run"].append(end - start)
+            out["notice"].append(finished - end)
+    return out
 
 
 def relay_mode(
@@ -270,6 +276,8 @@ def relay_mode(
         "failed": not_ok,
         "dispatch_median_s": statistics.median(seq["dispatch"]) if seq["dispatch"] else None,
         "e2e_median_s": statistics.median(seq["e2e"]) if seq["e2e"] else None,
+        "run_median_s": statistics.median(seq["run"]) if seq["run"] else None,
+        "notice_median_s": statistics.median(seq["notice"]) if seq["notice"] else None,
         "burst_jobs_per_min": jobs / (max(finished) - min(created)) * 60.0,
         "burst_runs": len(runs),
         "burst_jobs_per_run": round(jobs / max(1, len(runs)), 1),

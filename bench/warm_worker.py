@@ -54,7 +54,12 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.procstat import machine_busy_s, postgres_cpu_s, process_tree_cpu_s  # noqa: E402
+from bench.procstat import (  # noqa: E402
+    machine_busy_s,
+    postgres_cpu_s,
+    process_tree_cpu_s,
+    wait_until_quiet,
+)
 from faceflow.supervisor import Service  # noqa: E402
 from flows.params import run_tags  # noqa: E402
 
@@ -540,6 +545,7 @@ def relay_modes(
     results: dict[str, dict[str, Any]] = {}
     try:
         for mode in modes:
+            quiet_s = wait_until_quiet(server_pid)  # the last mode's events are worked off
             bare = bare_loop(inputs[2], inputs[3], jobs)
             results[mode] = relay_bench.relay_mode(
                 mode,
@@ -556,6 +562,7 @@ def relay_modes(
                 server_log=home / "server.log",
             )
             results[mode]["bare"] = bare
+            results[mode]["server_quiet_wait_s"] = round(quiet_s, 1)
             results[mode]["worker_ready_s"] = ready_s
     finally:
         worker.stop(grace=30)
@@ -573,6 +580,8 @@ def print_relay_table(results: dict[str, dict[str, Any]], gpu_ms: float | None) 
         ("jobs per run, at most", lambda r: r["batch_max_jobs"], "{}"),
         ("dispatch median, one at a time (s)", lambda r: r["dispatch_median_s"] or 0, "{:.2f}"),
         ("end-to-end median, one at a time (s)", lambda r: r["e2e_median_s"] or 0, "{:.2f}"),
+        ("  of which the run, start to end (s)", lambda r: r.get("run_median_s") or 0, "{:.2f}"),
+        ("  and run end to job finished (s)", lambda r: r.get("notice_median_s") or 0, "{:.2f}"),
         ("burst throughput (jobs/min)", lambda r: r["burst_jobs_per_min"], "{:.1f}"),
         (
             "burst / bare loop",
