@@ -1,13 +1,14 @@
 """NSFW moderation with NudeNet's 320n detector (YOLOv8n, ONNX) on onnxruntime, on the CPU.
 
-``moderate_image`` → ``detect_with_nudenet`` → ``prepare_nudenet`` (fit into the top-left of a
-black 320 x 320 canvas, RGB / 255, as NudeNet pads right/bottom to a square and resizes) →
-``forward_nudenet`` (the only code that runs the session) → ``normalize_nudenet`` (YOLOv8 head:
+``moderate_images`` → ``detect_batch_with_nudenet`` → ``prepare_nudenet`` (fit into the
+top-left of a black 320 x 320 canvas, RGB / 255, as NudeNet pads right/bottom to a square
+and resizes) → ``forward_nudenet`` (the only code that runs the session: every image of a
+call in one batch, as the graph's batch dimension is dynamic) → ``normalize_nudenet`` (YOLOv8 head:
 rows of centre x, centre y, width, height and one score per label; keep the best label of
 each row at or above ``REPORT_FLOOR``, greedy NMS, map back to the image). The file comes
 from the ``nudenet`` wheel (``tasks.registry``); the package itself is never imported.
 
-``moderate_image`` compares the detections with a ``ModerationPolicy`` (blocked labels and
+``moderate_images`` compares the detections with a ``ModerationPolicy`` (blocked labels and
 their thresholds); ``enforce`` raises ``ContentBlocked`` (permanent) when the policy's mode
 is ``enforce`` and any image was flagged. The session always runs on the CPU provider, so
 the check costs no GPU work and runs before the face detector.
@@ -94,7 +95,8 @@ def prepare_nudenet(image: RGBImage, input_size: tuple[int, int]) -> NudenetInpu
 
 
 def forward_nudenet(model: OnnxModel, blob: F32) -> F32:
-    """Run the detector: the raw 1 x (4 + labels) x rows prediction."""
+    """Run the detector on an N x 3 x 320 x 320 blob: the raw N x (4 + labels) x rows
+    prediction."""
     (out,) = model.session.run([model.output_names[0]], {model.input_names[0]: blob})
     return np.asarray(out, dtype=np.float32)
 
@@ -132,6 +134,26 @@ def normalize_nudenet(
     return found
 
 
+def detect_batch_with_nudenet(
+    images: Sequence[RGBImage],
+    *,
+    model_dir: str | Path | None = None,
+    pins: Mapping[str, str] | None = None,
+    floor: float = REPORT_FLOOR,
+) -> list[list[NsfwDetection]]:
+    """``detect_with_nudenet`` of several images in one forward (one batch)."""
+    for image in images:
+        check_rgb(image, "image")
+    if not images:
+        return []
+    model = load_onnx_model(MODEL, device=MODERATION_DEVICE, model_dir=model_dir, pins=pins)
+    prepared = [prepare_nudenet(image, model.input_size()) for image in images]
+    pred = forward_nudenet(model, np.concatenate([p.blob for p in prepared]))
+    return [
+        normalize_nudenet(pred[i : i + 1], item, floor=floor) for i, item in enumerate(prepared)
+    ]
+
+
 def detect_with_nudenet(
     image: RGBImage,
     *,
@@ -140,10 +162,34 @@ def detect_with_nudenet(
     floor: float = REPORT_FLOOR,
 ) -> list[NsfwDetection]:
     """Every region of ``image`` (RGB uint8) NudeNet labels with at least ``floor``."""
-    check_rgb(image, "image")
-    model = load_onnx_model(MODEL, device=MODERATION_DEVICE, model_dir=model_dir, pins=pins)
-    prepared = prepare_nudenet(image, model.input_size())
-    return normalize_nudenet(forward_nudenet(model, prepared.blob), prepared, floor=floor)
+    return detect_batch_with_nudenet([image], model_dir=model_dir, pins=pins, floor=floor)[0]
+
+
+def moderate_images(
+    images: Mapping[str, RGBImage],
+    policy: ModerationPolicy,
+    *,
+    model_dir: str | Path | None = None,
+    pins: Mapping[str, str] | None = None,
+) -> tuple[ModerationVerdict, ...]:
+    """A verdict per image (role → image, in order): its detections and those of them the
+    policy flags. The images go through the detector as one batch."""
+    floor = min([REPORT_FLOOR, policy.threshold, *policy.label_thresholds.values()])
+    found = detect_batch_with_nudenet(
+        list(images.values()), model_dir=model_dir, pins=pins, floor=floor
+    )
+    return tuple(
+        ModerationVerdict(
+            role,
+            tuple(detections),
+            tuple(
+                d
+                for d in detections
+                if d.label in policy.blocked_labels and d.score >= policy.threshold_for(d.label)
+            ),
+        )
+        for role, detections in zip(images, found, strict=True)
+    )
 
 
 def moderate_image(
@@ -155,14 +201,8 @@ def moderate_image(
     pins: Mapping[str, str] | None = None,
 ) -> ModerationVerdict:
     """The detections in ``image`` and those of them the policy flags."""
-    floor = min([REPORT_FLOOR, policy.threshold, *policy.label_thresholds.values()])
-    detections = detect_with_nudenet(image, model_dir=model_dir, pins=pins, floor=floor)
-    flagged = tuple(
-        d
-        for d in detections
-        if d.label in policy.blocked_labels and d.score >= policy.threshold_for(d.label)
-    )
-    return ModerationVerdict(role, tuple(detections), flagged)
+    (verdict,) = moderate_images({role: image}, policy, model_dir=model_dir, pins=pins)
+    return verdict
 
 
 def enforce(verdicts: Sequence[ModerationVerdict], policy: ModerationPolicy) -> None:

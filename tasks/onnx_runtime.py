@@ -79,6 +79,9 @@ def create_session(path: Path, providers: Sequence[str], device: str) -> ort.Inf
     """An ``InferenceSession`` on ``providers``; ``ModelUnavailable`` if the file will not load."""
     options = ort.SessionOptions()
     options.log_severity_level = 3  # unused initializers (inswapper's emap) are expected
+    # The pipeline calls its sessions between torch stages: intra-op threads that spin
+    # after a run take a core from the torch work that follows (moderation → detect).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     provider_options: list[dict[str, Any]] = [
         {"device_id": _device_index(device)} if p == CUDA_PROVIDER else {} for p in providers
     ]

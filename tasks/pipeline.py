@@ -183,12 +183,9 @@ def moderate_result_stage(image: RGBImage, ctx: PipelineContext) -> tuple[Modera
 def _moderate(
     images: Mapping[str, RGBImage], ctx: PipelineContext
 ) -> tuple[ModerationVerdict, ...]:
-    from tasks.moderation import enforce, moderate_image
+    from tasks.moderation import enforce, moderate_images
 
-    verdicts = tuple(
-        moderate_image(image, role, ctx.moderation, model_dir=ctx.model_dir, pins=ctx.pins)
-        for role, image in images.items()
-    )
+    verdicts = moderate_images(images, ctx.moderation, model_dir=ctx.model_dir, pins=ctx.pins)
     enforce(verdicts, ctx.moderation)
     return verdicts
 

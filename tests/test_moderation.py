@@ -24,8 +24,10 @@ from tasks.models import MODEL_CACHE
 from tasks.moderation import (
     MODEL,
     NudenetInput,
+    detect_batch_with_nudenet,
     detect_with_nudenet,
     moderate_image,
+    moderate_images,
     normalize_nudenet,
 )
 from tasks.onnx_runtime import CPU_PROVIDER, load_onnx_model
@@ -162,6 +164,24 @@ def test_pipeline_checks_inputs_before_detection_and_the_result_after_blending()
 
     clean = fuse_images(source, encode(grace_hopper_rgb(), "PNG"))
     assert clean.moderation_flags == () and clean.faces_replaced == 1
+
+
+def test_one_batch_finds_what_each_image_gives_alone() -> None:
+    images = [astronaut_rgb(), hopper_with_colorwheel(), no_face_rgb(), t1_rgb(), colorwheel()]
+    batched = detect_batch_with_nudenet(images)
+    assert len(batched) == len(images) and detect_batch_with_nudenet([]) == []
+    assert any(found for found in batched)
+    for image, found in zip(images, batched, strict=True):
+        alone = detect_with_nudenet(image)
+        assert [d.label for d in found] == [d.label for d in alone]
+        for a, b in zip(found, alone, strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-4)
+            corners = [(a.box.x1, b.box.x1), (a.box.y1, b.box.y1), (a.box.x2, b.box.x2)]
+            assert all(abs(u - v) < 0.05 for u, v in [*corners, (a.box.y2, b.box.y2)])
+    verdicts = moderate_images({"source": astronaut_rgb(), "target": colorwheel()}, ENFORCE)
+    assert [v.role for v in verdicts] == ["source", "target"]
+    assert verdicts[1] == moderate_image(colorwheel(), "target", ENFORCE)
+    assert not verdicts[0].flagged and verdicts[1].flagged
 
 
 def test_the_session_runs_on_the_cpu_and_loads_once() -> None:
