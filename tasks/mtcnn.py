@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import cv2
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -192,12 +193,11 @@ def _normalise(pixels: Tensor) -> Tensor:
     return (pixels - 127.5) * 0.0078125
 
 
-def summed_area_table(image: Tensor) -> Tensor:
-    """The (H + 1) x (W + 1) x C float64 table ``S[y, x] = image[:y, :x].sum()`` of an image."""
-    rows = image.to(torch.float64).cumsum(1)
-    # cumsum over the outer dimension is several times slower than over a transposed copy.
-    table = rows.transpose(0, 1).contiguous().cumsum(1).transpose(0, 1)
-    return F.pad(table, (0, 0, 1, 0, 1, 0))
+def summed_area_table(image: RGBImage, device: str = "cpu") -> Tensor:
+    """The (H + 1) x (W + 1) x C float64 table ``S[y, x] = image[:y, :x].sum()`` of an image,
+    on ``device``. OpenCV's integral is exact (sums of 8-bit values in float64) and about
+    eight times faster than two torch cumsums on the CPU."""
+    return torch.from_numpy(cv2.integral(image, sdepth=cv2.CV_64F)).to(device)
 
 
 def prepare_mtcnn(
@@ -216,10 +216,11 @@ def prepare_mtcnn(
             f"min_face_size must be at least {PNET_CELL} pixels.", detail=f"got {min_face_size}"
         )
     height, width = int(image.shape[0]), int(image.shape[1])
-    pixels = torch.from_numpy(np.array(image, dtype=np.uint8, order="C")).to(device)
+    contiguous = np.array(image, dtype=np.uint8, order="C")
+    pixels = torch.from_numpy(contiguous).to(device)
     scales = pyramid_scales(height, width, min_face_size) if height and width else ()
     normalised = _normalise(pixels.permute(2, 0, 1).to(torch.float32)).unsqueeze(0).contiguous()
-    return MTCNNInput(normalised, summed_area_table(pixels), scales, width, height)
+    return MTCNNInput(normalised, summed_area_table(contiguous, device), scales, width, height)
 
 
 def forward_pnet(pnet: PNet, level: Tensor) -> tuple[Tensor, Tensor]:
@@ -324,10 +325,16 @@ def area_resample(integral: Tensor, boxes: Tensor, height: int, width: int) -> T
     y0 = ys.floor().clamp(max=rows - 1)
     x0 = xs.floor().clamp(max=cols - 1)
     fy, fx = (ys - y0)[:, :, None, None], (xs - x0)[:, None, :, None]
-    yi, xi = y0.long()[:, :, None], x0.long()[:, None, :]
+    # The four table entries around each point, read as rows of the flattened table (four
+    # one-dimensional gathers instead of six two-dimensional ones: the same values).
+    stride = cols + 1
+    at = (y0.long() * stride)[:, :, None] + x0.long()[:, None, :]  # N x (h + 1) x (w + 1)
+    flat = integral.reshape(-1, integral.shape[2])
+    top_left, top_right = flat[at], flat[at + 1]
+    bottom_left, bottom_right = flat[at + stride], flat[at + stride + 1]
     # The summed-area table of a piecewise-constant image is bilinear inside each pixel.
-    top = integral[yi, xi] + (integral[yi, xi + 1] - integral[yi, xi]) * fx
-    bottom = integral[yi + 1, xi] + (integral[yi + 1, xi + 1] - integral[yi + 1, xi]) * fx
+    top = top_left + (top_right - top_left) * fx
+    bottom = bottom_left + (bottom_right - bottom_left) * fx
     table = top + (bottom - top) * fy  # N x (h + 1) x (w + 1) x 3
     sums = table[:, 1:, 1:] - table[:, :-1, 1:] - table[:, 1:, :-1] + table[:, :-1, :-1]
     cell = (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1]) / (height * width)

@@ -195,7 +195,7 @@ def test_nms_of_nothing() -> None:
 
 def test_area_resample_matches_torch_area_and_pads_black() -> None:
     image = samples.astronaut_rgb()
-    table = mtcnn.summed_area_table(torch.from_numpy(image.copy()))
+    table = mtcnn.summed_area_table(image)
     boxes = _as_tensor([[100, 40, 196, 136], [16, 0, 496, 480]])
     crops = mtcnn.area_resample(table, boxes, 24, 24)
     assert crops.shape == (2, 3, 24, 24) and crops.dtype == torch.float32
