@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -569,11 +571,13 @@ def checked_stage(
     ctx: PipelineContext,
     *,
     may_retry: Callable[[], bool] = lambda: True,
+    reference: IdentityReference | None = None,
 ) -> Checked:
     """Assess a blended result; when a face was lost or the result is below the floor,
     fuse and blend once more with the next fuser settings (if ``may_retry()``: the flows
-    ask the deadline) and keep the better result. ``FaceLost`` if a face is still missing."""
-    assessed = assess_stage(source, target, image, detections, options, ctx)
+    ask the deadline) and keep the better result. ``FaceLost`` if a face is still missing.
+    ``reference``: the job's ``reference_stage``, when it was computed beforehand."""
+    assessed = assess_stage(source, target, image, detections, options, ctx, reference=reference)
     report = assessed.report
     retry = retry_options(options, report)
     if retry is not None and may_retry():
@@ -601,6 +605,27 @@ def _timed(timings: StageTimings, stage: str) -> Iterator[None]:
         timings.add(stage, (time.perf_counter() - start) * 1000.0)
 
 
+T = TypeVar("T")
+
+
+def _own_time(work: Callable[[], T]) -> tuple[T, float]:
+    """``work()`` and the milliseconds it took (on the thread that ran it)."""
+    start = time.perf_counter()
+    value = work()
+    return value, (time.perf_counter() - start) * 1000.0
+
+
+@contextmanager
+def _workers() -> Iterator[ThreadPoolExecutor]:
+    """Two worker threads for one job; on the way out, work not yet started is dropped and
+    the running work is waited for, so nothing of the job runs on after it has ended."""
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="faceflow-stage")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def fuse_images(
     source_bytes: bytes,
     target_bytes: bytes,
@@ -610,7 +635,9 @@ def fuse_images(
     extra_sources: Sequence[bytes] = (),
     references: Sequence[bytes] = (),
 ) -> FusionResult:
-    """Run every stage in this process and return the encoded result with per-stage timings.
+    """Run every stage in this process and return the encoded result with per-stage timings
+    (each stage's own time: those that run beside others overlap, so their sum can exceed
+    the wall time).
 
     ``extra_sources`` (sources after the first) and ``references`` serve a per-face
     ``options.mapping``."""
@@ -639,22 +666,48 @@ def fuse_images(
             extra_sources=more_sources,
             references=reference_images,
         )
-    with _timed(timings, "align"):
-        aligned = align_stage(source, target, detections, options, ctx)
-    with _timed(timings, "fuse"):
-        fused = fuse_stage(aligned, options, ctx)
-    if options.enhancer != "none":
-        with _timed(timings, "enhance"):
-            fused = enhance_stage(target, fused, options, ctx)
-    with _timed(timings, "postprocess"):
-        image = postprocess_stage(target, fused, options, ctx)
-    with _timed(timings, "quality"):  # with the quality-floor retry, if one runs
-        checked = checked_stage(source, target, aligned, detections, fused, image, options, ctx)
+    # On a worker thread beside the stages that do not need them (torch and onnxruntime
+    # release the GIL): the identity reference beside align → postprocess, and the result's
+    # moderation and encoding beside the quality stage. Errors come out in the order of
+    # the stages, as if they ran one after the other: a quality error before the result's
+    # ContentBlocked, which comes before an encoding error.
+    with _workers() as pool:
+        reference = pool.submit(
+            _own_time, partial(reference_stage, source, target, detections, options, ctx)
+        )
+        with _timed(timings, "align"):
+            aligned = align_stage(source, target, detections, options, ctx)
+        with _timed(timings, "fuse"):
+            fused = fuse_stage(aligned, options, ctx)
+        if options.enhancer != "none":
+            with _timed(timings, "enhance"):
+                fused = enhance_stage(target, fused, options, ctx)
+        with _timed(timings, "postprocess"):
+            image = postprocess_stage(target, fused, options, ctx)
+        # Checked and encoded on the blended image, which stays the result unless a
+        # quality-floor retry wins (then both run again on the retry's image).
+        moderated = pool.submit(_own_time, partial(moderate_result_stage, image, ctx))
+        encoded = pool.submit(_own_time, partial(encode_stage, image, options))
+        identity, reference_ms = reference.result()
+        timings.add("quality", reference_ms)
+        with _timed(timings, "quality"):  # with the quality-floor retry, if one runs
+            checked = checked_stage(
+                source, target, aligned, detections, fused, image, options, ctx,
+                reference=identity,
+            )  # fmt: skip
+        kept = checked.image is image
+        if kept:
+            result_verdicts, ms = moderated.result()
+            timings.add("moderate_result", ms)
+            data, ms = encoded.result()
+            timings.add("postprocess", ms)
     image, fused, options, report = checked.image, checked.fused, checked.options, checked.report
-    with _timed(timings, "moderate_result"):
-        verdicts += moderate_result_stage(image, ctx)
-    with _timed(timings, "postprocess"):
-        data = encode_stage(image, options)
+    if not kept:
+        with _timed(timings, "moderate_result"):
+            result_verdicts = moderate_result_stage(image, ctx)
+        with _timed(timings, "postprocess"):
+            data = encode_stage(image, options)
+    verdicts += result_verdicts
     return FusionResult(
         data=data,
         content_type=options.content_type,

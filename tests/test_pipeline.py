@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
 import zlib
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from tasks import errors
+from tasks import errors, pipeline
 from tasks.detect import detect_faces, select_faces
 from tasks.images import decode_image
 from tasks.models import MODEL_CACHE
@@ -164,3 +167,76 @@ def test_decode_honours_limits_before_full_decode() -> None:
     with pytest.raises(errors.ImageTooLarge):
         decode_image(data, ImageLimits(max_pixels=512 * 600 - 1))
     assert decode_image(data, ImageLimits()).shape == (600, 512, 3)
+
+
+# The identity reference, the result's moderation and its encoding run on worker threads
+# beside other stages; errors still come out as if the stages ran one after the other.
+
+
+def _no_stage_threads() -> bool:
+    return not any(t.name.startswith("faceflow-stage") for t in threading.enumerate())
+
+
+def _fail(error: Exception) -> Callable[..., NoReturn]:
+    def fail(*_args: object, **_kwargs: object) -> NoReturn:
+        raise error
+
+    return fail
+
+
+def test_a_quality_error_wins_over_the_results_moderation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pipeline, "checked_stage", _fail(errors.FaceLost(detail="gone")))
+    monkeypatch.setattr(pipeline, "moderate_result_stage", _fail(errors.ContentBlocked()))
+    with pytest.raises(errors.FaceLost):
+        fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
+    assert _no_stage_threads()
+
+
+def test_content_blocked_wins_over_an_encoding_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pipeline, "moderate_result_stage", _fail(errors.ContentBlocked()))
+    monkeypatch.setattr(pipeline, "encode_stage", _fail(errors.InvalidInput("no encoder")))
+    with pytest.raises(errors.ContentBlocked):
+        fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
+    assert _no_stage_threads()
+
+
+def test_the_reference_error_comes_after_those_of_earlier_stages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    missing = errors.ModelUnavailable(detail="no dlib model")
+    monkeypatch.setattr(pipeline, "reference_stage", _fail(missing))
+    with pytest.raises(errors.ModelUnavailable) as info:
+        fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
+    assert info.value is missing
+    monkeypatch.setattr(pipeline, "fuse_stage", _fail(errors.InvalidInput("bad crop")))
+    with pytest.raises(errors.InvalidInput):
+        fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
+    assert _no_stage_threads()
+
+
+def test_the_image_a_retry_keeps_is_the_one_moderated_and_encoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    checked_stage = pipeline.checked_stage
+    other = np.ascontiguousarray(samples.grace_hopper_rgb()[:, ::-1])
+    checked: list[np.ndarray] = []
+
+    def retry_won(*args: Any, **kwargs: Any) -> pipeline.Checked:
+        result = checked_stage(*args, **kwargs)
+        return pipeline.Checked(other, result.fused, result.options, result.report)
+
+    def moderate(image: np.ndarray, ctx: PipelineContext) -> tuple[()]:
+        checked.append(image)
+        return ()
+
+    monkeypatch.setattr(pipeline, "checked_stage", retry_won)
+    monkeypatch.setattr(pipeline, "moderate_result_stage", moderate)
+    result = fuse_images(
+        samples.astronaut_jpeg_bytes(),
+        samples.grace_hopper_jpeg_bytes(),
+        FusionOptions(output_format="png"),
+    )
+    assert np.array_equal(_decode(result.data), other)
+    # the blended image (unless its check had not started yet), then the kept one
+    assert checked[-1] is other and all(image is not other for image in checked[:-1])
+    assert result.quality is not None and result.timings_ms["quality"] > 0
