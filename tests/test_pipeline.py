@@ -184,18 +184,26 @@ def _fail(error: Exception) -> Callable[..., NoReturn]:
     return fail
 
 
-def test_a_quality_error_wins_over_the_results_moderation(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pipeline, "checked_stage", _fail(errors.FaceLost(detail="gone")))
-    monkeypatch.setattr(pipeline, "moderate_result_stage", _fail(errors.ContentBlocked()))
-    with pytest.raises(errors.FaceLost):
-        fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
-    assert _no_stage_threads()
-
-
-def test_content_blocked_wins_over_an_encoding_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pipeline, "moderate_result_stage", _fail(errors.ContentBlocked()))
-    monkeypatch.setattr(pipeline, "encode_stage", _fail(errors.InvalidInput("no encoder")))
-    with pytest.raises(errors.ContentBlocked):
+@pytest.mark.parametrize(
+    ("failing", "expected"),
+    [
+        (("checked_stage", "moderate_result_stage"), errors.FaceLost),
+        (("moderate_result_stage", "encode_stage"), errors.ContentBlocked),
+    ],
+)
+def test_errors_come_out_in_stage_order(
+    monkeypatch: pytest.MonkeyPatch, failing: tuple[str, str], expected: type[Exception]
+) -> None:
+    """A quality error before the result's ContentBlocked, which comes before an encoding
+    error, though all three run at once."""
+    stage_errors = {
+        "checked_stage": errors.FaceLost(detail="gone"),
+        "moderate_result_stage": errors.ContentBlocked(),
+        "encode_stage": errors.InvalidInput("no encoder"),
+    }
+    for stage in failing:
+        monkeypatch.setattr(pipeline, stage, _fail(stage_errors[stage]))
+    with pytest.raises(expected):
         fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
     assert _no_stage_threads()
 
