@@ -39,6 +39,9 @@ SHARES: dict[str, float] = {
     "enhance_stage": 0.0,
     "postprocess_stage": 0.1,
     "checked_stage": 0.2,
+    # Part of the quality stage; fuse_images runs it beside align → postprocess and hands
+    # it to checked_stage, so it must be shaped too (its result is in checked_stage's key).
+    "reference_stage": 0.0,
     "moderate_result_stage": 0.05,
 }
 
