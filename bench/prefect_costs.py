@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -110,7 +110,7 @@ def drain_client_queues() -> None:
 def measure(
     api: PrefectRest,
     url: str,
-    server_pid: int | None,
+    server_pid: int | Sequence[int] | None,
     server_log: Path,
     make: Maker,
     flows: dict[str, Any],

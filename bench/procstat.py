@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -19,12 +20,12 @@ def _cpu_s(fields: list[str]) -> float:
     return sum(int(v) for v in fields[11:15]) / TICKS
 
 
-def process_tree_cpu_s(pid: int | None) -> float:
-    """CPU seconds of ``pid`` and all its descendants so far, including descendants that
-    already exited (counted in their parents' ``cutime``/``cstime``)."""
+def process_tree_cpu_s(pid: int | Sequence[int] | None) -> float:
+    """CPU seconds of ``pid`` (or of several) and all its descendants so far, including
+    descendants that already exited (counted in their parents' ``cutime``/``cstime``)."""
     if pid is None:
         return 0.0
-    total, todo = 0.0, [pid]
+    total, todo = 0.0, [pid] if isinstance(pid, int) else list(pid)
     while todo:
         one = todo.pop()
         try:
@@ -62,7 +63,11 @@ def machine_busy_s() -> tuple[float, float]:
 
 
 def wait_until_quiet(
-    pid: int | None, *, share: float = 0.1, window_s: float = 1.0, timeout_s: float = 60.0
+    pid: int | Sequence[int] | None,
+    *,
+    share: float = 0.1,
+    window_s: float = 1.0,
+    timeout_s: float = 60.0,
 ) -> float:
     """Wait until ``pid``'s process tree uses under ``share`` of a core over ``window_s``
     (a Prefect server still working through an earlier mode's events would otherwise take

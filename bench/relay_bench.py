@@ -23,7 +23,7 @@ import json
 import statistics
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
+from bench.procstat import wait_until_quiet
 from faceflow.supervisor import Service
 
 REPO = Path(__file__).resolve().parents[1]
@@ -223,7 +224,7 @@ def relay_mode(
     *,
     batch_max_jobs: int,
     api: Any,
-    pids: dict[str, int | None],
+    pids: dict[str, int | Sequence[int] | None],
     env: dict[str, str],
     home: Path,
     storage: Path,
@@ -250,6 +251,9 @@ def relay_mode(
             for _ in range(jobs):
                 sequential.append(client.submit(http, wait_s=60))
                 wait_terminal(database_url, sequential[-1:], 300)
+        # The sequential runs' events are worked off first: else the server spends the
+        # burst's first seconds on them, and its CPU per job counts them.
+        quiet_s = wait_until_quiet(pids.get("server"))
         log_start = server_log.stat().st_size if server_log and server_log.exists() else 0
         meter = CpuMeter({**pids, "webapi": service.pid})
         with ThreadPoolExecutor(SUBMIT_THREADS) as pool, httpx.Client(timeout=120) as http:
@@ -283,6 +287,7 @@ def relay_mode(
         "burst_jobs_per_run": round(jobs / max(1, len(runs)), 1),
         "burst_timeline": burst_timeline(api, burst_rows),
         "burst_last_created_s": round(max(created) - min(created), 2),
+        "burst_quiet_wait_s": round(quiet_s, 1),
         "burst_cpu_ms_per_job": cpu,
         "burst_requests_per_job": requests,
     }

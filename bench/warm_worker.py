@@ -40,11 +40,13 @@ import os
 import re
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,8 @@ from bench.procstat import (  # noqa: E402
     process_tree_cpu_s,
     wait_until_quiet,
 )
+from faceflow import prefect_server  # noqa: E402
+from faceflow.prefect_server import PrefectMode  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
 from flows.params import run_tags  # noqa: E402
 
@@ -175,12 +179,40 @@ def server_database(kind: str) -> Iterator[dict[str, str]]:
         admin.dispose()
 
 
+@dataclass
+class PrefectServer:
+    """The Prefect server's processes: the API (its log is ``server.log``) and, in the
+    scale-out layout, the background services apart."""
+
+    api: Service
+    services: Service | None = None
+
+    @property
+    def pid(self) -> tuple[int, ...]:
+        """Every server process (for CPU figures: ``bench.procstat`` takes several)."""
+        return tuple(p.pid for p in (self.api, self.services) if p is not None and p.pid)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop the API processes, then the services."""
+        self.api.stop(grace=grace)
+        if self.services is not None:
+            self.services.stop(grace=grace)
+
+
+BENCH_REDIS_URL = "redis://127.0.0.1:6379/9"
+"""The scale-out layout's Redis database (flushed before each server start)."""
+
+
 def start_server(
     home: Path,
     database_env: dict[str, str] | None = None,
     extra_env: dict[str, str] | None = None,
     count_requests: bool = False,
-) -> tuple[Service, str, dict[str, str]]:
+    layout: PrefectMode = "embedded",
+) -> tuple[PrefectServer, str, dict[str, str]]:
+    """A Prefect server on 127.0.0.1: embedded (the services in the API process, as the
+    local stack's default) or scale-out (``faceflow.prefect_server``: one API process
+    without services, the services in a process of their own, messaging in Redis)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {
@@ -193,13 +225,35 @@ def start_server(
         "FACEFLOW_HOME": str(home / "faceflow"),
         "PYTHONUNBUFFERED": "1",
     }
-    argv = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     server_env = {**env, **(extra_env or {})}
+    services = None
+    if layout == "scale-out":
+        database_url = server_env.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+        if not database_url:
+            raise SystemExit("--server-layout scale-out needs --server-db postgresql")
+        import redis
+
+        redis.Redis.from_url(BENCH_REDIS_URL).flushdb()
+        server_env.update(prefect_server.scale_out_env(database_url, BENCH_REDIS_URL))
+        subprocess.run(
+            prefect_server.migrate_argv(PREFECT),
+            env={**os.environ, **server_env},
+            check=True,
+            capture_output=True,
+        )
+        services = Service(
+            "prefect-services",
+            prefect_server.services_argv(PREFECT),
+            log=home / "services.log",
+            env=server_env,
+        )
+        services.start()
+    argv = prefect_server.api_argv(PREFECT, port, layout, api_workers=1)
     server = Service("prefect-server", argv, log=home / "server.log", env=server_env)
     server.start()
     server.wait_ready(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 180)
     env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)  # clients need only the API URL
-    return server, url, env
+    return PrefectServer(server, services), url, env
 
 
 def prepare_inputs(url: str, home: Path) -> tuple[str, str, bytes, bytes]:
@@ -357,7 +411,7 @@ class CpuMeter:
     """CPU seconds per component over one phase (server, worker + children, postgres,
     this process) and how busy the whole machine was."""
 
-    def __init__(self, pids: dict[str, int | None]) -> None:
+    def __init__(self, pids: dict[str, int | Sequence[int] | None]) -> None:
         self.pids = pids
         self.start = self._read()
 
@@ -431,7 +485,7 @@ def start_worker(
 def bench_mode(
     mode: str,
     api: PrefectRest,
-    server_pid: int | None,
+    server_pid: int | Sequence[int] | None,
     env: dict[str, str],
     home: Path,
     inputs: tuple[str, str, bytes, bytes],
@@ -517,7 +571,7 @@ RELAY_MODES = {"per-job": 1, "batched": None}
 def relay_modes(
     modes: list[str],
     api: PrefectRest,
-    server_pid: int | None,
+    server_pid: int | Sequence[int] | None,
     env: dict[str, str],
     home: Path,
     inputs: tuple[str, str, bytes, bytes],
@@ -582,6 +636,7 @@ def print_relay_table(results: dict[str, dict[str, Any]], gpu_ms: float | None) 
         ("end-to-end median, one at a time (s)", lambda r: r["e2e_median_s"] or 0, "{:.2f}"),
         ("  of which the run, start to end (s)", lambda r: r.get("run_median_s") or 0, "{:.2f}"),
         ("  and run end to job finished (s)", lambda r: r.get("notice_median_s") or 0, "{:.2f}"),
+        ("server quiet wait before burst (s)", lambda r: r.get("burst_quiet_wait_s", 0), "{}"),
         ("burst throughput (jobs/min)", lambda r: r["burst_jobs_per_min"], "{:.1f}"),
         (
             "burst / bare loop",
@@ -769,6 +824,14 @@ def main() -> None:
         help="warm children (runs at once) of the warm worker; the process worker runs one",
     )
     parser.add_argument(
+        "--server-layout",
+        choices=["embedded", "scale-out"],
+        default="embedded",
+        help="the Prefect server's services in its API process (embedded, the local "
+        "stack's default) or in a process of their own with Redis messaging (scale-out, "
+        "docs/prefect-scale-out.md; needs --server-db postgresql)",
+    )
+    parser.add_argument(
         "--count-requests",
         action="store_true",
         help="log the server's requests and report Prefect API calls per job (burst)",
@@ -781,7 +844,9 @@ def main() -> None:
         home = Path(os.environ.get("BENCH_KEEP_DIR") or tmp)
         home.mkdir(parents=True, exist_ok=True)
         with server_database(args.server_db) as database_env:
-            server, url, env = start_server(home, database_env, server_env, args.count_requests)
+            server, url, env = start_server(
+                home, database_env, server_env, args.count_requests, args.server_layout
+            )
             try:
                 api = PrefectRest(url)
                 inputs = prepare_inputs(url, home / "faceflow")
