@@ -219,3 +219,30 @@ def test_cuda_finds_the_same_faces_as_cpu() -> None:
     for a, b in zip(cpu, gpu, strict=True):
         assert _iou(b, (a.box.x1, a.box.y1, a.box.x2, a.box.y2)) > 0.95
         assert np.abs(a.landmarks - b.landmarks).max() < 2.0
+
+
+def test_on_the_cpu_a_long_batch_goes_through_mtcnn_in_short_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``detect_faces_batch`` hands MTCNN at most ``CPU_MTCNN_BATCH`` images at a time on
+    the CPU (one batch of all was slower there) and keeps every image's faces in order."""
+    from tasks import detect
+
+    sizes: list[int] = []
+    real = mtcnn.detect_batch_with_mtcnn
+
+    def counted(images: list[np.ndarray], **kwargs: object) -> list[list[Face]]:
+        sizes.append(len(images))
+        return real(images, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mtcnn, "detect_batch_with_mtcnn", counted)
+    monkeypatch.setattr(detect, "CPU_MTCNN_BATCH", 2)
+    images = [samples.astronaut_rgb(), samples.no_face_rgb(), samples.t1_rgb()] * 2 + [
+        samples.grace_hopper_rgb()
+    ]
+    found = detect.detect_faces_batch(images, device="cpu")
+    assert sizes == [2, 2, 2, 1]
+    assert [len(faces) for faces in found] == [
+        len(detect.detect_faces(image, device="cpu")) for image in images
+    ]
+    assert [len(f) for f in found[:3]] == [1, 0, len(found[2])] and len(found[2]) >= 5
