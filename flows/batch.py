@@ -9,7 +9,10 @@ one task run per stage for the whole batch, MTCNN on every job's images at once:
     moderate_result → store
 
 (the moderation stages are left out when the settings' moderation policy turns them off,
-enhance when no job of the batch chose an enhancer)
+enhance when no job of the batch chose an enhancer). One thread beside the stages computes
+each job's identity reference for the quality stage while align → postprocess run, and
+each result's moderation while the quality stage runs; the stage that needs it waits for
+it, under its own timeout, so a job's errors still come in the order of the stages.
 
 Every job keeps what a single run gives it:
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -63,13 +67,24 @@ from flows.params import (
     stop_marker_key,
 )
 from flows.storage_tasks import load_batch_task, store_batch_task
+from tasks import pipeline
 from tasks.batch import Each
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats
+from tasks.moderation import ModerationVerdict
 from tasks.options import FusionOptions
-from tasks.pipeline import Aligned, Detections, Fused, PipelineContext, flagged_summaries
+from tasks.pipeline import (
+    Aligned,
+    Beside,
+    Detections,
+    Fused,
+    PipelineContext,
+    flagged_summaries,
+    stage_workers,
+)
 from tasks.prefect_tasks import (
     EncodedImage,
+    Verdicts,
     align_batch_task,
     detect_batch_task,
     enhance_batch_task,
@@ -79,6 +94,7 @@ from tasks.prefect_tasks import (
     postprocess_batch_task,
     quality_batch_task,
 )
+from tasks.quality import IdentityReference
 from tasks.report import QualityReport
 from tasks.types import RGBImage
 
@@ -105,6 +121,8 @@ class _Job:
     encoded: EncodedImage | None = None
     quality: QualityReport | None = None
     moderation: list[str] = field(default_factory=list)  # what report-only moderation flagged
+    reference: Beside[IdentityReference] | None = None  # started after detect
+    moderated: tuple[RGBImage, Beside[tuple[ModerationVerdict, ...]]] | None = None
 
     @property
     def live(self) -> bool:
@@ -122,6 +140,7 @@ class _Batch:
     settings: FusionSettings
     ctx: PipelineContext
     view: BatchView
+    pool: ThreadPoolExecutor | None = None  # work beside the stages (stage_workers)
     timings_ms: dict[str, float] = field(default_factory=dict)
 
     def live(self) -> list[_Job]:
@@ -229,14 +248,17 @@ def _run(specs: list[JobAttempt], *, storage_block: str, settings_block: str) ->
     )
     batch.view.start()
     try:
-        for stage in STAGES:
-            if not _wanted(batch, stage):
-                continue
-            jobs = batch.admit(stage, settings.policy(stage))
-            if not jobs:
-                break
-            with batch.stage(stage, jobs) as guard:
-                STAGE_STEPS[stage](batch, jobs, guard)
+        # One thread beside the stages: each job's identity reference during align →
+        # postprocess, its result's moderation during quality (as fuse-faces does).
+        with stage_workers(threads=1) as batch.pool:
+            for stage in STAGES:
+                if not _wanted(batch, stage):
+                    continue
+                jobs = batch.admit(stage, settings.policy(stage))
+                if not jobs:
+                    break
+                with batch.stage(stage, jobs) as guard:
+                    STAGE_STEPS[stage](batch, jobs, guard)
     finally:
         batch.view.finish(device=batch.ctx.device, gpu=gpu_stats())
     get_run_logger().info("Batch stage timings (ms): %s", _rounded(batch.timings_ms))
@@ -279,8 +301,8 @@ def _moderate_inputs(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None
 
 
 def _moderate_result(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
-    images = [_req(job.encoded).image for job in jobs]
-    verdicts = guard.run(moderate_result_batch_task, images, batch.ctx)
+    inputs = [(_req(job.encoded).image, _ahead(job)) for job in jobs]
+    verdicts = guard.run(moderate_result_batch_task, inputs, batch.ctx)
     for job, value in zip(jobs, batch.settle(jobs, verdicts, "moderate_result"), strict=True):
         if value is not None:
             job.moderation += flagged_summaries(value)
@@ -291,6 +313,16 @@ def _detect(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     found = guard.run(detect_batch_task, inputs, batch.ctx)
     for job, detections in zip(jobs, batch.settle(jobs, found, "detect"), strict=True):
         job.detections = detections
+        if detections is not None and batch.pool is not None:
+            reference = partial(
+                pipeline.reference_stage,
+                _img(job.source),
+                _img(job.target),
+                detections,
+                job.options,
+                batch.ctx,
+            )
+            job.reference = Beside(batch.pool, reference)
 
 
 def _align(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
@@ -325,6 +357,10 @@ def _postprocess(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     encoded = guard.run(postprocess_batch_task, inputs, batch.ctx)
     for job, value in zip(jobs, batch.settle(jobs, encoded, "postprocess"), strict=True):
         job.encoded = value
+        if value is not None and batch.pool is not None and _wanted(batch, "moderate_result"):
+            image = _img(value.image)
+            moderate = partial(pipeline.moderate_result_stage, image, batch.ctx)
+            job.moderated = (image, Beside(batch.pool, moderate))
 
 
 def _quality(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
@@ -339,6 +375,7 @@ def _quality(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
             _req(job.encoded),
             job.options,
             partial(_time_for_retry, job.deadline, cost),
+            job.reference.take if job.reference is not None else None,
         )
         for job in jobs
     ]
@@ -348,7 +385,17 @@ def _quality(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
             job.encoded, job.fused, job.options = value.encoded, value.fused, value.options
             job.quality = value.report
         job.source = job.target = None  # the pixels are no longer needed
-        job.aligned = None
+        job.aligned = job.reference = None
+
+
+def _ahead(job: _Job) -> Verdicts | None:
+    """The result's moderation started after postprocess, if the image it checks is still
+    the job's result (a quality-floor retry that won is checked in the stage itself)."""
+    if job.moderated is None:
+        return None
+    image, verdicts = job.moderated
+    job.moderated = None
+    return verdicts.take if _req(job.encoded).image is image else None
 
 
 def _time_for_retry(deadline: Deadline, cost_s: float) -> bool:

@@ -12,6 +12,13 @@ errors or when the time left is below the stage's expected cost. A run started a
 deadline fails at once, before loading settings or models. Failures end the run in a
 ``Failed`` state whose message is the typed error, ``"[code] message"``, which the
 webapi's relay parses.
+
+Two pieces of work start early on a worker thread (``tasks.pipeline.stage_workers``), as
+``fuse_images`` runs them: the quality stage's identity reference beside align →
+postprocess, the result's moderation beside the quality stage. The stage that needs each
+waits for it inside its own task, under its own timeout, so errors still come out in the
+order of the stages; stage timings are wall times, so the quality and moderate_result
+stages show only the part that did not overlap.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -44,11 +52,12 @@ from flows.params import (
     run_tags,
 )
 from flows.storage_tasks import load_more_task, load_task, store_task
+from tasks import pipeline
 from tasks.batch import cpu_threads
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats, select_device
 from tasks.options import FusionOptions
-from tasks.pipeline import PipelineContext, flagged_summaries
+from tasks.pipeline import Beside, PipelineContext, flagged_summaries, stage_workers
 from tasks.prefect_tasks import (
     align_task,
     detect_task,
@@ -259,41 +268,60 @@ def _fuse(
             "target": detections.target_count,
             "replaced": len(detections.target_faces),
         }
-        with run.stage("align") as guard:
-            aligned = guard.run(align_task, source, target, detections, options, ctx)
-        with run.stage("fuse") as guard:
-            fused = guard.run(fuse_task, aligned, options, ctx)
-        if options.enhancer != "none":
-            with run.stage("enhance") as guard:
-                fused = guard.run(enhance_task, target, fused, options, ctx)
-        else:
-            run.skip("enhance")
-        with run.stage("postprocess") as guard:
-            encoded = guard.run(postprocess_task, target, fused, options, ctx)
-        with run.stage("quality") as guard:  # FaceLost: a faceless result is never returned
-            checked = guard.run(
-                quality_task,
-                source,
-                target,
-                aligned,
-                detections,
-                fused,
-                encoded,
-                options,
-                ctx,
-                may_retry=lambda: deadline.left() >= retry_cost_s(settings),
+        # Beside the stages that do not need them, on a worker thread (as fuse_images does):
+        # the identity reference during align → postprocess, the result's moderation during
+        # the quality stage. Each is taken in the stage that needs it, under its guard.
+        with stage_workers() as pool:
+            reference = Beside(
+                pool,
+                partial(pipeline.reference_stage, source, target, detections, options, ctx),
             )
-        fused, encoded, options, report = (
-            checked.fused,
-            checked.encoded,
-            checked.options,
-            checked.report,
-        )
-        if ctx.moderation.checks_result:
-            with run.stage("moderate_result") as guard:
-                flags += flagged_summaries(guard.run(moderate_result_task, encoded.image, ctx))
-        else:
-            run.skip("moderate_result")
+            with run.stage("align") as guard:
+                aligned = guard.run(align_task, source, target, detections, options, ctx)
+            with run.stage("fuse") as guard:
+                fused = guard.run(fuse_task, aligned, options, ctx)
+            if options.enhancer != "none":
+                with run.stage("enhance") as guard:
+                    fused = guard.run(enhance_task, target, fused, options, ctx)
+            else:
+                run.skip("enhance")
+            with run.stage("postprocess") as guard:
+                encoded = guard.run(postprocess_task, target, fused, options, ctx)
+            blended = encoded.image
+            assert blended is not None, "postprocess keeps the pixels for the later stages"
+            moderated = (
+                Beside(pool, partial(pipeline.moderate_result_stage, blended, ctx))
+                if ctx.moderation.checks_result
+                else None
+            )
+            with run.stage("quality") as guard:  # FaceLost: a faceless result is never returned
+                checked = guard.run(
+                    quality_task,
+                    source,
+                    target,
+                    aligned,
+                    detections,
+                    fused,
+                    encoded,
+                    options,
+                    ctx,
+                    may_retry=lambda: deadline.left() >= retry_cost_s(settings),
+                    reference=reference.take,
+                )
+            fused, encoded, options, report = (
+                checked.fused,
+                checked.encoded,
+                checked.options,
+                checked.report,
+            )
+            if moderated is not None:
+                # the blended image unless a quality-floor retry won: then it is checked now
+                ahead = moderated.take if encoded.image is blended else None
+                with run.stage("moderate_result") as guard:
+                    verdicts = guard.run(moderate_result_task, encoded.image, ctx, ahead=ahead)
+                flags += flagged_summaries(verdicts)
+            else:
+                run.skip("moderate_result")
         if flags:
             get_run_logger().warning("Moderation (report only) flagged %s", "; ".join(flags))
         ref = ResultRef(

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -616,14 +616,35 @@ def _own_time(work: Callable[[], T]) -> tuple[T, float]:
 
 
 @contextmanager
-def _workers() -> Iterator[ThreadPoolExecutor]:
-    """Two worker threads for one job; on the way out, work not yet started is dropped and
-    the running work is waited for, so nothing of the job runs on after it has ended."""
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="faceflow-stage")
+def stage_workers(threads: int = 2) -> Iterator[ThreadPoolExecutor]:
+    """Worker threads for the work a job (or a batch) runs beside its stages; on the way
+    out, work not yet started is dropped and the running work is waited for, so nothing
+    of the job runs on after it has ended."""
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="faceflow-stage")
     try:
         yield pool
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Beside(Generic[T]):
+    """Work started on a ``stage_workers`` thread ahead of the stage that needs it.
+
+    ``take()`` returns its result (or raises its error) where that stage runs, so errors
+    come out in the order of the stages; ``ms`` is then the work's own time. A second
+    ``take()`` (a retry of the stage that waits for it) runs the work again, on the
+    calling thread."""
+
+    def __init__(self, pool: ThreadPoolExecutor, work: Callable[[], T]) -> None:
+        self._work = work
+        self._future: Future[tuple[T, float]] | None = pool.submit(_own_time, work)
+        self.ms = 0.0
+
+    def take(self) -> T:
+        """The work's result, waited for (computed here on a second call)."""
+        future, self._future = self._future, None
+        value, self.ms = future.result() if future is not None else _own_time(self._work)
+        return value
 
 
 def fuse_images(
@@ -671,10 +692,8 @@ def fuse_images(
     # moderation and encoding beside the quality stage. Errors come out in the order of
     # the stages, as if they ran one after the other: a quality error before the result's
     # ContentBlocked, which comes before an encoding error.
-    with _workers() as pool:
-        reference = pool.submit(
-            _own_time, partial(reference_stage, source, target, detections, options, ctx)
-        )
+    with stage_workers() as pool:
+        reference = Beside(pool, partial(reference_stage, source, target, detections, options, ctx))
         with _timed(timings, "align"):
             aligned = align_stage(source, target, detections, options, ctx)
         with _timed(timings, "fuse"):
@@ -686,10 +705,10 @@ def fuse_images(
             image = postprocess_stage(target, fused, options, ctx)
         # Checked and encoded on the blended image, which stays the result unless a
         # quality-floor retry wins (then both run again on the retry's image).
-        moderated = pool.submit(_own_time, partial(moderate_result_stage, image, ctx))
-        encoded = pool.submit(_own_time, partial(encode_stage, image, options))
-        identity, reference_ms = reference.result()
-        timings.add("quality", reference_ms)
+        moderated = Beside(pool, partial(moderate_result_stage, image, ctx))
+        encoded = Beside(pool, partial(encode_stage, image, options))
+        identity = reference.take()
+        timings.add("quality", reference.ms)
         with _timed(timings, "quality"):  # with the quality-floor retry, if one runs
             checked = checked_stage(
                 source, target, aligned, detections, fused, image, options, ctx,
@@ -697,10 +716,10 @@ def fuse_images(
             )  # fmt: skip
         kept = checked.image is image
         if kept:
-            result_verdicts, ms = moderated.result()
-            timings.add("moderate_result", ms)
-            data, ms = encoded.result()
-            timings.add("postprocess", ms)
+            result_verdicts = moderated.take()
+            timings.add("moderate_result", moderated.ms)
+            data = encoded.take()
+            timings.add("postprocess", encoded.ms)
     image, fused, options, report = checked.image, checked.fused, checked.options, checked.report
     if not kept:
         with _timed(timings, "moderate_result"):

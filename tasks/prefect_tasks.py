@@ -21,8 +21,14 @@ from tasks.batch import Each, each, shared
 from tasks.moderation import ModerationVerdict
 from tasks.options import FusionOptions
 from tasks.pipeline import Aligned, Detections, Fused, PipelineContext
+from tasks.quality import IdentityReference
 from tasks.report import QualityReport
 from tasks.types import RGBImage
+
+Verdicts = Callable[[], tuple[ModerationVerdict, ...]]
+"""A result's moderation verdicts, computed ahead (``pipeline.Beside.take``)."""
+Reference = Callable[[], IdentityReference]
+"""A job's identity reference for the quality stage, computed ahead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +60,12 @@ def moderate_inputs_task(
     persist_result=False,
     cache_policy=NO_CACHE,
 )
-def moderate_result_task(image: RGBImage, ctx: PipelineContext) -> tuple[ModerationVerdict, ...]:
-    """NSFW check of the result image (``ContentBlocked`` when enforced and flagged)."""
-    return pipeline.moderate_result_stage(image, ctx)
+def moderate_result_task(
+    image: RGBImage, ctx: PipelineContext, ahead: Verdicts | None = None
+) -> tuple[ModerationVerdict, ...]:
+    """NSFW check of the result image (``ContentBlocked`` when enforced and flagged);
+    ``ahead``: the check of this very image, started beside the quality stage."""
+    return ahead() if ahead is not None else pipeline.moderate_result_stage(image, ctx)
 
 
 @task(name="detect", task_run_name="detect", persist_result=False, cache_policy=NO_CACHE)
@@ -138,12 +147,14 @@ def check_result(
     options: FusionOptions,
     ctx: PipelineContext,
     may_retry: Callable[[], bool],
+    reference: Reference | None = None,
 ) -> CheckedImage:
-    """``pipeline.checked_stage`` on an encoded result (re-encoded if the retry won)."""
+    """``pipeline.checked_stage`` on an encoded result (re-encoded if the retry won);
+    ``reference``: the job's ``reference_stage``, started beside align → postprocess."""
     assert encoded.image is not None, "postprocess keeps the pixels for the quality stage"
     checked = pipeline.checked_stage(
         source, target, aligned, detections, fused, encoded.image, options, ctx,
-        may_retry=may_retry,
+        may_retry=may_retry, reference=reference() if reference is not None else None,
     )  # fmt: skip
     if checked.image is not encoded.image:
         encoded = EncodedImage(
@@ -166,11 +177,12 @@ def quality_task(
     options: FusionOptions,
     ctx: PipelineContext,
     may_retry: Callable[[], bool],
+    reference: Reference | None = None,
 ) -> CheckedImage:
     """The result's quality report (faces re-detected, identity, pose), the quality-floor
     retry when one is due and ``may_retry()``; ``FaceLost`` if a face is missing."""
     return check_result(
-        source, target, aligned, detections, fused, encoded, options, ctx, may_retry
+        source, target, aligned, detections, fused, encoded, options, ctx, may_retry, reference
     )
 
 
@@ -225,10 +237,10 @@ def moderate_inputs_batch_task(
     cache_policy=NO_CACHE,
 )
 def moderate_result_batch_task(
-    images: list[RGBImage], ctx: PipelineContext
+    jobs: list[tuple[RGBImage, Verdicts | None]], ctx: PipelineContext
 ) -> list[Each[tuple[ModerationVerdict, ...]]]:
     """``moderate_result_task`` of every job."""
-    return each(lambda image: pipeline.moderate_result_stage(image, ctx), images)
+    return each(lambda job: moderate_result_task.fn(job[0], ctx, job[1]), jobs)
 
 
 @task(name="enhance-batch", task_run_name="enhance", persist_result=False, cache_policy=NO_CACHE)
@@ -264,9 +276,10 @@ def quality_batch_task(
             EncodedImage,
             FusionOptions,
             Callable[[], bool],
+            Reference | None,
         ]
     ],
     ctx: PipelineContext,
 ) -> list[Each[CheckedImage]]:
     """``quality_task`` of every job."""
-    return each(lambda job: check_result(*job[:7], ctx, job[7]), jobs)
+    return each(lambda job: check_result(*job[:7], ctx, job[7], job[8]), jobs)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
 import httpx
+import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import TaskRun
@@ -84,3 +88,44 @@ def api(server: PrefectServer, method: str, path: str, **kwargs: Any) -> httpx.R
             return response
         time.sleep(delay)
     return httpx.request(method, f"{server.api_url}{path}", timeout=30.0, **kwargs)
+
+
+@dataclass
+class Overlap:
+    """Whether work ran beside the stage that does not need it: ``waited[name]`` is True
+    when the stage ``name`` saw its companion start (on a ``faceflow-stage`` thread) while
+    it was running itself."""
+
+    waited: dict[str, list[bool]] = field(default_factory=dict)
+    threads: dict[str, set[str]] = field(default_factory=dict)
+
+
+def probe_overlap(monkeypatch: pytest.MonkeyPatch, timeout_s: float = 5.0) -> Overlap:
+    """Make ``align_stage`` wait for ``reference_stage`` to start, and ``checked_stage`` for
+    ``moderate_result_stage``: run one after the other (the stage first), each waits
+    ``timeout_s`` in vain and records False."""
+    from tasks import pipeline
+
+    overlap = Overlap()
+    pairs = {"align_stage": "reference_stage", "checked_stage": "moderate_result_stage"}
+    started = {companion: threading.Event() for companion in pairs.values()}
+
+    def companion(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            overlap.threads.setdefault(name, set()).add(threading.current_thread().name)
+            started[name].set()
+            return real(*args, **kwargs)
+
+        return run
+
+    def waiting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            overlap.waited.setdefault(name, []).append(started[pairs[name]].wait(timeout_s))
+            return real(*args, **kwargs)
+
+        return run
+
+    for stage, other in pairs.items():
+        monkeypatch.setattr(pipeline, other, companion(other, getattr(pipeline, other)))
+        monkeypatch.setattr(pipeline, stage, waiting(stage, getattr(pipeline, stage)))
+    return overlap

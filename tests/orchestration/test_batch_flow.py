@@ -29,7 +29,7 @@ from flows.params import (
 )
 from tests.onnx_builders import build_tiny_gfpgan
 from tests.orchestration.conftest import Home
-from tests.orchestration.helpers import job_params, task_runs
+from tests.orchestration.helpers import job_params, probe_overlap, task_runs
 from tests.samples import (
     astronaut_jpeg_bytes,
     colorwheel_rgb,
@@ -242,3 +242,22 @@ def test_only_the_jobs_that_chose_an_enhancer_are_enhanced(
     # Not bit-equal: MTCNN's batched forward moves a landmark by float noise.
     assert diff(pixels[plain["job_id"]], alone_pixels) < 0.01  # seen: 8e-5
     assert diff(pixels[enhanced["job_id"]], alone_pixels) > 0.2  # seen: 0.47 (the face only)
+
+
+def test_identity_references_and_result_moderation_run_beside_other_stages(
+    prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One thread beside the batch's stages: each job's identity reference starts while
+    align runs, each result's moderation while the quality stage runs."""
+    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
+    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    first, second = job_params(astronaut, grace), job_params(grace, astronaut)
+    overlap = probe_overlap(monkeypatch)
+
+    state = fuse_batch(**_batch(first, second), return_state=True)
+
+    assert state.is_completed(), state.message
+    assert state.result() == {first["job_id"]: "succeeded", second["job_id"]: "succeeded"}
+    assert overlap.waited == {"align_stage": [True, True], "checked_stage": [True, True]}
+    assert overlap.threads["reference_stage"] == {"faceflow-stage_0"}
+    assert overlap.threads["moderate_result_stage"] == {"faceflow-stage_0"}

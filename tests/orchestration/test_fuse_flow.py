@@ -24,7 +24,7 @@ from tasks import pipeline
 from tasks.models import MODEL_CACHE
 from tasks.options import ModerationPolicy
 from tests.orchestration.conftest import Home
-from tests.orchestration.helpers import job_params, task_runs
+from tests.orchestration.helpers import job_params, probe_overlap, task_runs
 from tests.samples import (
     astronaut_jpeg_bytes,
     colorwheel_rgb,
@@ -290,3 +290,28 @@ def test_a_running_stage_is_published_for_the_relay(
     state = fuse_faces(**params, return_state=True)
     assert state.is_completed(), state.message
     assert seen == ["detect"]
+
+
+def test_identity_reference_and_result_moderation_run_beside_other_stages(
+    prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As fuse_images does: the quality stage's identity reference starts on a worker thread
+    while align runs, the result's moderation while the quality stage runs; the result and
+    its report are those of the stages one after the other."""
+    params = job_params(
+        prefect_harness.put_input(astronaut_jpeg_bytes()),
+        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+    )
+    overlap = probe_overlap(monkeypatch)
+
+    state = fuse_faces(**params, return_state=True)
+
+    assert state.is_completed(), state.message
+    assert overlap.waited == {"align_stage": [True], "checked_stage": [True]}
+    for name in ("reference_stage", "moderate_result_stage"):
+        assert overlap.threads[name] and all(
+            thread.startswith("faceflow-stage") for thread in overlap.threads[name]
+        )
+    ref = ResultRef.model_validate(state.result())
+    assert ref.quality is not None and ref.quality.faces[0].found
+    assert ref.quality.source_similarity is not None and ref.moderation == []
