@@ -220,12 +220,12 @@ def main() -> None:
                     log = home / "server.log"
                     for name, make in makers.items():
                         results[f"{variant} / {name}"] = measure(
-                            api, url, server.pid, log, make, flows, args.runs, True
+                            api, url, server.pids, log, make, flows, args.runs, True
                         )
                     if variant == "shipped":
                         for name in ("fuse-faces", f"fuse-batch x{args.batch}"):
                             results[f"logs-off / {name}"] = measure(
-                                api, url, server.pid, log, makers[name], flows, args.runs, False
+                                api, url, server.pids, log, makers[name], flows, args.runs, False
                             )
                 finally:
                     server.stop(grace=10)

@@ -188,7 +188,7 @@ class PrefectServer:
     services: Service | None = None
 
     @property
-    def pid(self) -> tuple[int, ...]:
+    def pids(self) -> tuple[int, ...]:
         """Every server process (for CPU figures: ``bench.procstat`` takes several)."""
         return tuple(p.pid for p in (self.api, self.services) if p is not None and p.pid)
 
@@ -852,7 +852,7 @@ def main() -> None:
                 inputs = prepare_inputs(url, home / "faceflow")
                 results = {
                     m: bench_mode(
-                        m, api, server.pid, env, home, inputs, args.jobs, worker_env, args.children
+                        m, api, server.pids, env, home, inputs, args.jobs, worker_env, args.children
                     )
                     for m in modes
                     if m in TYPES
@@ -862,7 +862,7 @@ def main() -> None:
                     relay_modes(
                         relay,
                         api,
-                        server.pid,
+                        server.pids,
                         env,
                         home,
                         inputs,

@@ -3,7 +3,7 @@
 The relay's dispatch puts the due jobs that can share a run (same lane, detector and
 fuser) into one ``fuse-batch`` run when more than one is waiting (``FuseBatchParams``);
 a job alone still gets its own ``fuse-faces`` run. The stages are those of ``fuse-faces``,
-one task run per stage for the whole batch, MTCNN on every job's images at once:
+one task run per stage for the whole batch, MTCNN on every job's images in batched calls:
 
     load → moderate_inputs → detect → align → fuse → postprocess → quality →
     moderate_result → store
@@ -71,7 +71,6 @@ from tasks import pipeline
 from tasks.batch import Each
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats
-from tasks.moderation import ModerationVerdict
 from tasks.options import FusionOptions
 from tasks.pipeline import (
     Aligned,
@@ -84,6 +83,7 @@ from tasks.pipeline import (
 )
 from tasks.prefect_tasks import (
     EncodedImage,
+    Reference,
     Verdicts,
     align_batch_task,
     detect_batch_task,
@@ -94,7 +94,6 @@ from tasks.prefect_tasks import (
     postprocess_batch_task,
     quality_batch_task,
 )
-from tasks.quality import IdentityReference
 from tasks.report import QualityReport
 from tasks.types import RGBImage
 
@@ -121,8 +120,8 @@ class _Job:
     encoded: EncodedImage | None = None
     quality: QualityReport | None = None
     moderation: list[str] = field(default_factory=list)  # what report-only moderation flagged
-    reference: Beside[IdentityReference] | None = None  # started after detect
-    moderated: tuple[RGBImage, Beside[tuple[ModerationVerdict, ...]]] | None = None
+    reference: Reference | None = None  # started after detect
+    moderated: Verdicts | None = None  # started after postprocess
 
     @property
     def live(self) -> bool:
@@ -301,9 +300,10 @@ def _moderate_inputs(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None
 
 
 def _moderate_result(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
-    inputs = [(_req(job.encoded).image, _ahead(job)) for job in jobs]
+    inputs = [(_req(job.encoded).image, job.moderated) for job in jobs]
     verdicts = guard.run(moderate_result_batch_task, inputs, batch.ctx)
     for job, value in zip(jobs, batch.settle(jobs, verdicts, "moderate_result"), strict=True):
+        job.moderated = None
         if value is not None:
             job.moderation += flagged_summaries(value)
 
@@ -314,7 +314,8 @@ def _detect(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     for job, detections in zip(jobs, batch.settle(jobs, found, "detect"), strict=True):
         job.detections = detections
         if detections is not None and batch.pool is not None:
-            reference = partial(
+            job.reference = Beside(
+                batch.pool,
                 pipeline.reference_stage,
                 _img(job.source),
                 _img(job.target),
@@ -322,7 +323,6 @@ def _detect(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
                 job.options,
                 batch.ctx,
             )
-            job.reference = Beside(batch.pool, reference)
 
 
 def _align(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
@@ -358,9 +358,9 @@ def _postprocess(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
     for job, value in zip(jobs, batch.settle(jobs, encoded, "postprocess"), strict=True):
         job.encoded = value
         if value is not None and batch.pool is not None and _wanted(batch, "moderate_result"):
-            image = _img(value.image)
-            moderate = partial(pipeline.moderate_result_stage, image, batch.ctx)
-            job.moderated = (image, Beside(batch.pool, moderate))
+            job.moderated = Beside(
+                batch.pool, pipeline.moderate_result_stage, value.image, batch.ctx
+            )
 
 
 def _quality(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
@@ -375,7 +375,7 @@ def _quality(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
             _req(job.encoded),
             job.options,
             partial(_time_for_retry, job.deadline, cost),
-            job.reference.take if job.reference is not None else None,
+            job.reference,
         )
         for job in jobs
     ]
@@ -386,16 +386,6 @@ def _quality(batch: _Batch, jobs: list[_Job], guard: StageGuard) -> None:
             job.quality = value.report
         job.source = job.target = None  # the pixels are no longer needed
         job.aligned = job.reference = None
-
-
-def _ahead(job: _Job) -> Verdicts | None:
-    """The result's moderation started after postprocess, if the image it checks is still
-    the job's result (a quality-floor retry that won is checked in the stage itself)."""
-    if job.moderated is None:
-        return None
-    image, verdicts = job.moderated
-    job.moderated = None
-    return verdicts.take if _req(job.encoded).image is image else None
 
 
 def _time_for_retry(deadline: Deadline, cost_s: float) -> bool:

@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from functools import partial
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -273,8 +272,7 @@ def _fuse(
         # the quality stage. Each is taken in the stage that needs it, under its guard.
         with stage_workers() as pool:
             reference = Beside(
-                pool,
-                partial(pipeline.reference_stage, source, target, detections, options, ctx),
+                pool, pipeline.reference_stage, source, target, detections, options, ctx
             )
             with run.stage("align") as guard:
                 aligned = guard.run(align_task, source, target, detections, options, ctx)
@@ -287,10 +285,8 @@ def _fuse(
                 run.skip("enhance")
             with run.stage("postprocess") as guard:
                 encoded = guard.run(postprocess_task, target, fused, options, ctx)
-            blended = encoded.image
-            assert blended is not None, "postprocess keeps the pixels for the later stages"
             moderated = (
-                Beside(pool, partial(pipeline.moderate_result_stage, blended, ctx))
+                Beside(pool, pipeline.moderate_result_stage, encoded.image, ctx)
                 if ctx.moderation.checks_result
                 else None
             )
@@ -306,7 +302,7 @@ def _fuse(
                     options,
                     ctx,
                     may_retry=lambda: deadline.left() >= retry_cost_s(settings),
-                    reference=reference.take,
+                    reference=reference,
                 )
             fused, encoded, options, report = (
                 checked.fused,
@@ -314,11 +310,9 @@ def _fuse(
                 checked.options,
                 checked.report,
             )
-            if moderated is not None:
-                # the blended image unless a quality-floor retry won: then it is checked now
-                ahead = moderated.take if encoded.image is blended else None
+            if moderated is not None:  # a quality-floor retry that won is checked here
                 with run.stage("moderate_result") as guard:
-                    verdicts = guard.run(moderate_result_task, encoded.image, ctx, ahead=ahead)
+                    verdicts = guard.run(moderate_result_task, encoded.image, ctx, moderated)
                 flags += flagged_summaries(verdicts)
             else:
                 run.skip("moderate_result")

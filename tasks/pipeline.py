@@ -282,8 +282,8 @@ def detect_stage_batch(
     jobs: Sequence[tuple[RGBImage, RGBImage, FusionOptions]], ctx: PipelineContext
 ) -> list[Detections | FaceFlowError]:
     """``detect_stage`` of several jobs: the images of all jobs that use the same detector
-    go through it as one batch. Per job, its detections or the error that ends it (no face,
-    bad face index, or the detector's own failure for every job that uses it)."""
+    go through ``detect_faces_batch`` together. Per job, its detections or the error that
+    ends it (no face, bad face index, or the detector's own failure for every job using it)."""
     found: list[Detections | FaceFlowError | None] = [None] * len(jobs)
     by_detector: dict[DetectorName, list[int]] = {}
     for index, (_source, _target, options) in enumerate(jobs):
@@ -628,22 +628,30 @@ def stage_workers(threads: int = 2) -> Iterator[ThreadPoolExecutor]:
 
 
 class Beside(Generic[T]):
-    """Work started on a ``stage_workers`` thread ahead of the stage that needs it.
+    """``work(*args)`` started on a ``stage_workers`` thread ahead of the stage that needs it.
 
     ``take()`` returns its result (or raises its error) where that stage runs, so errors
-    come out in the order of the stages; ``ms`` is then the work's own time. A second
-    ``take()`` (a retry of the stage that waits for it) runs the work again, on the
-    calling thread."""
+    come out in the order of the stages; ``ms`` is then the work's own time. ``take(*other)``
+    asks for the work on other arguments: unless they are the very objects it started with
+    (a quality-floor retry that won has a new image), it runs the work on them here; so
+    does a second ``take`` (a retry of the stage that waits for it)."""
 
-    def __init__(self, pool: ThreadPoolExecutor, work: Callable[[], T]) -> None:
-        self._work = work
-        self._future: Future[tuple[T, float]] | None = pool.submit(_own_time, work)
+    def __init__(self, pool: ThreadPoolExecutor, work: Callable[..., T], *args: Any) -> None:
+        self._work, self._args = work, args
+        self._future: Future[tuple[T, float]] | None = pool.submit(_own_time, partial(work, *args))
         self.ms = 0.0
 
-    def take(self) -> T:
-        """The work's result, waited for (computed here on a second call)."""
+    def take(self, *args: Any) -> T:
+        """The work's result on ``args`` (default: those it started with)."""
+        args = args or self._args
         future, self._future = self._future, None
-        value, self.ms = future.result() if future is not None else _own_time(self._work)
+        started = len(args) == len(self._args) and all(
+            a is b for a, b in zip(args, self._args, strict=True)
+        )
+        if future is not None and started:
+            value, self.ms = future.result()
+        else:
+            value, self.ms = _own_time(partial(self._work, *args))
         return value
 
 
@@ -693,7 +701,7 @@ def fuse_images(
     # the stages, as if they ran one after the other: a quality error before the result's
     # ContentBlocked, which comes before an encoding error.
     with stage_workers() as pool:
-        reference = Beside(pool, partial(reference_stage, source, target, detections, options, ctx))
+        reference = Beside(pool, reference_stage, source, target, detections, options, ctx)
         with _timed(timings, "align"):
             aligned = align_stage(source, target, detections, options, ctx)
         with _timed(timings, "fuse"):
@@ -704,9 +712,9 @@ def fuse_images(
         with _timed(timings, "postprocess"):
             image = postprocess_stage(target, fused, options, ctx)
         # Checked and encoded on the blended image, which stays the result unless a
-        # quality-floor retry wins (then both run again on the retry's image).
-        moderated = Beside(pool, partial(moderate_result_stage, image, ctx))
-        encoded = Beside(pool, partial(encode_stage, image, options))
+        # quality-floor retry wins (then both run again, here, on the retry's image).
+        moderated = Beside(pool, moderate_result_stage, image, ctx)
+        encoded = Beside(pool, encode_stage, image, options)
         identity = reference.take()
         timings.add("quality", reference.ms)
         with _timed(timings, "quality"):  # with the quality-floor retry, if one runs
@@ -714,18 +722,16 @@ def fuse_images(
                 source, target, aligned, detections, fused, image, options, ctx,
                 reference=identity,
             )  # fmt: skip
-        kept = checked.image is image
-        if kept:
-            result_verdicts = moderated.take()
-            timings.add("moderate_result", moderated.ms)
-            data = encoded.take()
-            timings.add("postprocess", encoded.ms)
-    image, fused, options, report = checked.image, checked.fused, checked.options, checked.report
-    if not kept:
-        with _timed(timings, "moderate_result"):
-            result_verdicts = moderate_result_stage(image, ctx)
-        with _timed(timings, "postprocess"):
-            data = encode_stage(image, options)
+        image, fused, options, report = (
+            checked.image,
+            checked.fused,
+            checked.options,
+            checked.report,
+        )
+        result_verdicts = moderated.take(image, ctx)
+        timings.add("moderate_result", moderated.ms)
+        data = encoded.take(image, options)
+        timings.add("postprocess", encoded.ms)
     verdicts += result_verdicts
     return FusionResult(
         data=data,

@@ -20,15 +20,15 @@ from tasks import pipeline
 from tasks.batch import Each, each, shared
 from tasks.moderation import ModerationVerdict
 from tasks.options import FusionOptions
-from tasks.pipeline import Aligned, Detections, Fused, PipelineContext
+from tasks.pipeline import Aligned, Beside, Detections, Fused, PipelineContext
 from tasks.quality import IdentityReference
 from tasks.report import QualityReport
 from tasks.types import RGBImage
 
-Verdicts = Callable[[], tuple[ModerationVerdict, ...]]
-"""A result's moderation verdicts, computed ahead (``pipeline.Beside.take``)."""
-Reference = Callable[[], IdentityReference]
-"""A job's identity reference for the quality stage, computed ahead."""
+Verdicts = Beside[tuple[ModerationVerdict, ...]]
+"""A result's moderation, started beside the quality stage."""
+Reference = Beside[IdentityReference]
+"""A job's identity reference for the quality stage, started beside align → postprocess."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +64,10 @@ def moderate_result_task(
     image: RGBImage, ctx: PipelineContext, ahead: Verdicts | None = None
 ) -> tuple[ModerationVerdict, ...]:
     """NSFW check of the result image (``ContentBlocked`` when enforced and flagged);
-    ``ahead``: the check of this very image, started beside the quality stage."""
-    return ahead() if ahead is not None else pipeline.moderate_result_stage(image, ctx)
+    ``ahead``: the check started beside the quality stage (used if it checked ``image``)."""
+    if ahead is not None:
+        return ahead.take(image, ctx)
+    return pipeline.moderate_result_stage(image, ctx)
 
 
 @task(name="detect", task_run_name="detect", persist_result=False, cache_policy=NO_CACHE)
@@ -154,7 +156,7 @@ def check_result(
     assert encoded.image is not None, "postprocess keeps the pixels for the quality stage"
     checked = pipeline.checked_stage(
         source, target, aligned, detections, fused, encoded.image, options, ctx,
-        may_retry=may_retry, reference=reference() if reference is not None else None,
+        may_retry=may_retry, reference=reference.take() if reference is not None else None,
     )  # fmt: skip
     if checked.image is not encoded.image:
         encoded = EncodedImage(

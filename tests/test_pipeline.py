@@ -248,3 +248,23 @@ def test_the_image_a_retry_keeps_is_the_one_moderated_and_encoded(
     # the blended image (unless its check had not started yet), then the kept one
     assert checked[-1] is other and all(image is not other for image in checked[:-1])
     assert result.quality is not None and result.timings_ms["quality"] > 0
+
+
+def test_work_beside_a_stage_is_reused_only_for_the_inputs_it_started_with() -> None:
+    runs: list[object] = []
+
+    def work(value: object) -> object:
+        runs.append(value)
+        return value
+
+    first, second = object(), object()
+    with pipeline.stage_workers() as pool:
+        ahead = pipeline.Beside(pool, work, first)
+        assert ahead.take(first) is first  # the thread's result
+        assert ahead.take() is first  # a retry: run again, here
+        other = pipeline.Beside(pool, work, first)
+        assert other.take(second) is second  # other inputs (a retry that won): run here
+        failing = pipeline.Beside(pool, _fail(errors.ContentBlocked()))
+        with pytest.raises(errors.ContentBlocked):
+            failing.take()
+    assert [r is first for r in runs].count(True) == 3 and runs.count(second) == 1
