@@ -10,7 +10,11 @@ configuration it reports, per run and per job: wall time, CPU of this process (t
 
 Configurations (each on a fresh server, the server's settings need a restart):
 
-- ``fuse-faces`` (one job per run) and ``fuse-batch`` of ``--batch`` jobs, as shipped;
+- ``fuse-faces`` (one job per run) and ``fuse-batch`` of ``--batch`` jobs, as shipped (the
+  server's task-run recorder and event persister write in batches:
+  ``faceflow.prefect_server.SERVICE_WRITE_BATCHING``);
+- ``unbatched-writes``: those two services with Prefect's own defaults (the recorder one
+  task run per insert, the persister 20 events or every 5 s);
 - ``logs-off``: ``PREFECT_LOGGING_TO_API_ENABLED=false`` in the flow's process (the run's
   logs stay in the worker's log; the UI's log tab is empty);
 - ``events-off``: server ``PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED=false`` and
@@ -40,7 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.procstat import postgres_cpu_s, process_tree_cpu_s  # noqa: E402
+from bench.procstat import postgres_cpu_s, process_tree_cpu_s, wait_until_quiet  # noqa: E402
 from bench.warm_worker import (  # noqa: E402
     PrefectRest,
     pool_template,
@@ -56,12 +60,22 @@ SERVER_VARIANTS: dict[str, dict[str, str]] = {
         "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
         "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
     },
+    "unbatched-writes": {  # Prefect's own defaults, which FaceFlow's stack changes
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "1",
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "5",
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "20",
+        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "5",
+    },
     "recorder-off": {
         "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
         "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
         "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_ENABLED": "false",
     },
 }
+
+
+SETTLE_S = 5.5
+"""Wait after the last run: longer than the longest flush interval of the services."""
 
 
 def probe_flow() -> Any:
@@ -149,7 +163,8 @@ def measure(
         cpu0 = (sum(os.times()[:2]), process_tree_cpu_s(server_pid), postgres_cpu_s())
         timed = [one() for _ in range(runs)]
         drain_client_queues()  # every event and log of these runs reaches this server
-        time.sleep(1.0)  # let the server finish the events of the last run
+        time.sleep(SETTLE_S)  # the services' last timed flush counts too
+        wait_until_quiet(server_pid)  # let the server finish the events of the last run
         cpu1 = (sum(os.times()[:2]), process_tree_cpu_s(server_pid), postgres_cpu_s())
     jobs = timed[0][1]
     requests = requests_per_job(server_log, log_start, runs).get("total", 0.0)

@@ -90,10 +90,14 @@ class StackConfig:
         return self.home / "services"
 
     def server_env(self) -> dict[str, str]:
-        """Environment of the Prefect server's own processes (none extra when embedded)."""
+        """Environment of the Prefect server's own processes: the services' write batching,
+        and when scaled out, the shared database and Redis."""
+        env = prefect_server.services_env()
         if self.prefect_mode == "scale-out":
-            return prefect_server.scale_out_env(self.prefect_database_url, self.prefect_redis_url)
-        return {}
+            env.update(
+                prefect_server.scale_out_env(self.prefect_database_url, self.prefect_redis_url)
+            )
+        return env
 
     def env(self) -> dict[str, str]:
         """Environment shared by every child process."""

@@ -16,7 +16,26 @@ from tests.webapi.conftest import postgres_unavailable
 def test_embedded_is_one_process_with_its_services() -> None:
     argv = prefect_server.api_argv("prefect", 4200, "embedded", 4)
     assert argv == ["prefect", "server", "start", "--host", "127.0.0.1", "--port", "4200"]
-    assert StackConfig(prefect_mode="embedded").server_env() == {}
+    env = StackConfig(prefect_mode="embedded").server_env()
+    assert env == prefect_server.SERVICE_WRITE_BATCHING  # its services write in batches
+
+
+def test_the_services_write_in_batches_unless_the_operator_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    recorder = "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE"
+    for mode in ("embedded", "scale-out"):
+        env = StackConfig(prefect_mode=mode).server_env()
+        assert int(env[recorder]) > 1  # Prefect's default inserts one task-run event at a time
+        assert int(env["PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE"]) > 20
+        for name in (
+            "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL",
+            "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL",
+        ):
+            assert int(env[name]) == 1  # the UI lags by a second at most (int: Prefect's cast)
+    monkeypatch.setenv(recorder, "1")
+    assert recorder not in StackConfig(prefect_mode="embedded").server_env()
+    assert recorder not in prefect_server.services_env({recorder: "7"})
 
 
 def test_scale_out_moves_every_in_memory_part_to_redis_and_state_to_postgres() -> None:

@@ -186,6 +186,20 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
         json={"artifacts": {"flow_run_id": {"any_": [runs[0]["id"]]}}},
     ).json()
     assert {a["type"] for a in artifacts} >= {"table", "markdown"}, artifacts
+    # The per-stage view: every stage's task run is recorded although the server's services
+    # write in batches (faceflow.prefect_server.SERVICE_WRITE_BATCHING), within seconds.
+    stages = {"moderate_inputs", "detect", "align", "fuse", "postprocess", "quality"}
+    deadline = time.monotonic() + 15
+    while True:
+        task_runs = httpx.post(
+            f"{stack.prefect_api}/task_runs/filter",
+            json={"flow_runs": {"id": {"any_": [runs[0]["id"]]}}},
+        ).json()
+        done = {t["name"] for t in task_runs if t["state_type"] == "COMPLETED"}
+        if stages <= done or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert stages <= done, task_runs
 
 
 def test_no_face_fails_without_retry(stack: RunningStack) -> None:
