@@ -224,7 +224,7 @@ def main() -> None:
                 )
                 try:
                     api = PrefectRest(url)
-                    keys = prepare_inputs(url, home / "faceflow")[:2]
+                    keys = prepare_inputs(url, home / "faceflow", gpu_shaped=True)[:2]
                     api.create_pool("costs", "faceflow-gpu", pool_template("warm"))
                     single = api.deploy("fuse-faces", "flows/fuse.py:fuse_faces", "costs")
                     batch = api.deploy("fuse-batch", "flows/batch.py:fuse_batch", "costs")

@@ -256,18 +256,26 @@ def start_server(
     return PrefectServer(server, services), url, env
 
 
-def prepare_inputs(url: str, home: Path) -> tuple[str, str, bytes, bytes]:
-    """Default blocks saved; the sample photos stored as the webapi would."""
+def prepare_inputs(
+    url: str, home: Path, *, gpu_shaped: bool = False
+) -> tuple[str, str, bytes, bytes]:
+    """Default blocks saved; the sample photos stored as the webapi would. ``gpu_shaped``:
+    the settings a GPU host gets (one model call in flight: ``tasks.batch.model_threads``),
+    although the shaped worker's device is the CPU."""
     import hashlib
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from blocks import init_default_blocks
+    from blocks.defaults import SETTINGS_NAME
+    from blocks.settings import FusionSettings
     from faceflow import samples
     from flows.params import input_key
 
     with temporary_settings(updates={PREFECT_API_URL: url}):
         saved = init_default_blocks(home, webhook_secret="whsec_bench")
+        if gpu_shaped:
+            FusionSettings(batch_model_threads=1).save(SETTINGS_NAME, overwrite=True)
     keys = []
     source, target = samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes()
     for data in (source, target):
@@ -849,7 +857,7 @@ def main() -> None:
             )
             try:
                 api = PrefectRest(url)
-                inputs = prepare_inputs(url, home / "faceflow")
+                inputs = prepare_inputs(url, home / "faceflow", gpu_shaped=bool(args.gpu_ms))
                 results = {
                     m: bench_mode(
                         m, api, server.pids, env, home, inputs, args.jobs, worker_env, args.children

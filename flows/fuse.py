@@ -52,7 +52,7 @@ from flows.params import (
 )
 from flows.storage_tasks import load_more_task, load_task, store_task
 from tasks import pipeline
-from tasks.batch import cpu_threads
+from tasks.batch import cpu_threads, model_threads
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats, select_device
 from tasks.options import FusionOptions
@@ -72,13 +72,15 @@ from tasks.report import QualityReport
 
 def pipeline_context(settings: FusionSettings) -> PipelineContext:
     """Where the pipeline runs, from the operator settings (imports torch)."""
+    device = select_device(None if settings.device == "auto" else settings.device)
     return PipelineContext(
-        device=select_device(None if settings.device == "auto" else settings.device),
+        device=device,
         model_dir=Path(settings.model_dir) if settings.model_dir else None,
         pins=dict(settings.model_pins),
         limits=settings.image_limits,
         moderation=settings.moderation,
         cpu_threads=cpu_threads(settings.batch_cpu_threads),
+        model_threads=model_threads(settings.batch_model_threads, device),
     )
 
 

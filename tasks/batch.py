@@ -68,6 +68,18 @@ def cpu_threads(setting: int, cap: int = 8) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), cap))
 
 
+def model_threads(setting: int, device: str) -> int:
+    """Model calls a batch stage keeps in flight: ``setting``, or for 0 two on the CPU of
+    a machine with two or more cores (one call's own threads leave cores idle on the small
+    tensors of a face crop or a detector's later stages) and one on a GPU, whose calls
+    take the whole batch at once."""
+    if setting > 0:
+        return setting
+    if device != "cpu":
+        return 1
+    return min(2, cpu_threads(0))
+
+
 def _timed(fn: Callable[[A], R], item: A) -> Each[R]:
     start = time.perf_counter()
     try:

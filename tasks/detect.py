@@ -6,8 +6,10 @@ the coordinates of the image passed in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import cv2
 import numpy as np
@@ -15,6 +17,9 @@ import numpy as np
 from tasks.errors import InvalidInput, NoFaceFound
 from tasks.options import DetectorName, FaceChoice
 from tasks.types import Face, RGBImage
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 DEFAULT_DETECT_MAX_SIDE = 1024
 """Longest side the detector sees; larger images are detected on a downscaled copy."""
@@ -59,32 +64,37 @@ def detect_faces_batch(
     pins: Mapping[str, str] | None = None,
     max_side: int = DEFAULT_DETECT_MAX_SIDE,
     min_face_size: int | None = None,
+    threads: int = 1,
 ) -> list[list[Face]]:
     """``detect_faces`` of several images; MTCNN runs them as one batch (its R-Net and
     O-Net on every image's crops at once, P-Net per pyramid level of same-size images), on
-    the CPU in batches of at most ``CPU_MTCNN_BATCH`` images."""
+    the CPU in batches of at most ``CPU_MTCNN_BATCH`` images. ``threads``: how many of
+    those batches (SCRFD: images) are in flight at once."""
     scales = [min(1.0, max_side / max(image.shape[:2])) for image in images]
     work = [_downscale(image, scale) for image, scale in zip(images, scales, strict=True)]
     if detector == "mtcnn":
         from tasks.mtcnn import DEFAULT_MIN_FACE_SIZE, detect_batch_with_mtcnn
 
         size = CPU_MTCNN_BATCH if device == "cpu" else max(1, len(work))
+        chunks = [work[start : start + size] for start in range(0, len(work), size)]
+        smallest = min_face_size or DEFAULT_MIN_FACE_SIZE
         found = [
             faces
-            for start in range(0, len(work), size)
-            for faces in detect_batch_with_mtcnn(
-                work[start : start + size],
-                device=device,
-                min_face_size=min_face_size or DEFAULT_MIN_FACE_SIZE,
+            for chunk in _in_flight(
+                lambda chunk: detect_batch_with_mtcnn(chunk, device=device, min_face_size=smallest),
+                chunks,
+                threads,
             )
+            for faces in chunk
         ]
     elif detector == "scrfd":
         from tasks.scrfd import detect_with_scrfd
 
-        found = [
-            detect_with_scrfd(image, device=device, model_dir=model_dir, pins=pins)
-            for image in work
-        ]
+        found = _in_flight(
+            lambda image: detect_with_scrfd(image, device=device, model_dir=model_dir, pins=pins),
+            work,
+            threads,
+        )
     else:  # pragma: no cover - the Literal type makes this unreachable for typed callers
         raise InvalidInput(f"Unknown detector {detector!r}.")
     return [
@@ -119,3 +129,11 @@ def select_faces(faces: list[Face], choice: FaceChoice, *, role: str = "target")
             f"Face index {choice} is out of range: the {role} image has {len(faces)} face(s)."
         )
     return [faces[choice]]
+
+
+def _in_flight(fn: Callable[[T], R], items: list[T], threads: int) -> list[R]:
+    """``fn`` of each item in order, ``threads`` of them at once (an error ends the call)."""
+    if threads <= 1 or len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="faceflow-detect") as pool:
+        return list(pool.map(fn, items))

@@ -72,7 +72,10 @@ class PipelineContext:
     detect_max_side: int = DEFAULT_DETECT_MAX_SIDE
     moderation: ModerationPolicy = field(default_factory=ModerationPolicy)
     cpu_threads: int = 1
-    """Threads for a batch's per-job CPU work (``tasks.batch.each``); models run on one."""
+    """Threads for a batch's per-job CPU work that releases the GIL (``tasks.batch.each``)."""
+    model_threads: int = 1
+    """Model calls a batch stage keeps in flight (``tasks.batch.model_threads``): detection
+    chunks, input moderation and quality checks of several jobs at once."""
 
     @classmethod
     def for_this_machine(
@@ -297,7 +300,9 @@ def detect_stage_batch(
     for detector, indices in by_detector.items():
         images = [image for i in indices for image in jobs[i][:2]]
         try:
-            faces = detect_faces_batch(images, **_detector_kwargs(detector, ctx))
+            faces = detect_faces_batch(
+                images, **_detector_kwargs(detector, ctx), threads=ctx.model_threads
+            )
         except TimeoutError:
             raise
         except Exception as exc:

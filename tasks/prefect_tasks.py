@@ -228,8 +228,11 @@ def fuse_batch_task(
 def moderate_inputs_batch_task(
     jobs: list[Mapping[str, RGBImage]], ctx: PipelineContext
 ) -> list[Each[tuple[ModerationVerdict, ...]]]:
-    """``moderate_inputs_task`` of every job (a blocked job fails alone)."""
-    return each(lambda images: pipeline.moderate_inputs_stage(images, ctx), jobs)
+    """``moderate_inputs_task`` of every job (a blocked job fails alone; ``ctx.model_threads``
+    at once)."""
+    return each(
+        lambda images: pipeline.moderate_inputs_stage(images, ctx), jobs, threads=ctx.model_threads
+    )
 
 
 @task(
@@ -283,5 +286,7 @@ def quality_batch_task(
     ],
     ctx: PipelineContext,
 ) -> list[Each[CheckedImage]]:
-    """``quality_task`` of every job."""
-    return each(lambda job: check_result(*job[:7], ctx, job[7], job[8]), jobs)
+    """``quality_task`` of every job (``ctx.model_threads`` at once)."""
+    return each(
+        lambda job: check_result(*job[:7], ctx, job[7], job[8]), jobs, threads=ctx.model_threads
+    )

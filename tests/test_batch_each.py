@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tasks.batch import cpu_threads, each
+from tasks.batch import cpu_threads, each, model_threads
 from tasks.errors import FaceFlowError, NoFaceFound
 
 
@@ -63,6 +63,12 @@ def test_a_timeout_ends_the_stage_and_drops_the_items_not_started() -> None:
     time.sleep(0.3)
 
     assert len(ran) < 20
+
+
+def test_model_calls_in_flight_two_on_the_cpu_one_on_a_gpu() -> None:
+    assert model_threads(3, "cpu") == 3 and model_threads(3, "cuda") == 3  # the setting wins
+    assert model_threads(0, "cuda") == 1  # a GPU call takes the whole batch
+    assert model_threads(0, "cpu") == min(2, cpu_threads(0))
 
 
 def test_cpu_threads_follow_the_setting_or_the_cores() -> None:

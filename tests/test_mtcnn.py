@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -246,3 +248,38 @@ def test_on_the_cpu_a_long_batch_goes_through_mtcnn_in_short_batches(
         len(detect.detect_faces(image, device="cpu")) for image in images
     ]
     assert [len(f) for f in found[:3]] == [1, 0, len(found[2])] and len(found[2]) >= 5
+
+
+def test_batches_in_flight_together_keep_every_image_in_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``threads`` = 2 two MTCNN batches run at once (each waits for the other to
+    start) and the faces come back in the images' order, as with one at a time."""
+    from tasks import detect
+
+    real = mtcnn.detect_batch_with_mtcnn
+    inside = threading.Barrier(2, timeout=10)
+    met: list[bool] = []
+
+    def together(images: list[np.ndarray], **kwargs: object) -> list[list[Face]]:
+        try:
+            inside.wait()
+            met.append(True)
+        except threading.BrokenBarrierError:
+            met.append(False)
+        return real(images, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(detect, "CPU_MTCNN_BATCH", 2)
+    images = [
+        samples.astronaut_rgb(),
+        samples.no_face_rgb(),
+        samples.t1_rgb(),
+        samples.grace_hopper_rgb(),
+    ]
+    alone = detect.detect_faces_batch(images, device="cpu")
+    monkeypatch.setattr(mtcnn, "detect_batch_with_mtcnn", together)
+    found = detect.detect_faces_batch(images, device="cpu", threads=2)
+    assert met == [True, True]
+    assert [[f.box for f in faces] for faces in found] == [
+        [f.box for f in faces] for faces in alone
+    ]

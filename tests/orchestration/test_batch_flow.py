@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -261,3 +262,45 @@ def test_identity_references_and_result_moderation_run_beside_other_stages(
     assert overlap.waited == {"align_stage": [True, True], "checked_stage": [True, True]}
     assert overlap.threads["reference_stage"] == {"faceflow-stage_0"}
     assert overlap.threads["moderate_result_stage"] == {"faceflow-stage_0"}
+
+
+def test_on_the_cpu_two_jobs_are_moderated_and_checked_at_once(
+    prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``batch_model_threads`` model calls in flight: two jobs' input moderation and two
+    jobs' quality checks run at the same time (each call waits for the other to start);
+    with one at a time (``batch_model_threads=1``) none meets another."""
+    from tasks import pipeline
+
+    met: dict[str, list[bool]] = {}
+
+    def meeting(name: str, real: Any, barrier: threading.Barrier) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                barrier.wait()
+                met.setdefault(name, []).append(True)
+            except threading.BrokenBarrierError:
+                met.setdefault(name, []).append(False)
+            return real(*args, **kwargs)
+
+        return run
+
+    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
+    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    real = {name: getattr(pipeline, name) for name in ("moderate_inputs_stage", "checked_stage")}
+    for threads, wait_s in ((2, 20.0), (1, 0.5)):
+        block = f"test-model-threads-{threads}"  # one block each: the flows cache settings
+        FusionSettings(batch_model_threads=threads).save(block, overwrite=True)
+        met.clear()
+        for name, stage in real.items():
+            barrier = threading.Barrier(2, timeout=wait_s)
+            monkeypatch.setattr(pipeline, name, meeting(name, stage, barrier))
+        first, second = job_params(astronaut, grace), job_params(grace, astronaut)
+        params = {**_batch(first, second), "settings_block": f"fusion-settings/{block}"}
+
+        state = fuse_batch(**params, return_state=True)
+
+        assert state.is_completed(), state.message
+        assert state.result() == {first["job_id"]: "succeeded", second["job_id"]: "succeeded"}
+        expected = [True, True] if threads == 2 else [False, False]
+        assert met == {"moderate_inputs_stage": expected, "checked_stage": expected}
