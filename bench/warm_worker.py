@@ -275,7 +275,7 @@ def prepare_inputs(
     with temporary_settings(updates={PREFECT_API_URL: url}):
         saved = init_default_blocks(home, webhook_secret="whsec_bench")
         if gpu_shaped:
-            FusionSettings(batch_model_threads=1).save(SETTINGS_NAME, overwrite=True)
+            FusionSettings(model_threads=1).save(SETTINGS_NAME, overwrite=True)
     keys = []
     source, target = samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes()
     for data in (source, target):

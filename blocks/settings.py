@@ -124,13 +124,14 @@ class FusionSettings(Block):
         description="Threads a fuse-batch run gives its jobs' CPU work (reading and decoding "
         "inputs, blending and encoding results, writing them); 0: one per CPU core, at most 8.",
     )
-    batch_model_threads: int = Field(
+    model_threads: int = Field(
         default=0,
         ge=0,
         le=8,
-        description="Model calls a fuse-batch run keeps in flight (face detection in chunks, "
-        "input moderation and the quality checks of several jobs at once); 0: two on the CPU "
-        "of a machine with two or more cores, one on a GPU (whose calls take the whole batch).",
+        description="Model calls kept in flight: a job's images go through face detection "
+        "in that many calls at once, and a fuse-batch run also moderates inputs and checks "
+        "the quality of that many jobs at once; 0: two on the CPU of a machine with two or "
+        "more cores, one on a GPU (whose calls take the whole batch).",
     )
     model_dir: str | None = Field(
         default=None,

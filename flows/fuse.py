@@ -80,7 +80,7 @@ def pipeline_context(settings: FusionSettings) -> PipelineContext:
         limits=settings.image_limits,
         moderation=settings.moderation,
         cpu_threads=cpu_threads(settings.batch_cpu_threads),
-        model_threads=model_threads(settings.batch_model_threads, device),
+        model_threads=model_threads(settings.model_threads, device),
     )
 
 

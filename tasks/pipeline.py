@@ -74,8 +74,9 @@ class PipelineContext:
     cpu_threads: int = 1
     """Threads for a batch's per-job CPU work that releases the GIL (``tasks.batch.each``)."""
     model_threads: int = 1
-    """Model calls a batch stage keeps in flight (``tasks.batch.model_threads``): detection
-    chunks, input moderation and quality checks of several jobs at once."""
+    """Model calls kept in flight (``tasks.batch.model_threads``): detection of a job's (or
+    a batch's) images in that many calls, a batch's input moderation and quality checks of
+    that many jobs at once."""
 
     @classmethod
     def for_this_machine(
@@ -87,10 +88,13 @@ class PipelineContext:
         moderation: ModerationPolicy | None = None,
     ) -> PipelineContext:
         """A context on the best local device (``cuda`` when available)."""
+        from tasks.batch import model_threads
         from tasks.gpu import select_device
 
+        device = select_device()
         return cls(
-            device=select_device(),
+            device=device,
+            model_threads=model_threads(0, device),
             model_dir=Path(model_dir) if model_dir is not None else None,
             pins=dict(pins or {}),
             limits=limits or ImageLimits(),
@@ -300,9 +304,7 @@ def detect_stage_batch(
     for detector, indices in by_detector.items():
         images = [image for i in indices for image in jobs[i][:2]]
         try:
-            faces = detect_faces_batch(
-                images, **_detector_kwargs(detector, ctx), threads=ctx.model_threads
-            )
+            faces = detect_faces_batch(images, **_detector_kwargs(detector, ctx))
         except TimeoutError:
             raise
         except Exception as exc:
@@ -324,6 +326,7 @@ def _detector_kwargs(detector: DetectorName, ctx: PipelineContext) -> dict[str, 
         "model_dir": ctx.model_dir,
         "pins": ctx.pins,
         "max_side": ctx.detect_max_side,
+        "threads": ctx.model_threads,
     }
 
 

@@ -283,3 +283,29 @@ def test_batches_in_flight_together_keep_every_image_in_its_place(
     assert [[f.box for f in faces] for faces in found] == [
         [f.box for f in faces] for faces in alone
     ]
+
+
+def test_a_jobs_source_and_target_are_detected_at_once_on_two_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``detect_stage`` with ``model_threads`` = 2 (the CPU default on two cores): the
+    source and the target go through MTCNN in two calls that run at the same time."""
+    from tasks import pipeline
+    from tasks.options import FusionOptions
+
+    real = mtcnn.detect_batch_with_mtcnn
+    inside = threading.Barrier(2, timeout=10)
+    sizes: list[int] = []
+
+    def together(images: list[np.ndarray], **kwargs: object) -> list[list[Face]]:
+        sizes.append(len(images))
+        inside.wait()  # BrokenBarrierError unless the other call runs at the same time
+        return real(images, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mtcnn, "detect_batch_with_mtcnn", together)
+    ctx = pipeline.PipelineContext(device="cpu", model_threads=2)
+    found = pipeline.detect_stage(
+        samples.astronaut_rgb(), samples.grace_hopper_rgb(), FusionOptions(), ctx
+    )
+    assert sizes == [1, 1]
+    assert found.source_count == 1 and found.target_count == 1

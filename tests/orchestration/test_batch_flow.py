@@ -267,9 +267,9 @@ def test_identity_references_and_result_moderation_run_beside_other_stages(
 def test_on_the_cpu_two_jobs_are_moderated_and_checked_at_once(
     prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``batch_model_threads`` model calls in flight: two jobs' input moderation and two
+    """``model_threads`` model calls in flight: two jobs' input moderation and two
     jobs' quality checks run at the same time (each call waits for the other to start);
-    with one at a time (``batch_model_threads=1``) none meets another."""
+    with one at a time (``model_threads=1``) none meets another."""
     from tasks import pipeline
 
     met: dict[str, list[bool]] = {}
@@ -290,7 +290,7 @@ def test_on_the_cpu_two_jobs_are_moderated_and_checked_at_once(
     real = {name: getattr(pipeline, name) for name in ("moderate_inputs_stage", "checked_stage")}
     for threads, wait_s in ((2, 20.0), (1, 0.5)):
         block = f"test-model-threads-{threads}"  # one block each: the flows cache settings
-        FusionSettings(batch_model_threads=threads).save(block, overwrite=True)
+        FusionSettings(model_threads=threads).save(block, overwrite=True)
         met.clear()
         for name, stage in real.items():
             barrier = threading.Barrier(2, timeout=wait_s)
