@@ -225,7 +225,7 @@ def start_server(
         "FACEFLOW_HOME": str(home / "faceflow"),
         "PYTHONUNBUFFERED": "1",
     }
-    server_env = {**env, **prefect_server.services_env(extra_env or {}), **(extra_env or {})}
+    server_env = {**env, **prefect_server.SERVICE_WRITE_BATCHING, **(extra_env or {})}
     services = None
     if layout == "scale-out":
         database_url = server_env.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")

@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -52,9 +51,8 @@ from flows.params import (
 )
 from flows.storage_tasks import load_more_task, load_task, store_task
 from tasks import pipeline
-from tasks.batch import cpu_threads, model_threads
 from tasks.errors import DeadlineExceeded, FaceFlowError
-from tasks.gpu import gpu_stats, select_device
+from tasks.gpu import gpu_stats
 from tasks.options import FusionOptions
 from tasks.pipeline import Beside, PipelineContext, flagged_summaries, stage_workers
 from tasks.prefect_tasks import (
@@ -72,15 +70,14 @@ from tasks.report import QualityReport
 
 def pipeline_context(settings: FusionSettings) -> PipelineContext:
     """Where the pipeline runs, from the operator settings (imports torch)."""
-    device = select_device(None if settings.device == "auto" else settings.device)
-    return PipelineContext(
-        device=device,
-        model_dir=Path(settings.model_dir) if settings.model_dir else None,
-        pins=dict(settings.model_pins),
+    return PipelineContext.for_this_machine(
+        device=None if settings.device == "auto" else settings.device,
+        model_dir=settings.model_dir or None,
+        pins=settings.model_pins,
         limits=settings.image_limits,
         moderation=settings.moderation,
-        cpu_threads=cpu_threads(settings.batch_cpu_threads),
-        model_threads=model_threads(settings.model_threads, device),
+        cpu_threads=settings.batch_cpu_threads,
+        model_threads=settings.model_threads,
     )
 
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Generic, TypeVar
 
 from tasks.errors import FaceFlowError
@@ -50,11 +51,18 @@ def each(fn: Callable[[A], R], items: Sequence[A], *, threads: int = 1) -> list[
     GIL: image decoding and encoding, storage I/O); outcomes keep the items' order. On a
     timeout the items not yet started are dropped and those running finish unobserved.
     """
+    return in_flight(partial(_timed, fn), items, threads=threads)
+
+
+def in_flight(fn: Callable[[A], R], items: Sequence[A], *, threads: int = 1) -> list[R]:
+    """``fn`` of every item, in the items' order, ``threads`` of them at once (on this
+    thread when one). An error (a timeout too) ends the call: the items not yet started
+    are dropped and those running finish unobserved."""
     if threads <= 1 or len(items) <= 1:
-        return [_timed(fn, item) for item in items]
+        return [fn(item) for item in items]
     pool = ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="faceflow-each")
     try:
-        futures = [pool.submit(_timed, fn, item) for item in items]
+        futures = [pool.submit(fn, item) for item in items]
         return [future.result() for future in futures]
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -69,8 +77,8 @@ def cpu_threads(setting: int, cap: int = 8) -> int:
 
 
 def model_threads(setting: int, device: str) -> int:
-    """Model calls a batch stage keeps in flight: ``setting``, or for 0 two on the CPU of
-    a machine with two or more cores (one call's own threads leave cores idle on the small
+    """Model calls kept in flight (a job's images in detection, a batch's jobs in its model
+    stages): ``setting``, or for 0 two on the CPU of a machine with two or more cores (one call's own threads leave cores idle on the small
     tensors of a face crop or a detector's later stages) and one on a GPU, whose calls
     take the whole batch at once."""
     if setting > 0:

@@ -6,20 +6,16 @@ the coordinates of the image passed in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import cv2
 import numpy as np
 
+from tasks.batch import in_flight
 from tasks.errors import InvalidInput, NoFaceFound
 from tasks.options import DetectorName, FaceChoice
 from tasks.types import Face, RGBImage
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 DEFAULT_DETECT_MAX_SIDE = 1024
 """Longest side the detector sees; larger images are detected on a downscaled copy."""
@@ -86,20 +82,20 @@ def detect_faces_batch(
         smallest = min_face_size or DEFAULT_MIN_FACE_SIZE
         found = [
             faces
-            for chunk in _in_flight(
+            for chunk in in_flight(
                 lambda chunk: detect_batch_with_mtcnn(chunk, device=device, min_face_size=smallest),
                 chunks,
-                threads,
+                threads=threads,
             )
             for faces in chunk
         ]
     elif detector == "scrfd":
         from tasks.scrfd import detect_with_scrfd
 
-        found = _in_flight(
+        found = in_flight(
             lambda image: detect_with_scrfd(image, device=device, model_dir=model_dir, pins=pins),
             work,
-            threads,
+            threads=threads,
         )
     else:  # pragma: no cover - the Literal type makes this unreachable for typed callers
         raise InvalidInput(f"Unknown detector {detector!r}.")
@@ -135,11 +131,3 @@ def select_faces(faces: list[Face], choice: FaceChoice, *, role: str = "target")
             f"Face index {choice} is out of range: the {role} image has {len(faces)} face(s)."
         )
     return [faces[choice]]
-
-
-def _in_flight(fn: Callable[[T], R], items: list[T], threads: int) -> list[R]:
-    """``fn`` of each item in order, ``threads`` of them at once (an error ends the call)."""
-    if threads <= 1 or len(items) <= 1:
-        return [fn(item) for item in items]
-    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="faceflow-detect") as pool:
-        return list(pool.map(fn, items))

@@ -82,23 +82,29 @@ class PipelineContext:
     def for_this_machine(
         cls,
         *,
+        device: str | None = None,
         model_dir: str | Path | None = None,
         pins: Mapping[str, str] | None = None,
         limits: ImageLimits | None = None,
         moderation: ModerationPolicy | None = None,
+        cpu_threads: int = 1,
+        model_threads: int = 0,
     ) -> PipelineContext:
-        """A context on the best local device (``cuda`` when available)."""
-        from tasks.batch import model_threads
+        """A context on ``device`` (default: the best local one, ``cuda`` when available);
+        ``cpu_threads`` and ``model_threads`` as the settings give them (0: by the cores and
+        the device, ``tasks.batch``)."""
+        from tasks import batch
         from tasks.gpu import select_device
 
-        device = select_device()
+        chosen = select_device(device)
         return cls(
-            device=device,
-            model_threads=model_threads(0, device),
+            device=chosen,
             model_dir=Path(model_dir) if model_dir is not None else None,
             pins=dict(pins or {}),
             limits=limits or ImageLimits(),
             moderation=moderation or ModerationPolicy(),
+            cpu_threads=batch.cpu_threads(cpu_threads),
+            model_threads=batch.model_threads(model_threads, chosen),
         )
 
 
