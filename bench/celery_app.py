@@ -74,8 +74,8 @@ _state: dict[str, Any] = {"ctx": None, "warm_up_ms": 0.0, "torch_threads": 0}
 
 def _pipeline_context() -> Any:
     """The pipeline context of this process, its models loaded on the first call (torch
-    threads set first when ``BENCH_TORCH_THREADS`` says so; the pipeline made GPU-shaped
-    first in mode ``gpu``)."""
+    threads as the context sets them, or as ``BENCH_TORCH_THREADS`` says; the pipeline
+    made GPU-shaped first in mode ``gpu``)."""
     if _state["ctx"] is None:
         start = time.perf_counter()
         if os.environ.get(MODE_ENV) == "gpu":
@@ -84,12 +84,12 @@ def _pipeline_context() -> Any:
             install(float(os.environ[GPU_MS_ENV]))
         import torch
 
-        threads = os.environ.get(THREADS_ENV)
-        if threads:
-            torch.set_num_threads(int(threads))
         from tasks.pipeline import PipelineContext, warm_up
 
         ctx = PipelineContext.for_this_machine()
+        threads = os.environ.get(THREADS_ENV)
+        if threads:
+            torch.set_num_threads(int(threads))
         warm_up(ctx)
         _state["warm_up_ms"] = (time.perf_counter() - start) * 1e3
         _state["torch_threads"] = torch.get_num_threads()

@@ -131,7 +131,9 @@ class FusionSettings(Block):
         description="Model calls kept in flight: a job's images go through face detection "
         "in that many calls at once, and a fuse-batch run also moderates inputs and checks "
         "the quality of that many jobs at once; 0: two on the CPU of a machine with two or "
-        "more cores, one on a GPU (whose calls take the whole batch).",
+        "more cores, one on a GPU (whose calls take the whole batch). Each call gets the "
+        "CPU cores divided among the calls as intra-op threads (torch's unless "
+        "OMP_NUM_THREADS is set, and the moderation detector's).",
     )
     model_dir: str | None = Field(
         default=None,

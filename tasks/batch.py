@@ -88,6 +88,13 @@ def model_threads(setting: int, device: str) -> int:
     return min(2, cpu_threads(0))
 
 
+def call_threads(model_threads: int) -> int:
+    """Intra-op threads of one model call on the CPU (torch's, onnxruntime's) when
+    ``model_threads`` calls are kept in flight: this process's cores shared among them, at
+    least one. Two calls with two threads each on two cores wait on each other's threads."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, model_threads))
+
+
 def _timed(fn: Callable[[A], R], item: A) -> Each[R]:
     start = time.perf_counter()
     try:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 DEVICE_ENV = "FACEFLOW_DEVICE"
+THREADS_ENV = "OMP_NUM_THREADS"
 
 
 def select_device(prefer: str | None = None) -> str:
@@ -19,6 +20,17 @@ def select_device(prefer: str | None = None) -> str:
     if torch.cuda.is_available():
         return "cuda" if wanted in ("auto", "cuda") else wanted
     return "cpu"
+
+
+def use_torch_threads(threads: int) -> int:
+    """Give torch ``threads`` intra-op threads on the CPU (for this process; threads that
+    start later take the same) unless the operator set ``$OMP_NUM_THREADS``, which wins;
+    returns the count in use."""
+    import torch
+
+    if threads > 0 and not os.environ.get(THREADS_ENV):
+        torch.set_num_threads(threads)
+    return int(torch.get_num_threads())
 
 
 @dataclass(frozen=True, slots=True)

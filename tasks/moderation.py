@@ -24,6 +24,7 @@ import cv2
 import numpy as np
 import numpy.typing as npt
 
+from tasks.batch import in_flight
 from tasks.errors import ContentBlocked, ModelUnavailable
 from tasks.onnx_runtime import OnnxModel, check_rgb, load_onnx_model, to_nchw
 from tasks.options import NSFW_LABELS, ModerationPolicy, NsfwLabel
@@ -140,13 +141,17 @@ def detect_batch_with_nudenet(
     model_dir: str | Path | None = None,
     pins: Mapping[str, str] | None = None,
     floor: float = REPORT_FLOOR,
+    threads: int = 0,
 ) -> list[list[NsfwDetection]]:
-    """``detect_with_nudenet`` of several images in one forward (one batch)."""
+    """``detect_with_nudenet`` of several images in one forward (one batch), on a session
+    with ``threads`` intra-op threads (0: onnxruntime's default, one per core)."""
     for image in images:
         check_rgb(image, "image")
     if not images:
         return []
-    model = load_onnx_model(MODEL, device=MODERATION_DEVICE, model_dir=model_dir, pins=pins)
+    model = load_onnx_model(
+        MODEL, device=MODERATION_DEVICE, model_dir=model_dir, pins=pins, threads=threads
+    )
     prepared = [prepare_nudenet(image, model.input_size()) for image in images]
     pred = forward_nudenet(model, np.concatenate([p.blob for p in prepared]))
     return [
@@ -171,13 +176,27 @@ def moderate_images(
     *,
     model_dir: str | Path | None = None,
     pins: Mapping[str, str] | None = None,
+    calls: int = 1,
+    threads: int = 0,
 ) -> tuple[ModerationVerdict, ...]:
     """A verdict per image (role → image, in order): its detections and those of them the
-    policy flags. The images go through the detector as one batch."""
+    policy flags. The images go through the detector in ``calls`` batches at once (one
+    batch when 1), on a session with ``threads`` intra-op threads (0: one per core)."""
     floor = min([REPORT_FLOOR, policy.threshold, *policy.label_thresholds.values()])
-    found = detect_batch_with_nudenet(
-        list(images.values()), model_dir=model_dir, pins=pins, floor=floor
-    )
+    pictures = list(images.values())
+    size = max(1, -(-len(pictures) // max(1, calls)))
+    chunks = [pictures[i : i + size] for i in range(0, len(pictures), size)]
+    found = [
+        detections
+        for chunk in in_flight(
+            lambda chunk: detect_batch_with_nudenet(
+                chunk, model_dir=model_dir, pins=pins, floor=floor, threads=threads
+            ),
+            chunks,
+            threads=calls,
+        )
+        for detections in chunk
+    ]
     return tuple(
         ModerationVerdict(
             role,
@@ -213,7 +232,13 @@ def enforce(verdicts: Sequence[ModerationVerdict], policy: ModerationPolicy) -> 
 
 
 def warm_up_moderation(
-    *, model_dir: str | Path | None = None, pins: Mapping[str, str] | None = None
+    *,
+    model_dir: str | Path | None = None,
+    pins: Mapping[str, str] | None = None,
+    threads: int = 0,
 ) -> None:
-    """Load the detector and run it once on a grey image."""
-    detect_with_nudenet(np.full((64, 64, 3), 128, dtype=np.uint8), model_dir=model_dir, pins=pins)
+    """Load the detector (its session with ``threads`` intra-op threads) and run it once on
+    a grey image."""
+    detect_batch_with_nudenet(
+        [np.full((64, 64, 3), 128, dtype=np.uint8)], model_dir=model_dir, pins=pins, threads=threads
+    )

@@ -75,10 +75,14 @@ def _device_index(device: str) -> int:
     return int(index) if index.isdigit() else 0
 
 
-def create_session(path: Path, providers: Sequence[str], device: str) -> ort.InferenceSession:
-    """An ``InferenceSession`` on ``providers``; ``ModelUnavailable`` if the file will not load."""
+def create_session(
+    path: Path, providers: Sequence[str], device: str, threads: int = 0
+) -> ort.InferenceSession:
+    """An ``InferenceSession`` on ``providers`` with ``threads`` intra-op threads on the CPU
+    (0: onnxruntime's default, one per core); ``ModelUnavailable`` if the file will not load."""
     options = ort.SessionOptions()
     options.log_severity_level = 3  # unused initializers (inswapper's emap) are expected
+    options.intra_op_num_threads = max(0, threads)
     # The pipeline calls its sessions between torch stages: intra-op threads that spin
     # after a run take a core from the torch work that follows (moderation → detect).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -111,8 +115,11 @@ def load_onnx_model(
     device: str = "cpu",
     model_dir: str | Path | None = None,
     pins: Mapping[str, str] | None = None,
+    threads: int = 0,
 ) -> OnnxModel:
-    """The verified, cached session of ``name`` (loaded on the first call only)."""
+    """The verified, cached session of ``name`` (loaded on the first call only) with
+    ``threads`` intra-op threads on the CPU (0: onnxruntime's default; each count is its
+    own session)."""
     if REGISTRY[name].runtime != "onnx":
         raise ValueError(f"{name} is not an ONNX model")
     path = resolve(name, directory=model_dir, pins=pins)
@@ -121,7 +128,7 @@ def load_onnx_model(
     wanted = providers_for(device)
 
     def load() -> OnnxModel:
-        session = create_session(path, wanted, device)
+        session = create_session(path, wanted, device, threads)
         input_names, input_shapes = _signature(session.get_inputs())
         output_names, output_shapes = _signature(session.get_outputs())
         return OnnxModel(
@@ -137,7 +144,7 @@ def load_onnx_model(
             output_shapes=output_shapes,
         )
 
-    return MODEL_CACHE.get((name, device, (wanted, sha256)), load)
+    return MODEL_CACHE.get((name, device, (wanted, sha256, threads)), load)
 
 
 def last_initializer(path: Path) -> npt.NDArray[np.float32]:

@@ -74,9 +74,13 @@ class PipelineContext:
     cpu_threads: int = 1
     """Threads for a batch's per-job CPU work that releases the GIL (``tasks.batch.each``)."""
     model_threads: int = 1
-    """Model calls kept in flight (``tasks.batch.model_threads``): detection of a job's (or
-    a batch's) images in that many calls, a batch's input moderation and quality checks of
-    that many jobs at once."""
+    """Model calls kept in flight (``tasks.batch.model_threads``): detection and input
+    moderation of a job's images in that many calls (a batch's detection in that many
+    chunks), a batch's input moderation and quality checks of that many jobs at once."""
+    call_threads: int = 0
+    """Intra-op threads of one model call on the CPU, the cores shared among the calls in
+    flight (``tasks.batch.call_threads``): torch's (set by ``for_this_machine``) and the
+    moderation session's; 0: the runtimes' own defaults."""
 
     @classmethod
     def for_this_machine(
@@ -92,11 +96,14 @@ class PipelineContext:
     ) -> PipelineContext:
         """A context on ``device`` (default: the best local one, ``cuda`` when available);
         ``cpu_threads`` and ``model_threads`` as the settings give them (0: by the cores and
-        the device, ``tasks.batch``)."""
+        the device, ``tasks.batch``). Sets torch's CPU threads for this process to the
+        context's ``call_threads`` (``tasks.gpu.use_torch_threads``)."""
         from tasks import batch
-        from tasks.gpu import select_device
+        from tasks.gpu import select_device, use_torch_threads
 
         chosen = select_device(device)
+        in_flight = batch.model_threads(model_threads, chosen)
+        use_torch_threads(batch.call_threads(in_flight))
         return cls(
             device=chosen,
             model_dir=Path(model_dir) if model_dir is not None else None,
@@ -104,7 +111,8 @@ class PipelineContext:
             limits=limits or ImageLimits(),
             moderation=moderation or ModerationPolicy(),
             cpu_threads=batch.cpu_threads(cpu_threads),
-            model_threads=batch.model_threads(model_threads, chosen),
+            model_threads=in_flight,
+            call_threads=batch.call_threads(in_flight),
         )
 
 
@@ -176,16 +184,18 @@ def decode_stage(data: bytes, ctx: PipelineContext) -> RGBImage:
 
 
 def moderate_inputs_stage(
-    images: Mapping[str, RGBImage], ctx: PipelineContext
+    images: Mapping[str, RGBImage], ctx: PipelineContext, *, calls: int = 1
 ) -> tuple[ModerationVerdict, ...]:
-    """NSFW check of the inputs (role → image) on the CPU, before any face model runs.
+    """NSFW check of the inputs (role → image) on the CPU, before any face model runs, in
+    ``calls`` detector calls at once (a single job: ``ctx.model_threads``; a batch keeps
+    its jobs in flight instead).
 
     ``ContentBlocked`` when the policy enforces and an image is flagged; in report mode the
     verdicts (with what was flagged) are returned; ``()`` when the policy checks no inputs.
     """
     if not ctx.moderation.checks_inputs:
         return ()
-    return _moderate(images, ctx)
+    return _moderate(images, ctx, calls=calls)
 
 
 def moderate_result_stage(image: RGBImage, ctx: PipelineContext) -> tuple[ModerationVerdict, ...]:
@@ -196,11 +206,18 @@ def moderate_result_stage(image: RGBImage, ctx: PipelineContext) -> tuple[Modera
 
 
 def _moderate(
-    images: Mapping[str, RGBImage], ctx: PipelineContext
+    images: Mapping[str, RGBImage], ctx: PipelineContext, *, calls: int = 1
 ) -> tuple[ModerationVerdict, ...]:
     from tasks.moderation import enforce, moderate_images
 
-    verdicts = moderate_images(images, ctx.moderation, model_dir=ctx.model_dir, pins=ctx.pins)
+    verdicts = moderate_images(
+        images,
+        ctx.moderation,
+        model_dir=ctx.model_dir,
+        pins=ctx.pins,
+        calls=calls,
+        threads=ctx.call_threads,
+    )
     enforce(verdicts, ctx.moderation)
     return verdicts
 
@@ -699,7 +716,7 @@ def fuse_images(
             **{f"source {i + 1}": image for i, image in enumerate(more_sources)},
             **{f"reference {i}": image for i, image in enumerate(reference_images)},
         }
-        verdicts = moderate_inputs_stage(inputs, ctx)
+        verdicts = moderate_inputs_stage(inputs, ctx, calls=ctx.model_threads)
     with _timed(timings, "detect"):
         detections = detect_stage(
             source,
@@ -771,7 +788,7 @@ def warm_up(
     if ctx.moderation.checks_inputs or ctx.moderation.checks_result:
         from tasks.moderation import warm_up_moderation
 
-        warm_up_moderation(model_dir=ctx.model_dir, pins=ctx.pins)
+        warm_up_moderation(model_dir=ctx.model_dir, pins=ctx.pins, threads=ctx.call_threads)
     probe = np.full((96, 96, 3), 128, dtype=np.uint8)
     detect_faces(
         probe, detector=detector, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins

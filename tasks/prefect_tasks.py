@@ -50,8 +50,9 @@ class EncodedImage:
 def moderate_inputs_task(
     images: Mapping[str, RGBImage], ctx: PipelineContext
 ) -> tuple[ModerationVerdict, ...]:
-    """NSFW check of the inputs on the CPU (``ContentBlocked`` when enforced and flagged)."""
-    return pipeline.moderate_inputs_stage(images, ctx)
+    """NSFW check of the inputs on the CPU (``ContentBlocked`` when enforced and flagged),
+    ``ctx.model_threads`` images at once."""
+    return pipeline.moderate_inputs_stage(images, ctx, calls=ctx.model_threads)
 
 
 @task(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 
-from tasks.batch import cpu_threads, each, model_threads
+from tasks.batch import call_threads, cpu_threads, each, model_threads
 from tasks.errors import FaceFlowError, NoFaceFound
 
 
@@ -69,6 +70,15 @@ def test_model_calls_in_flight_two_on_the_cpu_one_on_a_gpu() -> None:
     assert model_threads(3, "cpu") == 3 and model_threads(3, "cuda") == 3  # the setting wins
     assert model_threads(0, "cuda") == 1  # a GPU call takes the whole batch
     assert model_threads(0, "cpu") == min(2, cpu_threads(0))
+
+
+def test_the_cores_are_shared_among_the_model_calls_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [call_threads(n) for n in (1, 2, 3, 16, 32)] == [16, 8, 5, 1, 1]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert [call_threads(n) for n in (0, 1, 2)] == [2, 2, 1]  # two calls, one core each
 
 
 def test_cpu_threads_follow_the_setting_or_the_cores() -> None:

@@ -195,6 +195,45 @@ def test_the_session_runs_on_the_cpu_and_loads_once() -> None:
     assert MODEL_CACHE.total_loads(MODEL) == before
 
 
+def test_a_jobs_inputs_are_moderated_in_two_calls_at_once_on_one_thread_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A single job on the CPU (``calls=ctx.model_threads``): its source and target go
+    through NudeNet in two calls that run at the same time, on a session of
+    ``ctx.call_threads`` intra-op threads, with the verdicts of one batch."""
+    import threading
+
+    from tasks import moderation
+
+    images = {"source": astronaut_rgb(), "target": colorwheel()}
+    ctx = PipelineContext(moderation=REPORT, model_threads=2, call_threads=1)
+    alone = moderate_inputs_stage(images, ctx)
+    real = moderation.detect_batch_with_nudenet
+    inside = threading.Barrier(2, timeout=10)
+    calls: list[tuple[int, int]] = []
+
+    def together(
+        pictures: list[np.ndarray], **kwargs: object
+    ) -> list[list[moderation.NsfwDetection]]:
+        calls.append((len(pictures), int(kwargs["threads"])))  # type: ignore[call-overload]
+        inside.wait()  # BrokenBarrierError unless the other call runs at the same time
+        return real(pictures, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(moderation, "detect_batch_with_nudenet", together)
+    verdicts = moderate_inputs_stage(images, ctx, calls=ctx.model_threads)
+    assert calls == [(1, 1), (1, 1)]
+    assert [v.role for v in verdicts] == ["source", "target"]
+    for split, batched in zip(verdicts, alone, strict=True):
+        assert [d.label for d in split.detections] == [d.label for d in batched.detections]
+        assert [d.score for d in split.detections] == pytest.approx(
+            [d.score for d in batched.detections], abs=1e-4
+        )
+    assert verdicts[1].flagged and not verdicts[0].flagged
+    loaded = MODEL_CACHE.keys()
+    assert any(k[0] == MODEL and k[2][2] == 1 for k in loaded)  # type: ignore[index]
+    assert moderate_images({}, REPORT, calls=2) == ()
+
+
 def test_a_wrong_model_or_pin_is_model_unavailable() -> None:
     with pytest.raises(ModelUnavailable):
         detect_with_nudenet(astronaut_rgb(), pins={MODEL: "0" * 64})

@@ -268,3 +268,30 @@ def test_work_beside_a_stage_is_reused_only_for_the_inputs_it_started_with() -> 
         with pytest.raises(errors.ContentBlocked):
             failing.take()
     assert [r is first for r in runs].count(True) == 3 and runs.count(second) == 1
+
+
+def test_the_context_for_this_machine_shares_the_cores_among_model_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On two cores two model calls are in flight with one torch thread each (two calls of
+    two threads each wait on each other's threads); an operator's ``OMP_NUM_THREADS`` wins."""
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        ctx = PipelineContext.for_this_machine(device="cpu")
+        assert (ctx.model_threads, ctx.call_threads) == (2, 1)
+        assert torch.get_num_threads() == 1
+        one = PipelineContext.for_this_machine(device="cpu", model_threads=1)
+        assert (one.model_threads, one.call_threads) == (1, 2)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        ctx = PipelineContext.for_this_machine(device="cpu")
+        assert ctx.call_threads == 1 and torch.get_num_threads() == 2  # the operator's
+    finally:
+        torch.set_num_threads(before)
