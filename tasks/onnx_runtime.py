@@ -2,9 +2,9 @@
 
 The ``insightface`` package is never imported: its model files are run here directly.
 ``load_onnx_model`` verifies the file through ``tasks.registry.resolve`` and caches one
-session in ``tasks.models.MODEL_CACHE`` under ``(model name, device, (providers, sha256))``:
-the SHA-256 of the verified file is part of the key, so a re-pinned or replaced file gets
-a fresh session while the same bytes from any directory share one.
+session in ``tasks.models.MODEL_CACHE`` under ``(model name, device, (providers, sha256,
+intra-op threads))``: the SHA-256 of the verified file is part of the key, so a re-pinned
+or replaced file gets a fresh session while the same bytes from any directory share one.
 """
 
 from __future__ import annotations

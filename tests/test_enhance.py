@@ -118,7 +118,7 @@ def test_pipeline_restores_the_fused_face_before_paste_back(tmp_path: Path) -> N
 
 def test_restorer_session_loads_once_per_file_on_the_job_device(tmp_path: Path) -> None:
     tiny = build_tiny_gfpgan(tmp_path, gain=0.5)  # a hash no other test loads
-    key = ("gfpgan-1.4", "cpu", (providers_for("cpu"), tiny.sha256))
+    key = ("gfpgan-1.4", "cpu", (providers_for("cpu"), tiny.sha256, 0))
     for _ in range(3):
         enhance_with_gfpgan(_crop(), model_dir=tmp_path, pins=tiny.pins)
     assert MODEL_CACHE.loads[key] == 1

@@ -56,7 +56,7 @@ def test_providers_are_cpu_here_and_cuda_only_for_a_cuda_device() -> None:
 
 def test_session_loads_once_per_file_device_and_providers(tmp_path: Path) -> None:
     tiny = build_tiny_scrfd(tmp_path, variant=7)  # a hash no other test loads
-    key = ("scrfd-10g", "cpu", (providers_for("cpu"), tiny.sha256))
+    key = ("scrfd-10g", "cpu", (providers_for("cpu"), tiny.sha256, 0))  # default threads
     assert MODEL_CACHE.loads[key] == 0
     image = plant_square(640, 640, (320, 320), SCRFD_SQUARE)
     for _ in range(3):
