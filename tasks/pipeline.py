@@ -103,7 +103,8 @@ class PipelineContext:
 
         chosen = select_device(device)
         in_flight = batch.model_threads(model_threads, chosen)
-        use_torch_threads(batch.call_threads(in_flight))
+        per_call = batch.call_threads(in_flight)
+        use_torch_threads(per_call)
         return cls(
             device=chosen,
             model_dir=Path(model_dir) if model_dir is not None else None,
@@ -112,7 +113,7 @@ class PipelineContext:
             moderation=moderation or ModerationPolicy(),
             cpu_threads=batch.cpu_threads(cpu_threads),
             model_threads=in_flight,
-            call_threads=batch.call_threads(in_flight),
+            call_threads=per_call,
         )
 
 
