@@ -68,31 +68,53 @@ def in_flight(fn: Callable[[A], R], items: Sequence[A], *, threads: int = 1) -> 
         pool.shutdown(wait=False, cancel_futures=True)
 
 
+def in_chunks(
+    fn: Callable[[list[A]], Sequence[R]],
+    items: Sequence[A],
+    *,
+    threads: int = 1,
+    most: int | None = None,
+) -> list[R]:
+    """``fn`` on consecutive chunks of ``items`` (one chunk per thread, at most ``most``
+    items each), ``threads`` chunks at once (``in_flight``); every chunk's results, in the
+    items' order. For a model that takes a batch and returns one result per item."""
+    size = -(-len(items) // max(1, threads))
+    if most is not None:
+        size = min(size, most)
+    chunks = [list(items[start : start + size]) for start in range(0, len(items), max(1, size))]
+    return [result for part in in_flight(fn, chunks, threads=threads) for result in part]
+
+
+def cores() -> int:
+    """The CPU cores this process may use."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
 def cpu_threads(setting: int, cap: int = 8) -> int:
     """Threads for per-job CPU work: ``setting``, or for 0 the CPU cores this process may
     use (at most ``cap``)."""
     if setting > 0:
         return setting
-    return max(1, min(len(os.sched_getaffinity(0)), cap))
+    return max(1, min(cores(), cap))
 
 
 def model_threads(setting: int, device: str) -> int:
     """Model calls kept in flight (a job's images in detection, a batch's jobs in its model
-    stages): ``setting``, or for 0 two on the CPU of a machine with two or more cores (one call's own threads leave cores idle on the small
-    tensors of a face crop or a detector's later stages) and one on a GPU, whose calls
-    take the whole batch at once."""
+    stages): ``setting``, or for 0 two on the CPU of a machine with two or more cores (one
+    call's own threads leave cores idle on the small tensors of a face crop or a detector's
+    later stages) and one on a GPU, whose calls take the whole batch at once."""
     if setting > 0:
         return setting
     if device != "cpu":
         return 1
-    return min(2, cpu_threads(0))
+    return min(2, cores())
 
 
 def call_threads(model_threads: int) -> int:
     """Intra-op threads of one model call on the CPU (torch's, onnxruntime's) when
     ``model_threads`` calls are kept in flight: this process's cores shared among them, at
     least one. Two calls with two threads each on two cores wait on each other's threads."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, model_threads))
+    return max(1, cores() // max(1, model_threads))
 
 
 def _timed(fn: Callable[[A], R], item: A) -> Each[R]:

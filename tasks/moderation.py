@@ -24,7 +24,7 @@ import cv2
 import numpy as np
 import numpy.typing as npt
 
-from tasks.batch import in_flight
+from tasks.batch import in_chunks
 from tasks.errors import ContentBlocked, ModelUnavailable
 from tasks.onnx_runtime import OnnxModel, check_rgb, load_onnx_model, to_nchw
 from tasks.options import NSFW_LABELS, ModerationPolicy, NsfwLabel
@@ -183,20 +183,13 @@ def moderate_images(
     policy flags. The images go through the detector in ``calls`` batches at once (one
     batch when 1), on a session with ``threads`` intra-op threads (0: one per core)."""
     floor = min([REPORT_FLOOR, policy.threshold, *policy.label_thresholds.values()])
-    pictures = list(images.values())
-    size = max(1, -(-len(pictures) // max(1, calls)))
-    chunks = [pictures[i : i + size] for i in range(0, len(pictures), size)]
-    found = [
-        detections
-        for chunk in in_flight(
-            lambda chunk: detect_batch_with_nudenet(
-                chunk, model_dir=model_dir, pins=pins, floor=floor, threads=threads
-            ),
-            chunks,
-            threads=calls,
-        )
-        for detections in chunk
-    ]
+    found = in_chunks(
+        lambda chunk: detect_batch_with_nudenet(
+            chunk, model_dir=model_dir, pins=pins, floor=floor, threads=threads
+        ),
+        list(images.values()),
+        threads=calls,
+    )
     return tuple(
         ModerationVerdict(
             role,

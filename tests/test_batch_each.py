@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tasks.batch import call_threads, cpu_threads, each, model_threads
+from tasks.batch import call_threads, cpu_threads, each, in_chunks, model_threads
 from tasks.errors import FaceFlowError, NoFaceFound
 
 
@@ -85,3 +85,18 @@ def test_cpu_threads_follow_the_setting_or_the_cores() -> None:
     assert cpu_threads(3) == 3
     assert 1 <= cpu_threads(0) <= 8
     assert cpu_threads(0, cap=1) == 1
+
+
+def test_in_chunks_splits_one_chunk_per_thread_and_keeps_the_order() -> None:
+    seen: list[list[int]] = []
+
+    def doubled(chunk: list[int]) -> list[int]:
+        seen.append(chunk)
+        return [2 * item for item in chunk]
+
+    assert in_chunks(doubled, list(range(7)), threads=2) == [0, 2, 4, 6, 8, 10, 12]
+    assert sorted(seen) == [[0, 1, 2, 3], [4, 5, 6]]
+    seen.clear()
+    assert in_chunks(doubled, list(range(5)), threads=2, most=2) == [0, 2, 4, 6, 8]
+    assert sorted(seen) == [[0, 1], [2, 3], [4]]
+    assert in_chunks(doubled, [], threads=2) == []
