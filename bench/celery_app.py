@@ -120,7 +120,7 @@ def fuse(self: Task, job: dict[str, Any]) -> dict[str, Any]:
     target = Path(job["target"]).read_bytes()
     c0 = time.perf_counter()
     if job["mode"] in PIPELINE_MODES:
-        from tasks.pipeline import fuse_images
+        from tasks.stages import fuse_images
 
         result = fuse_images(source, target, ctx=_pipeline_context())
         data, faces = result.data, result.faces_replaced

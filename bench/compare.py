@@ -28,7 +28,8 @@ import json, statistics, sys, time
 import tasks
 from faceflow import samples
 from tasks.options import FusionOptions
-from tasks.pipeline import PipelineContext, fuse_images, warm_up
+from tasks.pipeline import PipelineContext, warm_up
+from tasks.stages import fuse_images
 
 runs = int(sys.argv[1])
 ctx = PipelineContext.for_this_machine()

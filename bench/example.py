@@ -16,7 +16,8 @@ from PIL import Image
 
 from faceflow import samples
 from tasks.options import FusionOptions
-from tasks.pipeline import PipelineContext, fuse_images
+from tasks.pipeline import PipelineContext
+from tasks.stages import fuse_images
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "example.png"
 

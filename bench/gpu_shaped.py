@@ -2,9 +2,9 @@
 
 On a GPU host a job's model and image maths leave the CPU: what remains on the cores is
 orchestration. To show the control plane's share as it would be there, ``install(ms)``
-replaces every compute stage of ``tasks.pipeline`` (moderation, detection, alignment,
-fusion, enhancement, postprocess, quality) by a ``time.sleep`` of its share of ``ms`` per
-job — a sleep releases the GIL, as a GPU kernel does — returning what the real stage
+replaces the compute of every stage of ``tasks.stages.PIPELINE`` (the ``tasks.pipeline``
+functions its entry names: moderation, detection, alignment, fusion, enhancement,
+postprocess, quality) by a ``time.sleep`` of its share of ``ms`` per job — a sleep releases the GIL, as a GPU kernel does — returning what the real stage
 returned the first time it saw the same inputs (the benchmarks use the same photos for
 every job), so every later stage, the result and its store are real. Decoding and
 encoding stay real CPU work, as they are on a GPU host.
@@ -31,19 +31,19 @@ import numpy as np
 ENV = "FACEFLOW_BENCH_GPU_MS"
 SITE = "gpu_shaped_site"
 
-#: Share of a job's compute time each stage sleeps (detection dominates on a GPU too).
+#: Share of a job's compute time each stage sleeps (detection dominates on a GPU too),
+#: spent in the first of the ``tasks.pipeline`` functions the stage's table entry names
+#: (``tasks.stages.Stage.calls``); the others it names are shaped with no sleep of their
+#: own (the quality stage's reference: its result is in ``checked_stage``'s key).
 SHARES: dict[str, float] = {
-    "moderate_inputs_stage": 0.05,
-    "detect_stage": 0.35,
-    "align_stage": 0.05,
-    "fuse_stage": 0.2,
-    "enhance_stage": 0.0,
-    "postprocess_stage": 0.1,
-    "checked_stage": 0.2,
-    # Part of the quality stage; fuse_images runs it beside align → postprocess and hands
-    # it to checked_stage, so it must be shaped too (its result is in checked_stage's key).
-    "reference_stage": 0.0,
-    "moderate_result_stage": 0.05,
+    "moderate_inputs": 0.05,
+    "detect": 0.35,
+    "align": 0.05,
+    "fuse": 0.2,
+    "enhance": 0.0,
+    "postprocess": 0.1,
+    "quality": 0.2,
+    "moderate_result": 0.05,
 }
 
 
@@ -112,15 +112,16 @@ def shaped(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
 
 
 def install(ms: float) -> None:
-    """Make ``tasks.pipeline``'s compute stages GPU-shaped: ``ms`` per job in all."""
+    """Make the compute stages of ``tasks.stages.PIPELINE`` GPU-shaped: ``ms`` per job."""
     from tasks import pipeline
+    from tasks.stages import PIPELINE
 
     if getattr(pipeline, "_gpu_shaped_ms", None) is not None:
         return
-    for name, share in SHARES.items():
-        real = getattr(pipeline, name, None)
-        if real is not None:
-            setattr(pipeline, name, shaped(real, ms * share / 1000.0))
+    for stage in PIPELINE:
+        for i, name in enumerate(stage.calls):
+            seconds = ms * SHARES.get(stage.name, 0.0) / 1000.0 if i == 0 else 0.0
+            setattr(pipeline, name, shaped(getattr(pipeline, name), seconds))
     detect = pipeline.detect_stage
 
     def detect_stage_batch(jobs: Sequence[tuple[Any, Any, Any]], ctx: Any) -> list[Any]:

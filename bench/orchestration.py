@@ -135,7 +135,8 @@ def run_job(api: httpx.Client, deployment_id: str, source: str, target: str) -> 
 
 def bare_pipeline(jobs: int) -> list[float]:
     """The same fusions in this process (models loaded once, first call included)."""
-    from tasks.pipeline import PipelineContext, fuse_images
+    from tasks.pipeline import PipelineContext
+    from tasks.stages import fuse_images
 
     ctx = PipelineContext.for_this_machine()
     source, target = astronaut_jpeg_bytes(), grace_hopper_jpeg_bytes()

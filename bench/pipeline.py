@@ -24,7 +24,8 @@ import numpy as np
 from faceflow import samples
 from tasks.models import MODEL_CACHE
 from tasks.options import MODERATION_MODES, FusionOptions, ModerationPolicy
-from tasks.pipeline import STAGES, PipelineContext, fuse_images, warm_up
+from tasks.pipeline import PipelineContext, warm_up
+from tasks.stages import STAGE_NAMES, fuse_images
 
 
 def _peak_rss_mb() -> float:
@@ -32,7 +33,7 @@ def _peak_rss_mb() -> float:
 
 
 def _measure(source: bytes, target: bytes, ctx: PipelineContext, runs: int) -> dict[str, float]:
-    per_stage: dict[str, list[float]] = {s: [] for s in STAGES}
+    per_stage: dict[str, list[float]] = {s: [] for s in STAGE_NAMES}
     totals: list[float] = []
     options = FusionOptions()
     for _ in range(runs):
@@ -89,10 +90,10 @@ def main() -> None:
         return
     print(f"device {report['device']}  runs {args.runs}  machine {report['machine']}")
     print(f"model load + warm-up: {report['model_load_ms']} ms  (loads: {report['model_loads']})")
-    header = "  ".join(f"{s:>11}" for s in [*STAGES, "total"])
+    header = "  ".join(f"{s:>11}" for s in [*STAGE_NAMES, "total"])
     print(f"{'':14}{header}")
     for label, fig in (("512x600", base), ("1024x1200", large)):
-        cells = "  ".join(f"{fig.get(s, 0.0):9.1f}ms" for s in [*STAGES, "total"])
+        cells = "  ".join(f"{fig.get(s, 0.0):9.1f}ms" for s in [*STAGE_NAMES, "total"])
         print(f"{label:<14}{cells}")
     print(f"4x pixels / base: {report['x4_over_base']}x   peak RSS: {report['peak_rss_mb']} MB")
 

@@ -299,7 +299,8 @@ def pooled(first: dict[str, float], second: dict[str, float]) -> dict[str, float
 
 def bare_loop(source: bytes, target: bytes, jobs: int) -> dict[str, float]:
     """``fuse_images`` in this process, warm: median ms and jobs/min."""
-    from tasks.pipeline import PipelineContext, fuse_images, warm_up
+    from tasks.pipeline import PipelineContext, warm_up
+    from tasks.stages import fuse_images
 
     ctx = PipelineContext.for_this_machine()
     warm_up(ctx)

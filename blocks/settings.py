@@ -15,47 +15,15 @@ from prefect.blocks.core import Block
 from pydantic import Field, field_validator
 
 from blocks.cache import load_block
-from flows.params import STAGES, StageName
 from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits, ModerationPolicy
+from tasks.stages import PIPELINE, STAGE_NAMES, StageName, stage_named
 
-__all__ = ["STAGES", "FusionSettings", "StageName", "StagePolicy", "load_settings"]
+__all__ = ["STAGE_NAMES", "FusionSettings", "StageName", "StagePolicy", "load_settings"]
 
-DEFAULT_BUDGETS_S: dict[StageName, float] = {
-    "load": 30.0,
-    "moderate_inputs": 30.0,
-    "detect": 60.0,
-    "align": 15.0,
-    "fuse": 60.0,
-    "enhance": 60.0,
-    "postprocess": 30.0,
-    "quality": 30.0,
-    "moderate_result": 30.0,
-    "store": 30.0,
-}
-DEFAULT_EXPECTED_S: dict[StageName, float] = {
-    "load": 0.5,
-    "moderate_inputs": 0.3,
-    "detect": 2.0,
-    "align": 0.2,
-    "fuse": 2.0,
-    "enhance": 1.0,
-    "postprocess": 1.0,
-    "quality": 1.0,
-    "moderate_result": 0.2,
-    "store": 0.5,
-}
-DEFAULT_RETRIES: dict[StageName, int] = {
-    "load": 2,
-    "moderate_inputs": 1,
-    "detect": 1,
-    "align": 0,
-    "fuse": 1,
-    "enhance": 1,
-    "postprocess": 0,
-    "quality": 0,
-    "moderate_result": 1,
-    "store": 2,
-}
+# The table's defaults (tasks.stages.PIPELINE): what a stage dictionary leaves out.
+DEFAULT_BUDGETS_S: dict[StageName, float] = {s.name: s.budget_s for s in PIPELINE}
+DEFAULT_EXPECTED_S: dict[StageName, float] = {s.name: s.expected_s for s in PIPELINE}
+DEFAULT_RETRIES: dict[StageName, int] = {s.name: s.retries for s in PIPELINE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,12 +127,14 @@ class FusionSettings(Block):
         return value
 
     def policy(self, stage: StageName) -> StagePolicy:
-        """The effective policy of ``stage`` (stages missing from a dictionary use defaults)."""
+        """The effective policy of ``stage`` (stages missing from a dictionary use the
+        table's defaults, ``tasks.stages.PIPELINE``)."""
+        default = stage_named(stage)
         return StagePolicy(
             stage=stage,
-            budget_s=self.stage_budgets_s.get(stage, DEFAULT_BUDGETS_S[stage]),
-            expected_s=self.stage_expected_s.get(stage, DEFAULT_EXPECTED_S[stage]),
-            retries=self.stage_retries.get(stage, DEFAULT_RETRIES[stage]),
+            budget_s=self.stage_budgets_s.get(stage, default.budget_s),
+            expected_s=self.stage_expected_s.get(stage, default.expected_s),
+            retries=self.stage_retries.get(stage, default.retries),
             retry_delay_s=self.retry_delay_s,
         )
 

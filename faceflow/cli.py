@@ -162,7 +162,8 @@ def fuse(
     except OSError as exc:
         raise _fail("invalid_input", f"cannot read input: {exc.strerror}: {exc.filename}") from None
 
-    from tasks.pipeline import PipelineContext, fuse_images
+    from tasks.pipeline import PipelineContext
+    from tasks.stages import fuse_images
 
     pins = dict(p.split("=", 1) for p in pin or [] if "=" in p)
     ctx = PipelineContext.for_this_machine(model_dir=model_dir, pins=pins, moderation=policy)

@@ -1,4 +1,4 @@
-"""The operator's view of one fuse-faces run in the Prefect UI.
+"""The operator's view of one fuse-faces run (a single job) in the Prefect UI.
 
 A progress artifact names the current stage while the run works; at the end a table
 artifact lists per-stage timings, faces found, device and GPU memory, and a markdown
@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -41,6 +41,9 @@ from prefect.states import State
 
 from tasks.gpu import GpuStats
 from tasks.report import QualityReport
+
+if TYPE_CHECKING:
+    from flows.run import Job
 
 logger = logging.getLogger("faceflow.flows.artifacts")
 
@@ -162,8 +165,8 @@ class OperatorView:
         self.progress = start_progress(artifact_key(self.job_id, "progress"))
         self._progress(0.0, f"Job {self.job_id} attempt {self.attempt}: starting.")
 
-    def stage_started(self, stage: str) -> None:
-        """Name ``stage`` as the current one."""
+    def stage_started(self, stage: str, live: int = 1) -> None:
+        """Name ``stage`` as the current one (``live``: the run's one job)."""
         self.records[stage].status = "running"
         index = list(self.stages).index(stage)
         self._progress(
@@ -180,7 +183,28 @@ class OperatorView:
         record = self.records[stage]
         record.status, record.ms, record.attempts = ("done" if ok else "failed"), ms, attempts
 
-    def finish(
+    def finish(self, jobs: Sequence[Job], *, device: str, gpu: GpuStats) -> None:
+        """``publish`` the outcome of the run's one job."""
+        (job,) = jobs
+        detections, ref = job.work.detections, job.ref
+        faces = {}
+        if detections is not None:
+            faces = {
+                "source": detections.source_count,
+                "target": detections.target_count,
+                "replaced": len(detections.target_faces),
+            }
+        self.publish(
+            outcome=job.outcome,
+            device=device,
+            gpu=gpu,
+            faces=faces,
+            result_key=ref.key if ref is not None and job.outcome == "succeeded" else None,
+            result_uri=job.work.location,
+            quality=job.work.report,
+        )
+
+    def publish(
         self,
         *,
         outcome: str,

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.artifacts import DeferredProgress, artifact_key, publish_at_end, safely, start_progress
 from tasks.gpu import GpuStats
+
+if TYPE_CHECKING:
+    from flows.run import Job
 
 
 @dataclass
@@ -76,8 +79,19 @@ class BatchView:
             f"Stage {index + 1}/{len(self.stages)}: {stage} ({live} of {len(self.rows)} jobs).",
         )
 
-    def finish(self, *, device: str, gpu: GpuStats) -> None:
+    def stage_finished(self, stage: str, ms: float, attempts: int, ok: bool) -> None:
+        """Nothing to show: the table gives each job's time per stage at the end."""
+
+    def stage_skipped(self, stage: str) -> None:
+        """Nothing to show: a skipped stage's column stays blank."""
+
+    def finish(self, jobs: Sequence[Job], *, device: str, gpu: GpuStats) -> None:
         """Close the progress bar and publish the per-job table and the summary."""
+        for row, job in zip(self.rows, jobs, strict=True):
+            row.outcome, row.stage = job.outcome, job.stage
+            row.timings_ms = dict(job.work.timings_ms)
+            row.result_key = job.ref.key if job.ref is not None else None
+            row.result_uri = job.work.location
         counts: dict[str, int] = {}
         for row in self.rows:
             counts[row.outcome] = counts.get(row.outcome, 0) + 1

@@ -9,7 +9,6 @@ sidecar (``ResultRef``) under ``results/``; the relay reads the sidecar after th
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,24 +22,9 @@ DEPLOYMENT_NAME = "fuse-faces"
 BATCH_FLOW_NAME = "fuse-batch"
 BATCH_DEPLOYMENT_NAME = "fuse-batch"
 
-StageName = Literal[
-    "load",
-    "moderate_inputs",
-    "detect",
-    "align",
-    "fuse",
-    "enhance",
-    "postprocess",
-    "quality",
-    "moderate_result",
-    "store",
-]
-"""The flow's stages, in order: load (read + decode inputs), moderate_inputs (NSFW check on
-the CPU) … fuse, enhance (optional face restoration), postprocess, quality (the report, and the quality-floor retry's fuse and postprocess),
-moderate_result, store (write result). A stage the settings turn off is skipped."""
-STAGES: tuple[StageName, ...] = get_args(StageName)
-FINAL_STAGE: StageName = STAGES[-1]
-"""The stage a succeeded job last went through (the relay records it on success)."""
+FINAL_STAGE = "store"
+"""The stage a succeeded job last went through (the relay records it on success): the last
+of ``tasks.stages.PIPELINE``, which the webapi does not import (a test keeps them equal)."""
 
 
 class JobAttempt(BaseModel):
@@ -89,8 +73,8 @@ class FuseBatchParams(BaseModel):
 
 
 class JobFailure(BaseModel):
-    """Why one job of a batch failed, written as ``result_error_key`` by the flow (the
-    single-job flow fails its run instead). ``retryable``: a transient failure the relay may
+    """Why one job attempt failed, written as ``result_error_key`` by the flows (a
+    ``fuse-faces`` run also ends ``Failed`` with its message). ``retryable``: a transient failure the relay may
     re-dispatch while attempts and time remain."""
 
     code: str = Field(description="Stable error code (tasks.errors codes, deadline_exceeded).")
@@ -132,7 +116,7 @@ def result_meta_key(job_id: str, attempt: int) -> str:
 
 
 def result_error_key(job_id: str, attempt: int) -> str:
-    """Storage key of the JSON ``JobFailure`` of a job attempt that failed inside a batch."""
+    """Storage key of the JSON ``JobFailure`` of a job attempt that failed."""
     return f"results/{job_id}/attempt-{attempt}.error.json"
 
 

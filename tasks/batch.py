@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from tasks.errors import FaceFlowError
 
@@ -135,3 +135,35 @@ def shared(values: Sequence[R | FaceFlowError], ms: float) -> list[Each[R]]:
         Each(None, v, share) if isinstance(v, FaceFlowError) else Each(v, None, share)
         for v in values
     ]
+
+
+class EveryJobFailed(FaceFlowError):
+    """Every job of a stage failed: raised so that the stage's task run ends ``Failed``
+    and its retries apply, carrying each job's own outcome (``outcomes``). Reads as the
+    first job's error; permanent only when every job's error is (``every_job_failed``)."""
+
+    def __init__(self, outcomes: Sequence[Each[Any]]) -> None:
+        self.outcomes: list[Each[Any]] = list(outcomes)
+        first = self.outcomes[0].error
+        assert first is not None
+        self.first = first
+        super().__init__(first.public_message, detail=first.detail)
+
+    def __str__(self) -> str:
+        return str(self.first)
+
+
+class EveryJobFailedPermanently(EveryJobFailed):
+    """``EveryJobFailed`` where no job may pass on a retry."""
+
+    permanent = True
+
+
+def every_job_failed(outcomes: Sequence[Each[R]]) -> None:
+    """Raise ``EveryJobFailed`` when every outcome is an error (none for no outcomes)."""
+    errors = [o.error for o in outcomes if o.error is not None]
+    if not outcomes or len(errors) < len(outcomes):
+        return
+    if all(e.permanent for e in errors):
+        raise EveryJobFailedPermanently(outcomes)
+    raise EveryJobFailed(outcomes)

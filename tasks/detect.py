@@ -6,7 +6,8 @@ the coordinates of the image passed in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
@@ -68,30 +69,8 @@ def detect_faces_batch(
     those batches (SCRFD: images) are in flight at once."""
     scales = [min(1.0, max_side / max(image.shape[:2])) for image in images]
     work = [_downscale(image, scale) for image, scale in zip(images, scales, strict=True)]
-    if detector == "mtcnn":
-        from tasks.mtcnn import DEFAULT_MIN_FACE_SIZE, detect_batch_with_mtcnn
-
-        # On the CPU: batches of at most CPU_MTCNN_BATCH, and at least one per thread (a
-        # job's source and target go in two calls at once: 120 -> 75 ms on two cores); on
-        # a GPU one batch.
-        smallest = min_face_size or DEFAULT_MIN_FACE_SIZE
-        on_cpu = device == "cpu"
-        found = in_chunks(
-            lambda chunk: detect_batch_with_mtcnn(chunk, device=device, min_face_size=smallest),
-            work,
-            threads=threads if on_cpu else 1,
-            most=CPU_MTCNN_BATCH if on_cpu else None,
-        )
-    elif detector == "scrfd":
-        from tasks.scrfd import detect_with_scrfd
-
-        found = in_flight(
-            lambda image: detect_with_scrfd(image, device=device, model_dir=model_dir, pins=pins),
-            work,
-            threads=threads,
-        )
-    else:  # pragma: no cover - the Literal type makes this unreachable for typed callers
-        raise InvalidInput(f"Unknown detector {detector!r}.")
+    call = DetectCall(device, model_dir, pins, min_face_size, threads)
+    found = DETECTORS[detector].detect(work, call)
     return [
         sorted(
             faces if scale >= 1.0 else [face.scaled(1.0 / scale) for face in faces],
@@ -100,6 +79,62 @@ def detect_faces_batch(
         )
         for faces, scale in zip(found, scales, strict=True)
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class DetectCall:
+    """Where and how a detector runs on a batch of images."""
+
+    device: str
+    model_dir: str | Path | None
+    pins: Mapping[str, str] | None
+    min_face_size: int | None  # MTCNN's smallest face, in the detector's pixels
+    threads: int  # calls in flight
+
+
+def _detect_with_mtcnn(images: list[RGBImage], call: DetectCall) -> list[list[Face]]:
+    from tasks.mtcnn import DEFAULT_MIN_FACE_SIZE, detect_batch_with_mtcnn
+
+    # On the CPU: batches of at most CPU_MTCNN_BATCH, and at least one per thread (a job's
+    # source and target go in two calls at once: 120 -> 75 ms on two cores); on a GPU one
+    # batch.
+    smallest = call.min_face_size or DEFAULT_MIN_FACE_SIZE
+    on_cpu = call.device == "cpu"
+    return in_chunks(
+        lambda chunk: detect_batch_with_mtcnn(chunk, device=call.device, min_face_size=smallest),
+        images,
+        threads=call.threads if on_cpu else 1,
+        most=CPU_MTCNN_BATCH if on_cpu else None,
+    )
+
+
+def _detect_with_scrfd(images: list[RGBImage], call: DetectCall) -> list[list[Face]]:
+    from tasks.scrfd import detect_with_scrfd
+
+    return in_flight(
+        lambda image: detect_with_scrfd(
+            image, device=call.device, model_dir=call.model_dir, pins=call.pins
+        ),
+        images,
+        threads=call.threads,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Detector:
+    """One face detector: how it runs on a batch of images (faces in the images' own
+    pixels, any order) and whether it can search a region of a photo at a chosen scale
+    (MTCNN's pyramid; SCRFD sees a fixed-size input)."""
+
+    detect: Callable[[list[RGBImage], DetectCall], list[list[Face]]]
+    searches_region: bool
+
+
+DETECTORS: dict[DetectorName, Detector] = {
+    "mtcnn": Detector(_detect_with_mtcnn, searches_region=True),
+    "scrfd": Detector(_detect_with_scrfd, searches_region=False),
+}
+"""Every detector a job may choose (``tasks.options.DetectorName``)."""
 
 
 def _downscale(image: RGBImage, scale: float) -> RGBImage:

@@ -1,8 +1,10 @@
-"""The face pipeline as plain stage functions: moderate → detect → align → fuse → postprocess.
+"""The face pipeline's stage functions for one job: moderate → detect → align → fuse →
+enhance → postprocess → quality, and what they pass on.
 
-Each stage takes the previous stage's typed output and a ``PipelineContext``; ``fuse_images``
-runs them all in-process (the CLI, the benchmark and tests). The Prefect flow calls the same
-stage functions as tasks (``tasks.prefect_tasks``), so there is one implementation.
+Each takes the previous stage's typed output and a ``PipelineContext``. The order, the
+budgets and what runs beside what are defined once, in ``tasks.stages.PIPELINE``, whose
+steps call these functions for the jobs of a run; ``tasks.stages.fuse_images`` runs them
+all in-process (the CLI, the benchmarks and tests), the flows as Prefect tasks.
 """
 
 from __future__ import annotations
@@ -34,22 +36,10 @@ from tasks.postprocess import color_transfer, face_mask, image_mask, paste_back,
 from tasks.quality import IdentityReference, assess, better, identity_reference, target_indices
 from tasks.registry import next_fuser_settings
 from tasks.report import FuserSettings, QualityReport
-from tasks.types import AlignedFace, Face, FloatArray, FusionResult, RGBImage, StageTimings
+from tasks.types import AlignedFace, Face, FloatArray, RGBImage
 
 if TYPE_CHECKING:
     from tasks.moderation import ModerationVerdict
-
-STAGES: tuple[str, ...] = (
-    "decode",
-    "moderate_inputs",
-    "detect",
-    "align",
-    "fuse",
-    "enhance",
-    "postprocess",
-    "quality",
-    "moderate_result",
-)
 
 CLASSIC_CROP_SIZE = 256
 INSWAPPER_CROP_SIZE = 128
@@ -372,60 +362,102 @@ def align_stage(
 ) -> Aligned:
     """Warp the faces to the template of the chosen fuser (each target face's own source
     face too, with a per-face mapping)."""
-    if options.fuser == "inswapper":
-        from tasks.arcface import embed_with_arcface
+    return FUSERS[options.fuser].align(source, target, detections, ctx)
 
-        def embed(crop: RGBImage) -> FloatArray:
-            return embed_with_arcface(
-                crop, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
-            )
 
-        source_112 = align_face(source, detections.source_face, ARCFACE_CROP_SIZE)
-        embedding = embed(source_112.crop)
-        targets = [align_face(target, f, INSWAPPER_CROP_SIZE) for f in detections.target_faces]
-        per_face = tuple(
-            align_face(s.image, s.face, ARCFACE_CROP_SIZE) for s in detections.per_face
-        )
-        return Aligned(
-            source_112,
-            targets,
-            embedding,
-            per_face=per_face,
-            per_face_embeddings=tuple(embed(a.crop) for a in per_face),
-        )
+def fuse_stage(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> Fused:
+    """Produce one fused crop per target face."""
+    return Fused(FUSERS[options.fuser].fuse(aligned, options, ctx), aligned.targets)
+
+
+def _align_classic(
+    source: RGBImage, target: RGBImage, detections: Detections, ctx: PipelineContext
+) -> Aligned:
     aligned_source = align_face(source, detections.source_face, ctx.crop_size)
     targets = [align_face(target, f, ctx.crop_size) for f in detections.target_faces]
     per_face = tuple(align_face(s.image, s.face, ctx.crop_size) for s in detections.per_face)
     return Aligned(aligned_source, targets, per_face=per_face)
 
 
-def fuse_stage(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> Fused:
-    """Produce one fused crop per target face."""
-    if options.fuser == "inswapper":
-        from tasks.inswapper import swap_with_inswapper
-
-        crops = [
-            _mix(
-                t.crop,
-                swap_with_inswapper(
-                    t.crop,
-                    aligned.embedding_for(k),
-                    device=ctx.device,
-                    model_dir=ctx.model_dir,
-                    pins=ctx.pins,
-                ),
-                options.identity_weight,
-            )
-            for k, t in enumerate(aligned.targets)
-        ]
-        return Fused(crops, aligned.targets)
+def _fuse_classic(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> list[RGBImage]:
     from tasks.fuse import fuse_with_classic
 
-    crops = [
+    return [
         fuse_with_classic(aligned.source_for(k), t, identity_weight=options.identity_weight)
         for k, t in enumerate(aligned.targets)
     ]
-    return Fused(crops, aligned.targets)
+
+
+def _align_inswapper(
+    source: RGBImage, target: RGBImage, detections: Detections, ctx: PipelineContext
+) -> Aligned:
+    from tasks.arcface import embed_with_arcface
+
+    def embed(crop: RGBImage) -> FloatArray:
+        return embed_with_arcface(crop, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+
+    source_112 = align_face(source, detections.source_face, ARCFACE_CROP_SIZE)
+    targets = [align_face(target, f, INSWAPPER_CROP_SIZE) for f in detections.target_faces]
+    per_face = tuple(align_face(s.image, s.face, ARCFACE_CROP_SIZE) for s in detections.per_face)
+    return Aligned(
+        source_112,
+        targets,
+        embed(source_112.crop),
+        per_face=per_face,
+        per_face_embeddings=tuple(embed(a.crop) for a in per_face),
+    )
+
+
+def _fuse_inswapper(
+    aligned: Aligned, options: FusionOptions, ctx: PipelineContext
+) -> list[RGBImage]:
+    from tasks.inswapper import swap_with_inswapper
+
+    return [
+        _mix(
+            t.crop,
+            swap_with_inswapper(
+                t.crop,
+                aligned.embedding_for(k),
+                device=ctx.device,
+                model_dir=ctx.model_dir,
+                pins=ctx.pins,
+            ),
+            options.identity_weight,
+        )
+        for k, t in enumerate(aligned.targets)
+    ]
+
+
+def _warm_up_classic(ctx: PipelineContext) -> None:
+    """The classic fuser loads no model."""
+
+
+def _warm_up_inswapper(ctx: PipelineContext) -> None:
+    from tasks.arcface import embed_with_arcface
+    from tasks.inswapper import swap_with_inswapper
+
+    crop112 = np.full((ARCFACE_CROP_SIZE, ARCFACE_CROP_SIZE, 3), 128, dtype=np.uint8)
+    emb = embed_with_arcface(crop112, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+    crop128 = np.full((INSWAPPER_CROP_SIZE, INSWAPPER_CROP_SIZE, 3), 128, dtype=np.uint8)
+    swap_with_inswapper(crop128, emb, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+
+
+@dataclass(frozen=True, slots=True)
+class Fuser:
+    """One fuser: the template it aligns faces to (with what it embeds), how it fuses each
+    target face, and how it loads its models ahead of the first job."""
+
+    align: Callable[[RGBImage, RGBImage, Detections, PipelineContext], Aligned]
+    fuse: Callable[[Aligned, FusionOptions, PipelineContext], list[RGBImage]]
+    warm_up: Callable[[PipelineContext], None]
+
+
+FUSERS: dict[FuserName, Fuser] = {
+    "classic": Fuser(_align_classic, _fuse_classic, _warm_up_classic),
+    "inswapper": Fuser(_align_inswapper, _fuse_inswapper, _warm_up_inswapper),
+}
+"""Every fuser a job may choose (``tasks.options.FuserName``)."""
 
 
 def enhance_stage(
@@ -628,15 +660,6 @@ def encode_stage(image: RGBImage, options: FusionOptions) -> bytes:
     return encode_image(image, options.output_format, options.jpeg_quality)
 
 
-@contextmanager
-def _timed(timings: StageTimings, stage: str) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings.add(stage, (time.perf_counter() - start) * 1000.0)
-
-
 T = TypeVar("T")
 
 
@@ -687,99 +710,6 @@ class Beside(Generic[T]):
         return value
 
 
-def fuse_images(
-    source_bytes: bytes,
-    target_bytes: bytes,
-    options: FusionOptions | None = None,
-    ctx: PipelineContext | None = None,
-    *,
-    extra_sources: Sequence[bytes] = (),
-    references: Sequence[bytes] = (),
-) -> FusionResult:
-    """Run every stage in this process and return the encoded result with per-stage timings
-    (each stage's own time: those that run beside others overlap, so their sum can exceed
-    the wall time).
-
-    ``extra_sources`` (sources after the first) and ``references`` serve a per-face
-    ``options.mapping``."""
-    options = options or FusionOptions()
-    ctx = ctx or PipelineContext()
-    timings = StageTimings()
-    with _timed(timings, "decode"):
-        source = decode_stage(source_bytes, ctx)
-        target = decode_stage(target_bytes, ctx)
-        more_sources = [decode_stage(data, ctx) for data in extra_sources]
-        reference_images = [decode_stage(data, ctx) for data in references]
-    with _timed(timings, "moderate_inputs"):
-        inputs = {
-            "source": source,
-            "target": target,
-            **{f"source {i + 1}": image for i, image in enumerate(more_sources)},
-            **{f"reference {i}": image for i, image in enumerate(reference_images)},
-        }
-        verdicts = moderate_inputs_stage(inputs, ctx, calls=ctx.model_threads)
-    with _timed(timings, "detect"):
-        detections = detect_stage(
-            source,
-            target,
-            options,
-            ctx,
-            extra_sources=more_sources,
-            references=reference_images,
-        )
-    # On a worker thread beside the stages that do not need them (torch and onnxruntime
-    # release the GIL): the identity reference beside align → postprocess, and the result's
-    # moderation and encoding beside the quality stage. Errors come out in the order of
-    # the stages, as if they ran one after the other: a quality error before the result's
-    # ContentBlocked, which comes before an encoding error.
-    with stage_workers() as pool:
-        reference = Beside(pool, reference_stage, source, target, detections, options, ctx)
-        with _timed(timings, "align"):
-            aligned = align_stage(source, target, detections, options, ctx)
-        with _timed(timings, "fuse"):
-            fused = fuse_stage(aligned, options, ctx)
-        if options.enhancer != "none":
-            with _timed(timings, "enhance"):
-                fused = enhance_stage(target, fused, options, ctx)
-        with _timed(timings, "postprocess"):
-            image = postprocess_stage(target, fused, options, ctx)
-        # Checked and encoded on the blended image, which stays the result unless a
-        # quality-floor retry wins (then both run again, here, on the retry's image).
-        moderated = Beside(pool, moderate_result_stage, image, ctx)
-        encoded = Beside(pool, encode_stage, image, options)
-        identity = reference.take()
-        timings.add("quality", reference.ms)
-        with _timed(timings, "quality"):  # with the quality-floor retry, if one runs
-            checked = checked_stage(
-                source, target, aligned, detections, fused, image, options, ctx,
-                reference=identity,
-            )  # fmt: skip
-        image, fused, options, report = (
-            checked.image,
-            checked.fused,
-            checked.options,
-            checked.report,
-        )
-        result_verdicts = moderated.take(image, ctx)
-        timings.add("moderate_result", moderated.ms)
-        data = encoded.take(image, options)
-        timings.add("postprocess", encoded.ms)
-    verdicts += result_verdicts
-    return FusionResult(
-        data=data,
-        content_type=options.content_type,
-        width=int(image.shape[1]),
-        height=int(image.shape[0]),
-        faces_replaced=len(fused.crops),
-        source_faces=detections.source_count,
-        target_faces=detections.target_count,
-        device=ctx.device,
-        timings_ms=dict(timings.ms),
-        quality=report,
-        moderation_flags=tuple(flagged_summaries(verdicts)),
-    )
-
-
 def warm_up(
     ctx: PipelineContext, detector: DetectorName = "mtcnn", fuser: FuserName = "classic"
 ) -> float:
@@ -796,12 +726,5 @@ def warm_up(
     )
     load_dlib_shaper(ctx.pins)  # the quality report's identity models
     load_dlib_embedder(ctx.device, ctx.pins)
-    if fuser == "inswapper":
-        from tasks.arcface import embed_with_arcface
-        from tasks.inswapper import swap_with_inswapper
-
-        crop112 = np.full((ARCFACE_CROP_SIZE, ARCFACE_CROP_SIZE, 3), 128, dtype=np.uint8)
-        emb = embed_with_arcface(crop112, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
-        crop128 = np.full((INSWAPPER_CROP_SIZE, INSWAPPER_CROP_SIZE, 3), 128, dtype=np.uint8)
-        swap_with_inswapper(crop128, emb, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+    FUSERS[fuser].warm_up(ctx)
     return (time.perf_counter() - start) * 1000.0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.detect import detect_faces
+from tasks.detect import DETECTORS, detect_faces
 from tasks.identity import EMBEDDER, F32, embed_with_dlib, similarity
 from tasks.options import DetectorName, FaceChoice
 from tasks.pose import head_pose, pose_difference, pose_mismatch
@@ -124,7 +124,7 @@ def find_fused_face(
     """The face detected in ``result`` at the place of target face ``where``, if any."""
     height, width = result.shape[:2]
     box = where.box
-    if detector == "mtcnn":
+    if DETECTORS[detector].searches_region:
         # MTCNN's pyramid costs by the image's size: search the face's region only, at a
         # scale where the face is small.
         grow_x, grow_y = box.width * SEARCH_MARGIN, box.height * SEARCH_MARGIN

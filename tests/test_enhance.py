@@ -13,7 +13,8 @@ from tasks.errors import ModelUnavailable
 from tasks.models import MODEL_CACHE
 from tasks.onnx_runtime import providers_for
 from tasks.options import FusionOptions
-from tasks.pipeline import PipelineContext, align_face, fuse_images
+from tasks.pipeline import PipelineContext, align_face
+from tasks.stages import fuse_images
 from tasks.types import AlignedFace
 from tests.onnx_builders import GFPGAN_CHANNEL_GAINS, build_tiny_gfpgan
 from tests.samples import astronaut_jpeg_bytes, astronaut_rgb, grace_hopper_jpeg_bytes

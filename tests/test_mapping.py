@@ -10,7 +10,8 @@ from tasks.detect import detect_faces
 from tasks.errors import InvalidInput, NoFaceFound
 from tasks.mapping import reading_order
 from tasks.options import FaceMapping, FusionOptions
-from tasks.pipeline import PipelineContext, detect_stage, fuse_images
+from tasks.pipeline import PipelineContext, detect_stage
+from tasks.stages import fuse_images
 from tasks.types import Box, Face
 from tests.samples import (
     astronaut_jpeg_bytes,

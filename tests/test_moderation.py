@@ -34,11 +34,11 @@ from tasks.onnx_runtime import CPU_PROVIDER, load_onnx_model
 from tasks.options import NSFW_LABELS, FusionOptions, ModerationPolicy
 from tasks.pipeline import (
     PipelineContext,
-    fuse_images,
     moderate_inputs_stage,
     moderate_result_stage,
     warm_up,
 )
+from tasks.stages import fuse_images
 from tests.samples import (
     astronaut_jpeg_bytes,
     astronaut_rgb,

@@ -22,8 +22,9 @@ from tasks.onnx_runtime import (
     providers_for,
 )
 from tasks.options import FusionOptions
-from tasks.pipeline import PipelineContext, fuse_images, warm_up
+from tasks.pipeline import PipelineContext, warm_up
 from tasks.scrfd import detect_with_scrfd
+from tasks.stages import fuse_images
 from tasks.types import LANDMARK_NAMES, Box, Face
 from tests.onnx_builders import (
     SCRFD_BOX_HALF,

@@ -18,7 +18,8 @@ from tasks.detect import detect_faces, select_faces
 from tasks.images import decode_image
 from tasks.models import MODEL_CACHE
 from tasks.options import FusionOptions
-from tasks.pipeline import PipelineContext, fuse_images
+from tasks.pipeline import PipelineContext
+from tasks.stages import fuse_images
 from tests import samples
 
 CTX = PipelineContext()
@@ -169,8 +170,9 @@ def test_decode_honours_limits_before_full_decode() -> None:
     assert decode_image(data, ImageLimits()).shape == (600, 512, 3)
 
 
-# The identity reference, the result's moderation and its encoding run on worker threads
-# beside other stages; errors still come out as if the stages ran one after the other.
+# The identity reference and the result's moderation run on worker threads beside other
+# stages; errors still come out as if the stages ran one after the other. Encoding is part
+# of postprocess (tasks.stages), so its error comes before the result's moderation.
 
 
 def _no_stage_threads() -> bool:
@@ -188,14 +190,14 @@ def _fail(error: Exception) -> Callable[..., NoReturn]:
     ("failing", "expected"),
     [
         (("checked_stage", "moderate_result_stage"), errors.FaceLost),
-        (("moderate_result_stage", "encode_stage"), errors.ContentBlocked),
+        (("moderate_result_stage", "encode_stage"), errors.InvalidInput),
     ],
 )
 def test_errors_come_out_in_stage_order(
     monkeypatch: pytest.MonkeyPatch, failing: tuple[str, str], expected: type[Exception]
 ) -> None:
-    """A quality error before the result's ContentBlocked, which comes before an encoding
-    error, though all three run at once."""
+    """A quality error before the result's ContentBlocked (running beside it); an encoding
+    error (postprocess) before the result's ContentBlocked."""
     stage_errors = {
         "checked_stage": errors.FaceLost(detail="gone"),
         "moderate_result_stage": errors.ContentBlocked(),

@@ -15,13 +15,13 @@ from tasks.pipeline import (
     Detections,
     PipelineContext,
     check_faces,
-    fuse_images,
     quality_stage,
     reference_stage,
     retry_options,
 )
 from tasks.pose import head_pose, pose_mismatch
 from tasks.report import FuserSettings, PoseAngles
+from tasks.stages import fuse_images
 from tests import samples
 from tests.faces import astronaut_face, grace_hopper_face
 

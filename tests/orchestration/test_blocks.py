@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from blocks import ALL_BLOCKS, FusionSettings, WebhookSettings, init_default_blocks
 from blocks.cache import TTL_ENV
-from blocks.settings import DEFAULT_BUDGETS_S, STAGES, load_settings
+from blocks.settings import DEFAULT_BUDGETS_S, STAGE_NAMES, load_settings
 from blocks.storage import (
     LOCAL_STORAGE_NAME,
     load_storage,
@@ -51,7 +51,7 @@ def test_fusion_settings_round_trip_and_partial_stage_overrides(prefect_harness:
     assert (fuse.budget_s, fuse.retries) == (5.0, 1)
     assert loaded.policy("detect").retries == 0
     assert loaded.policy("load").budget_s == DEFAULT_BUDGETS_S["load"]
-    assert {loaded.policy(s).stage for s in STAGES} == set(STAGES)
+    assert {loaded.policy(s).stage for s in STAGE_NAMES} == set(STAGE_NAMES)
     with pytest.raises(TypeError):
         load_settings(DEFAULT_STORAGE_BLOCK)
 

@@ -271,7 +271,7 @@ def test_a_running_stage_is_published_for_the_relay(
     from webapi.relay.sync import stage_of
 
     seen: list[str | None] = []
-    real_detect = pipeline.detect_stage
+    real_detect = pipeline.detect_stage_batch
 
     def slow_detect(*args: Any, **kwargs: Any) -> Any:
         run_id = str(flow_run.get_id())
@@ -282,7 +282,7 @@ def test_a_running_stage_is_published_for_the_relay(
             seen.append(stage_of(run, api.read_progress([run_id]).get(run_id)))
         return real_detect(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "detect_stage", slow_detect)
+    monkeypatch.setattr(pipeline, "detect_stage_batch", slow_detect)
     params = job_params(
         prefect_harness.put_input(astronaut_jpeg_bytes()),
         prefect_harness.put_input(grace_hopper_jpeg_bytes()),

@@ -42,7 +42,8 @@ def warm_probe(
     if fuse:
         from faceflow import samples
         from tasks.models import MODEL_CACHE
-        from tasks.pipeline import PipelineContext, fuse_images
+        from tasks.pipeline import PipelineContext
+        from tasks.stages import fuse_images
 
         result = fuse_images(
             samples.astronaut_jpeg_bytes(),

@@ -1,0 +1,102 @@
+"""The pipeline is one table (``tasks.stages.PIPELINE``): names, budgets, the final stage and
+the model registries derive from it, and a stage added to it runs in every driver."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, cast, get_args
+
+import pytest
+
+from blocks.settings import DEFAULT_BUDGETS_S, DEFAULT_EXPECTED_S, DEFAULT_RETRIES, FusionSettings
+from flows.params import FINAL_STAGE
+from tasks import stages
+from tasks.batch import Each, EveryJobFailed, EveryJobFailedPermanently, every_job_failed
+from tasks.detect import DETECTORS
+from tasks.errors import NoFaceFound, TransientError
+from tasks.options import DetectorName, FuserName
+from tasks.pipeline import FUSERS, PipelineContext
+from tasks.stages import PIPELINE, STAGE_NAMES, Stage, Work, fuse_images
+from tests import samples
+
+
+def test_the_table_is_the_one_list_of_stages() -> None:
+    assert tuple(s.name for s in PIPELINE) == STAGE_NAMES
+    assert PIPELINE[-1].name == FINAL_STAGE  # the webapi's copy of the last stage's name
+    assert {s.name: s.budget_s for s in PIPELINE} == DEFAULT_BUDGETS_S
+    assert {s.name: s.expected_s for s in PIPELINE} == DEFAULT_EXPECTED_S
+    assert {s.name: s.retries for s in PIPELINE} == DEFAULT_RETRIES
+    for stage in PIPELINE:  # work started beside a stage is taken by a later one
+        if stage.side is not None:
+            assert STAGE_NAMES.index(stage.side.taken_in) > STAGE_NAMES.index(stage.name)
+
+
+def test_settings_fall_back_to_the_tables_defaults() -> None:
+    policy = FusionSettings(stage_budgets_s={"detect": 5.0}, stage_retries={}).policy("detect")
+    detect = stages.stage_named("detect")
+    assert (policy.budget_s, policy.expected_s, policy.retries) == (
+        5.0,
+        detect.expected_s,
+        detect.retries,
+    )
+
+
+def test_models_are_chosen_from_registries() -> None:
+    assert set(DETECTORS) == set(get_args(DetectorName))
+    assert set(FUSERS) == set(get_args(FuserName))
+
+
+def test_every_job_failed_reads_as_the_first_error_and_is_permanent_only_if_all_are() -> None:
+    ok: Each[None] = Each(None, None, 1.0)
+    gone, busy = NoFaceFound(), TransientError("busy")
+    every_job_failed([ok, Each(None, gone, 1.0)])  # one passed: nothing raised
+    every_job_failed([])
+    with pytest.raises(EveryJobFailedPermanently) as permanent:
+        every_job_failed([Each(None, gone, 1.0), Each(None, NoFaceFound("other"), 2.0)])
+    assert str(permanent.value) == str(gone) and permanent.value.permanent
+    assert [o.error for o in permanent.value.outcomes][1].public_message == "other"
+    with pytest.raises(EveryJobFailed) as transient:
+        every_job_failed([Each(None, gone, 1.0), Each(None, busy, 2.0)])
+    assert not transient.value.permanent
+
+
+def marking_stage(seen: list[str]) -> Stage:
+    """A stage that is not in the product: it records the jobs it sees after postprocess."""
+
+    def mark(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
+        out: list[Each[None]] = []
+        for work in works:
+            assert work.image is not None and work.encoded is not None  # after postprocess
+            seen.append(work.options.output_format)
+            out.append(Each(None, None, 0.5))
+        return out
+
+    return Stage(cast(Any, "mark"), mark, budget_s=5.0, expected_s=0.01, retries=0)
+
+
+def with_stage(monkeypatch: pytest.MonkeyPatch, stage: Stage, after: str) -> None:
+    """``PIPELINE`` with ``stage`` inserted after the stage named ``after``."""
+    at = STAGE_NAMES.index(cast(Any, after)) + 1
+    monkeypatch.setattr(stages, "PIPELINE", (*PIPELINE[:at], stage, *PIPELINE[at:]))
+
+
+def test_a_stage_added_to_the_table_runs_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+    with_stage(monkeypatch, marking_stage(seen), after="postprocess")
+    result = fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
+    assert seen == ["png"]
+    assert list(result.timings_ms)[-5:] == [
+        "postprocess",
+        "mark",
+        "quality",
+        "moderate_result",
+        "store",
+    ]
+
+
+def test_a_stage_that_does_not_apply_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+    stage = replace(marking_stage(seen), applies=lambda work, ctx: False)
+    with_stage(monkeypatch, stage, after="postprocess")
+    result = fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
+    assert seen == [] and "mark" not in result.timings_ms
