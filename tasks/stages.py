@@ -144,6 +144,9 @@ class Stage:
     """Whether the stage runs for a job (moderation by the policy, enhance by the job)."""
     stop_point: bool = False
     """A point where the flows look for the relay's stop markers before the stage."""
+    frames: bool = False
+    """Whether the stage also runs for each frame of a video (its render pass, on faces
+    the video's face plan gives)."""
     calls: tuple[str, ...] = ()
     """The ``tasks.pipeline`` functions that hold the stage's compute (the GPU-shaped
     bench replaces them by fixed sleeps)."""
@@ -255,13 +258,13 @@ def enhance_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
 
 
 def postprocess_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
-    """Blend each job's fused faces into its target and encode the result (metadata
-    stripped), on ``cpu_threads``."""
+    """Blend each job's fused faces into its target (a photo or a video frame), on
+    ``cpu_threads``."""
 
     def postprocess(work: Work) -> None:
-        image = pipeline.postprocess_stage(_got(work.target), _got(work.fused), work.options, ctx)
-        work.encoded = pipeline.encode_stage(image, work.options)
-        work.image = image
+        work.image = pipeline.postprocess_stage(
+            _got(work.target), _got(work.fused), work.options, ctx
+        )
 
     return each(postprocess, works, threads=ctx.cpu_threads)
 
@@ -279,8 +282,6 @@ def quality_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
             _got(work.fused), image, work.options, ctx,
             may_retry=work.may_retry, reference=reference,
         )  # fmt: skip
-        if checked.image is not image:  # the retry won: its result replaces the first
-            work.encoded = pipeline.encode_stage(checked.image, checked.options)
         work.image, work.fused, work.options = checked.image, checked.fused, checked.options
         work.report = checked.report
         work.release_inputs()
@@ -305,9 +306,11 @@ def moderate_result_step(works: list[Work], ctx: PipelineContext) -> list[Each[N
 
 
 def store_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
-    """Write each result where its job wants it (``JobIO.write``), on ``cpu_threads``."""
+    """Encode each result (metadata stripped) and write it where its job wants it
+    (``JobIO.write``), on ``cpu_threads``."""
 
     def store(work: Work) -> None:
+        work.encoded = pipeline.encode_stage(_got(work.image), work.options)
         work.location = work.io.write(work)
 
     return each(store, works, threads=ctx.cpu_threads)
@@ -357,8 +360,24 @@ PIPELINE: tuple[Stage, ...] = (
         stop_point=True,
         calls=("detect_stage", "detect_stage_batch"),
     ),
-    Stage("align", align_step, budget_s=15.0, expected_s=0.2, retries=0, calls=("align_stage",)),
-    Stage("fuse", fuse_step, budget_s=60.0, expected_s=2.0, retries=1, calls=("fuse_stage",)),
+    Stage(
+        "align",
+        align_step,
+        frames=True,
+        budget_s=15.0,
+        expected_s=0.2,
+        retries=0,
+        calls=("align_stage",),
+    ),
+    Stage(
+        "fuse",
+        fuse_step,
+        frames=True,
+        budget_s=60.0,
+        expected_s=2.0,
+        retries=1,
+        calls=("fuse_stage",),
+    ),
     Stage(
         "enhance",
         enhance_step,
@@ -366,6 +385,7 @@ PIPELINE: tuple[Stage, ...] = (
         expected_s=1.0,
         retries=1,
         applies=_enhances,
+        frames=True,
         calls=("enhance_stage",),
     ),
     Stage(
@@ -375,6 +395,7 @@ PIPELINE: tuple[Stage, ...] = (
         expected_s=1.0,
         retries=0,
         side=Side("moderated", taken_in="moderate_result", start=_moderation),
+        frames=True,
         calls=("postprocess_stage",),
     ),
     Stage(

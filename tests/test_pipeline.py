@@ -171,8 +171,7 @@ def test_decode_honours_limits_before_full_decode() -> None:
 
 
 # The identity reference and the result's moderation run on worker threads beside other
-# stages; errors still come out as if the stages ran one after the other. Encoding is part
-# of postprocess (tasks.stages), so its error comes before the result's moderation.
+# stages; errors still come out as if the stages ran one after the other.
 
 
 def _no_stage_threads() -> bool:
@@ -190,14 +189,14 @@ def _fail(error: Exception) -> Callable[..., NoReturn]:
     ("failing", "expected"),
     [
         (("checked_stage", "moderate_result_stage"), errors.FaceLost),
-        (("moderate_result_stage", "encode_stage"), errors.InvalidInput),
+        (("moderate_result_stage", "encode_stage"), errors.ContentBlocked),
     ],
 )
 def test_errors_come_out_in_stage_order(
     monkeypatch: pytest.MonkeyPatch, failing: tuple[str, str], expected: type[Exception]
 ) -> None:
-    """A quality error before the result's ContentBlocked (running beside it); an encoding
-    error (postprocess) before the result's ContentBlocked."""
+    """A quality error before the result's ContentBlocked, which comes before an encoding
+    error (the store stage's)."""
     stage_errors = {
         "checked_stage": errors.FaceLost(detail="gone"),
         "moderate_result_stage": errors.ContentBlocked(),

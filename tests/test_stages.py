@@ -66,7 +66,7 @@ def marking_stage(seen: list[str]) -> Stage:
     def mark(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
         out: list[Each[None]] = []
         for work in works:
-            assert work.image is not None and work.encoded is not None  # after postprocess
+            assert work.image is not None and work.encoded is None  # after postprocess
             seen.append(work.options.output_format)
             out.append(Each(None, None, 0.5))
         return out
