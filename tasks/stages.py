@@ -460,10 +460,19 @@ def side_threads(jobs: int) -> int:
     return sum(1 for s in PIPELINE if s.side is not None) if jobs == 1 else 1
 
 
-def run_stages(works: list[Work], ctx: PipelineContext, runner: Runner) -> None:
-    """Every stage of ``PIPELINE`` in order, for the jobs still live before it."""
+def run_stages(
+    works: list[Work],
+    ctx: PipelineContext,
+    runner: Runner,
+    *,
+    only: Callable[[Stage], bool] = lambda stage: True,
+) -> None:
+    """Every stage of ``PIPELINE`` (those ``only`` keeps) in order, for the jobs still live
+    before it."""
     with stage_workers(side_threads(len(works))) as pool:
         for stage in PIPELINE:
+            if not only(stage):
+                continue
             concerned = [w for w in live(works) if stage.applies(w, ctx)]
             if not concerned:
                 runner.skip(stage)
@@ -477,11 +486,17 @@ def run_stages(works: list[Work], ctx: PipelineContext, runner: Runner) -> None:
                     work.error = outcome.error
                     work.side.clear()
                     runner.failed(work, outcome.error, stage)
-                elif stage.side is not None and stage_named(stage.side.taken_in).applies(work, ctx):
+                elif stage.side is not None and _taken(stage.side, work, ctx, only):
                     fn, args = stage.side.start(work, ctx)
                     work.side[stage.side.name] = Beside(pool, fn, *args)
         for work in works:
             work.side.clear()
+
+
+def _taken(side: Side, work: Work, ctx: PipelineContext, only: Callable[[Stage], bool]) -> bool:
+    """Whether the stage that takes ``side`` runs for ``work`` (else it is not started)."""
+    taker = stage_named(side.taken_in)
+    return only(taker) and taker.applies(work, ctx)
 
 
 def live(works: Sequence[Work]) -> list[Work]:
