@@ -48,6 +48,17 @@ class SlotState(enum.StrEnum):
     DOWN = "down"
 
 
+SLOT_MOVES: dict[SlotState, frozenset[SlotState]] = {
+    SlotState.DOWN: frozenset({SlotState.STARTING, SlotState.STOPPING}),
+    SlotState.STARTING: frozenset({SlotState.IDLE, SlotState.DOWN, SlotState.STOPPING}),
+    SlotState.IDLE: frozenset({SlotState.BUSY, SlotState.STOPPING}),
+    SlotState.BUSY: frozenset({SlotState.IDLE, SlotState.STOPPING}),
+    SlotState.STOPPING: frozenset({SlotState.STOPPING, SlotState.DOWN, SlotState.STARTING}),
+}
+"""The moves a slot may make (``Slot.move``): a stopping slot never becomes idle or busy
+again, a busy one is freed or stopped, only an idle one takes a run."""
+
+
 @dataclass(frozen=True)
 class ChildGone:
     """The child's pipe closed: the process exited or was killed."""
@@ -207,6 +218,16 @@ class Slot:
     def index(self) -> int:
         return self.spec.index
 
+    def move(self, to: SlotState, flow_run_id: str | None = None) -> bool:
+        """Change the slot's state to ``to`` (with the run it serves when ``BUSY``) if
+        ``SLOT_MOVES`` allows it; an illegal move is logged and refused."""
+        if to not in SLOT_MOVES[self.state]:
+            log.error("slot %s: refused move %s -> %s", self.index, self.state, to)
+            return False
+        self.state = to
+        self.flow_run_id = flow_run_id if to is SlotState.BUSY else None
+        return True
+
     def status(self) -> dict[str, Any]:
         """Readiness, liveness and telemetry of this slot, for the health endpoint."""
         alive = self.child is not None and self.child.alive()
@@ -295,12 +316,13 @@ class ChildPool:
         child = slot.child
         if child is None:
             return
-        slot.state = SlotState.STOPPING
-        if slot.flow_run_id is None:
+        running = slot.flow_run_id is not None
+        slot.move(SlotState.STOPPING)
+        if not running:
             await child.stop(self.limits.stop_grace, self.limits.kill_grace)
         else:
             await child.kill(self.limits.kill_grace)
-        slot.state = SlotState.DOWN
+        slot.move(SlotState.DOWN)
 
     # ------------------------------------------------------------------ supervision
 
@@ -335,7 +357,7 @@ class ChildPool:
         child = ChildProcess(slot.spec, lambda m: None, log_path)
         child._on_message = lambda m: self._message(slot, child, m)
         slot.child, slot.ready, slot.replace_reason = child, None, None
-        slot.state = SlotState.STARTING
+        slot.move(SlotState.STARTING)
         slot.starts += 1
         slot.run_queue = asyncio.Queue()
         slot.changed.clear()
@@ -352,7 +374,7 @@ class ChildPool:
             )
             log.error("child %s not ready: %s", slot.index, slot.last_error)
             await child.kill(self.limits.kill_grace)
-            slot.state = SlotState.DOWN
+            slot.move(SlotState.DOWN)
             return False
         log.info(
             "child %s ready (pid %s, %s, warm-up %.0f ms, start %.0f ms)",
@@ -378,7 +400,7 @@ class ChildPool:
                 break
             slot.changed.clear()
             await slot.changed.wait()
-        slot.state = SlotState.STOPPING
+        slot.move(SlotState.STOPPING)
         log.info("child %s replaced: %s", slot.index, slot.replace_reason)
         # The old child exits while the new one starts (its models load meanwhile).
         stopping = asyncio.create_task(child.stop(self.limits.stop_grace, self.limits.kill_grace))
@@ -386,8 +408,8 @@ class ChildPool:
         stopping.add_done_callback(self._stopping.discard)
 
     async def _set_idle(self, slot: Slot) -> None:
-        slot.state = SlotState.IDLE
-        slot.flow_run_id = None
+        if not slot.move(SlotState.IDLE):
+            return
         async with self._idle:
             self._idle.notify_all()
         if self.on_idle is not None:
@@ -422,7 +444,7 @@ class ChildPool:
                     if not priority and self.priority_waiting:
                         break  # a priority run is waiting: it goes first
                     if slot.state is SlotState.IDLE and slot.child and not slot.child.gone:
-                        slot.state, slot.flow_run_id = SlotState.BUSY, flow_run_id
+                        slot.move(SlotState.BUSY, flow_run_id)
                         slot.run_queue = asyncio.Queue()
                         return slot
                 left = end - time.monotonic()
@@ -444,8 +466,7 @@ class ChildPool:
 
     def replace(self, slot: Slot, reason: str) -> None:
         """Have the supervisor stop this slot's child and start a fresh one."""
-        slot.state = SlotState.STOPPING
-        slot.flow_run_id = None
+        slot.move(SlotState.STOPPING)
         slot.replace_reason = reason
         slot.changed.set()
 

@@ -306,6 +306,13 @@ class FaceFlowGpuWorker(
         )
 
     # ------------------------------------------------------------------ pickup
+    # Prefect 3.9's BaseWorker has no public hook for these four steps of its pickup (the
+    # Pending claim, the Submitting state, the worker labels, the scheduled-run query), so
+    # they override its private methods, each calling ``super()`` where it keeps Prefect's
+    # behaviour. The warm-worker tests (tests/worker/) exercise each one against a real
+    # server, so a Prefect release that renames or reshapes them fails CI, not production.
+    # Everything else uses public hooks: ``setup``, ``teardown``, ``run``,
+    # ``get_and_submit_flow_runs``, ``kill_infrastructure``.
 
     async def _propose_pending_state(self, flow_run: FlowRun) -> bool:
         """Journal the claim *before* Prefect records it as ``Pending``.

@@ -156,3 +156,18 @@ def test_a_child_skips_the_rename_only_when_the_run_has_the_name_already() -> No
     assert child.named_already(fuse_faces, other) is fuse_faces
     missing = SimpleNamespace(parameters={}, name="job-1")
     assert child.named_already(fuse_faces, missing) is fuse_faces
+
+
+def test_a_slot_changes_state_only_by_the_allowed_moves() -> None:
+    from faceflow.worker.pool import SLOT_MOVES, Slot
+
+    slot = Slot(ChildSpec(index=0))
+    assert slot.state is SlotState.DOWN
+    assert not slot.move(SlotState.BUSY, "run-1")  # a child that never started takes no run
+    assert slot.move(SlotState.STARTING) and slot.move(SlotState.IDLE)
+    assert slot.move(SlotState.BUSY, "run-1") and slot.flow_run_id == "run-1"
+    assert slot.move(SlotState.STOPPING) and slot.flow_run_id is None
+    assert not slot.move(SlotState.IDLE)  # a stopping child is never handed out again
+    assert slot.state is SlotState.STOPPING
+    assert slot.move(SlotState.DOWN)
+    assert set(SLOT_MOVES) == set(SlotState)
