@@ -273,7 +273,7 @@ def prepare_inputs(
     from flows.params import input_key
 
     with temporary_settings(updates={PREFECT_API_URL: url}):
-        saved = init_default_blocks(home, webhook_secret="whsec_bench")
+        saved = init_default_blocks(home)
         if gpu_shaped:
             FusionSettings(model_threads=1).save(SETTINGS_NAME, overwrite=True)
     keys = []

@@ -2,9 +2,8 @@
 
 from blocks.defaults import init_default_blocks
 from blocks.settings import FusionSettings
-from blocks.webhooks import WebhookSettings
 
-ALL_BLOCKS = (FusionSettings, WebhookSettings)
+ALL_BLOCKS = (FusionSettings,)
 """The block types FaceFlow defines (storage uses Prefect's and prefect-aws's own)."""
 
-__all__ = ["ALL_BLOCKS", "FusionSettings", "WebhookSettings", "init_default_blocks"]
+__all__ = ["ALL_BLOCKS", "FusionSettings", "init_default_blocks"]

@@ -268,11 +268,11 @@ def demo(
 def blocks_init(
     home: Annotated[Path | None, typer.Option(help="FaceFlow home (default .faceflow).")] = None,
 ) -> None:
-    """Save the default storage, FusionSettings and WebhookSettings blocks (overwrite)."""
+    """Save the default storage and FusionSettings blocks (overwrite)."""
     from blocks.defaults import init_default_blocks
 
     saved = init_default_blocks(home)
-    typer.echo(f"saved {saved.storage} ({saved.storage_path}), {saved.settings}, {saved.webhooks}")
+    typer.echo(f"saved {saved.storage} ({saved.storage_path}), {saved.settings}")
 
 
 @relay_app.callback(invoke_without_command=True)

@@ -74,11 +74,6 @@ def read_only(engine: Engine) -> Engine:
     return engine.execution_options(**{_BEGIN_OPTION: "DEFERRED"})
 
 
-def is_sqlite(engine: Engine) -> bool:
-    """Whether ``engine`` talks to SQLite."""
-    return engine.dialect.name == "sqlite"
-
-
 def _sqlite_engine(database_url: str) -> Engine:
     url = make_url(database_url)
     if url.database and url.database != ":memory:":

@@ -134,12 +134,6 @@ class InputsPurged(ApiError):
     default_message = "An input was removed by retention while the job was being admitted."
 
 
-class NotReady(ApiError):
-    status_code = 503
-    code = "not_ready"
-    default_message = "A dependency of the service is unavailable."
-
-
 #: Pipeline errors that can surface at submit (input validation) → HTTP status.
 PIPELINE_STATUS: dict[type[pipeline_errors.FaceFlowError], int] = {
     pipeline_errors.ImageTooLarge: 413,

@@ -76,7 +76,7 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
 
     home = tmp_path_factory.mktemp("faceflow-home")
     with prefect_test_harness(server_startup_timeout=90):
-        init_default_blocks(home, webhook_secret="whsec_test-secret")
+        init_default_blocks(home)
         yield Home(home)
 
 

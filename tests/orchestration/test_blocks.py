@@ -7,10 +7,8 @@ import time
 
 import httpx
 import pytest
-from prefect.blocks.core import Block
-from pydantic import SecretStr
 
-from blocks import ALL_BLOCKS, FusionSettings, WebhookSettings, init_default_blocks
+from blocks import ALL_BLOCKS, FusionSettings, init_default_blocks
 from blocks.cache import TTL_ENV
 from blocks.settings import DEFAULT_BUDGETS_S, STAGE_NAMES, load_settings
 from blocks.storage import (
@@ -36,7 +34,7 @@ def test_every_field_is_described_in_a_sentence() -> None:
 
 def test_block_register_module(prefect_server: PrefectServer) -> None:
     prefect_cli(prefect_server, "block", "register", "-m", "blocks")
-    for slug in ("fusion-settings", "webhook-settings"):
+    for slug in ("fusion-settings",):
         response = httpx.get(f"{prefect_server.api_url}/block_types/slug/{slug}", timeout=10)
         assert response.status_code == 200, slug
 
@@ -71,26 +69,8 @@ def test_settings_fill_only_what_the_job_did_not_choose() -> None:
     assert (chosen.fuser, chosen.identity_weight) == ("classic", 0.5)
 
 
-def test_webhook_secret_round_trips_and_is_hidden_from_the_api(prefect_harness: Home) -> None:
-    WebhookSettings(signing_secret=SecretStr("whsec_c2VjcmV0"), retry_schedule_s=[1.0, 5.0]).save(
-        "secret-test", overwrite=True
-    )
-    loaded = Block.load("webhook-settings/secret-test")
-    assert isinstance(loaded, WebhookSettings)
-    assert loaded.signing_secret.get_secret_value() == "whsec_c2VjcmV0"
-    assert "whsec" not in repr(loaded)
-    assert (loaded.max_attempts, loaded.delay_before(2), loaded.delay_before(4)) == (3, 1.0, None)
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        document = client.read_block_document_by_name(
-            "secret-test", "webhook-settings", include_secrets=False
-        )
-    assert "whsec" not in str(document.data)
-
-
 def test_default_blocks_and_local_storage(prefect_harness: Home) -> None:
-    saved = init_default_blocks(prefect_harness.path, webhook_secret="whsec_again")
+    saved = init_default_blocks(prefect_harness.path)
     assert (saved.storage, saved.settings) == (DEFAULT_STORAGE_BLOCK, DEFAULT_SETTINGS_BLOCK)
     assert saved.storage.endswith(LOCAL_STORAGE_NAME)
     assert saved.storage_path == prefect_harness.storage.resolve()

@@ -236,7 +236,7 @@ def test_process_worker_runs_a_triggered_deployment(
     from blocks import init_default_blocks
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
-        init_default_blocks(prefect_server.home, webhook_secret="whsec_worker-test")
+        init_default_blocks(prefect_server.home)
     home = Home(prefect_server.home)
     job_id = str(uuid.uuid4())
     sent = webapi_parameters(

@@ -53,7 +53,7 @@ def batch_blocks(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPat
     from flows.batch import fuse_batch
 
     home = tmp_path_factory.mktemp("batch-home")
-    saved = init_default_blocks(home, webhook_secret="whsec_test-secret")
+    saved = init_default_blocks(home)
     fuse_batch.to_deployment(name=BATCH_DEPLOYMENT_NAME).apply()
     return saved.storage_path
 

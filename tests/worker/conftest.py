@@ -71,7 +71,7 @@ def prefect_api(prefect_server: PrefectServer) -> Api:
     from blocks import init_default_blocks
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
-        init_default_blocks(prefect_server.home, webhook_secret="whsec_worker-tests")
+        init_default_blocks(prefect_server.home)
     return Api(prefect_server)
 
 
