@@ -29,7 +29,10 @@ import tasks
 from faceflow import samples
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext, warm_up
-from tasks.stages import fuse_images
+try:
+    from tasks.stages import fuse_images
+except ImportError:  # a checkout before the stage table (1dc7e48)
+    from tasks.pipeline import fuse_images
 
 runs = int(sys.argv[1])
 ctx = PipelineContext.for_this_machine()

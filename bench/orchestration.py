@@ -6,7 +6,7 @@ saves the default blocks, starts one process worker (``PREFECT_WORKER_QUERY_SECO
 then runs ``--jobs`` sequential jobs astronaut → grace_hopper, each created over REST and
 waited for. Reports, as JSON, the median flow-run creation → flow start (the run's
 RUNNING time, just before the flow's first line), the median end-to-end (creation →
-COMPLETED), the same fusions through ``tasks.pipeline.fuse_images`` in one process, and
+COMPLETED), the same fusions through ``tasks.stages.fuse_images`` in one process, and
 the ratio end-to-end / bare. Every process it starts is stopped by PID.
 
     .venv/bin/python bench/orchestration.py --jobs 10

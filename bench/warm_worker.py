@@ -5,7 +5,7 @@ blocks, stores the sample inputs, deploys ``fuse-faces`` into one pool per worke
 starts each worker in turn (subprocesses, stopped by PID). Per worker type, after one
 untimed job:
 
-- bare: ``tasks.pipeline.fuse_images`` on the same inputs in this process, ``--jobs``
+- bare: ``tasks.stages.fuse_images`` on the same inputs in this process, ``--jobs``
   times, right before the worker's jobs (the machine is shared: load changes by the minute);
 - sequential: ``--jobs`` runs one after another → median dispatch latency (flow-run
   creation → the run's ``start_time``, set as the engine enters the flow function),
