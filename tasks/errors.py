@@ -69,6 +69,48 @@ class ImageTooSmall(InvalidInput):
     default_message = "The image is too small."
 
 
+class InvalidVideo(InvalidInput):
+    """The video cannot be read: not a container, corrupt, truncated or undecodable."""
+
+    code = "invalid_video"
+    default_message = "The video could not be read (corrupt or truncated file)."
+
+
+class UnsupportedVideo(InvalidInput):
+    """The container or codec is not one of MP4, MOV, MKV, WebM; H.264, H.265, VP9, AV1."""
+
+    code = "unsupported_video"
+    default_message = "Unsupported video: use MP4, MOV, MKV or WebM with H.264, H.265, VP9 or AV1."
+
+
+class VideoTooLarge(InvalidInput):
+    """The video file exceeds the byte limit."""
+
+    code = "video_too_large"
+    default_message = "The video file exceeds the size limit."
+
+
+class VideoTooLong(InvalidInput):
+    """The video lasts longer than the duration limit."""
+
+    code = "video_too_long"
+    default_message = "The video exceeds the duration limit."
+
+
+class VideoResolutionTooHigh(InvalidInput):
+    """The video's longest side exceeds the resolution limit."""
+
+    code = "video_resolution_too_high"
+    default_message = "The video exceeds the resolution limit."
+
+
+class VideoFrameRateTooHigh(InvalidInput):
+    """The video's average frame rate exceeds the limit."""
+
+    code = "video_frame_rate_too_high"
+    default_message = "The video exceeds the frame rate limit."
+
+
 class NoFaceFound(PermanentError):
     """No face was detected where one is required."""
 
@@ -104,6 +146,14 @@ class DeadlineExceeded(PermanentError):
     default_message = "The job did not finish before its deadline."
 
 
+class VideoAssemblyFailed(TransientError):
+    """A joined video does not match its source (frame count, duration, segments that do
+    not fit together): a segment was lost or damaged; rendering it again may pass."""
+
+    code = "video_assembly_failed"
+    default_message = "The video result could not be assembled."
+
+
 PERMANENT_CODES: frozenset[str] = frozenset(
     cls.code
     for cls in (
@@ -111,6 +161,12 @@ PERMANENT_CODES: frozenset[str] = frozenset(
         UnsupportedFormat,
         ImageTooLarge,
         ImageTooSmall,
+        InvalidVideo,
+        UnsupportedVideo,
+        VideoTooLarge,
+        VideoTooLong,
+        VideoResolutionTooHigh,
+        VideoFrameRateTooHigh,
         NoFaceFound,
         FaceLost,
         ModelUnavailable,

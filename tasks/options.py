@@ -47,6 +47,25 @@ class ImageLimits(BaseModel):
     min_side: Annotated[int, Field(gt=0, description="Smallest accepted width or height.")] = 16
 
 
+class VideoLimits(BaseModel):
+    """Bounds on every input video, checked when it is probed (before any frame is fused)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_bytes: Annotated[int, Field(gt=0, description="Largest accepted video file.")] = (
+        500 * 1024 * 1024
+    )
+    max_duration_s: Annotated[
+        float, Field(gt=0, description="Longest accepted video, in seconds.")
+    ] = 600.0
+    max_side: Annotated[
+        int, Field(gt=0, description="Largest accepted width or height, as displayed.")
+    ] = 1920
+    max_fps: Annotated[float, Field(gt=0, description="Highest accepted average frame rate.")] = (
+        60.0
+    )
+
+
 MAX_SOURCES = 8
 """Most source images one job may carry."""
 MAX_REFERENCES = 8

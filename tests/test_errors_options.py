@@ -51,3 +51,21 @@ def test_contracts_import_without_torch_or_prefect() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_video_refusals_have_codes_and_http_statuses() -> None:
+    from webapi.errors import pipeline_status
+
+    statuses = {
+        errors.VideoTooLarge(): (413, "video_too_large"),
+        errors.UnsupportedVideo(): (415, "unsupported_video"),
+        errors.InvalidVideo(): (422, "invalid_video"),
+        errors.VideoTooLong(): (422, "video_too_long"),
+        errors.VideoResolutionTooHigh(): (422, "video_resolution_too_high"),
+        errors.VideoFrameRateTooHigh(): (422, "video_frame_rate_too_high"),
+        errors.VideoAssemblyFailed(): (503, "video_assembly_failed"),
+    }
+    for exc, (status, code) in statuses.items():
+        assert (pipeline_status(exc), exc.code) == (status, code)
+        assert errors.is_permanent(exc) is (code in errors.PERMANENT_CODES)
+    assert not errors.is_permanent(errors.VideoAssemblyFailed())

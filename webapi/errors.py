@@ -137,7 +137,9 @@ class InputsPurged(ApiError):
 #: Pipeline errors that can surface at submit (input validation) → HTTP status.
 PIPELINE_STATUS: dict[type[pipeline_errors.FaceFlowError], int] = {
     pipeline_errors.ImageTooLarge: 413,
+    pipeline_errors.VideoTooLarge: 413,
     pipeline_errors.UnsupportedFormat: 415,
+    pipeline_errors.UnsupportedVideo: 415,
     pipeline_errors.InvalidInput: 422,
     pipeline_errors.PermanentError: 422,
     pipeline_errors.TransientError: 503,
