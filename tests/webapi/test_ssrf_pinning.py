@@ -36,6 +36,7 @@ from webapi.relay import notify
 from webapi.relay.fetch import FetchUnavailable, fetch_url
 from webapi.relay.runner import build_relay
 from webapi.storage import LocalObjectStore
+from webapi.urls import UrlPolicy
 
 NAME = "rebind.test"
 GOOD, EVIL = "127.0.0.1", "127.0.0.2"
@@ -174,9 +175,8 @@ def pair() -> Iterator[Pair]:
 
 
 def fetch(client: httpx.Client, url: str, schemes: tuple[str, ...] = ("http",)) -> bytes:
-    return fetch_url(
-        client, url, max_bytes=10_000, allow_private=True, schemes=schemes, timeout_s=5.0
-    )
+    urls = UrlPolicy(schemes=schemes, ports=None, allow_private=True)
+    return fetch_url(client, url, max_bytes=10_000, urls=urls, timeout_s=5.0)
 
 
 def test_the_fake_dns_rebinds_an_unpinned_request(pair: Pair, dns: Dns) -> None:

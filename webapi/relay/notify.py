@@ -25,7 +25,7 @@ from webapi.errors import BlockedUrl
 from webapi.models import Job, Outbox, OutboxOutcome, User, WebhookDelivery, utcnow
 from webapi.relay import leases
 from webapi.relay.context import Relay
-from webapi.urls import check_and_pin
+from webapi.urls import UrlPolicy
 from webapi.webhooks import encode_body, signed_headers
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def _post(relay: Relay, row: Outbox, url: str, secret: str) -> Attempt:
         return (time.perf_counter() - started) * 1000
 
     try:
-        target = check_and_pin(url, allow_private=relay.settings.allow_private_urls)
+        target = UrlPolicy.from_settings(relay.settings).check_and_pin(url)
     except BlockedUrl as exc:
         return Attempt("gave_up", None, f"blocked: {exc.message}", took())
     body = encode_body(row.payload.get("body") or {})
