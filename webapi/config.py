@@ -85,6 +85,12 @@ class Settings(BaseSettings):
         description="How long an authenticated API key is remembered in-process "
         "(a revoked key, disabled user or new quota applies within this time; 0: never).",
     )
+    key_rotation_grace_seconds: float = Field(
+        86400.0,
+        ge=0,
+        description="How long the old API keys keep working after faceflow keys rotate "
+        "(the time to roll the new key out to the clients).",
+    )
     submit_threads: int = Field(
         3,
         ge=1,

@@ -9,6 +9,7 @@ The URL is SSRF-checked again at send time (DNS may have changed) and the POST i
 to the checked address (``webapi.urls.pinned``), so DNS rebinding between the check and
 the connection cannot redirect it; ``Host``, SNI and certificate checks keep the original
 host name. Every attempt is a ``WebhookDelivery`` row, shown on the job as ``callbacks``.
+A disabled user's webhooks are not sent: each row is closed as ``obsolete`` when due.
 """
 
 from __future__ import annotations
@@ -64,7 +65,11 @@ def deliver(relay: Relay, row: Outbox) -> Attempt | None:
         user = session.get(User, job.owner_id) if job is not None else None
         url = job.callback_url if job is not None else None
         secret = user.webhook_secret if user is not None else None
+        disabled = user is not None and user.disabled
         session.commit()
+    if disabled:
+        _close(relay, row, "obsolete", "the job's user is disabled")
+        return None
     if not url or not secret:
         _close(relay, row, "obsolete", "the job has no callback URL any more")
         return None
