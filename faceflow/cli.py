@@ -31,9 +31,10 @@ app.add_typer(relay_app, name="relay")
 
 
 def _mount_webapi() -> None:
-    from webapi.cli import db_app, retention_app, services_app, users_app
+    from webapi.cli import db_app, keys_app, retention_app, services_app, users_app
 
     app.add_typer(users_app, name="users")
+    app.add_typer(keys_app, name="keys")
     app.add_typer(db_app, name="db")
     app.add_typer(retention_app, name="retention")
     app.add_typer(services_app, name="services")

@@ -64,7 +64,8 @@ class KeyCache(Generic[T]):
 
     Saves the key lookup on every request of a busy client. Only successful lookups are
     kept, so a new key works at once; a revoked key, a disabled user or a changed quota
-    takes effect within ``ttl_s`` (0 disables the cache). Keys are held only as hashes.
+    takes effect within ``ttl_s`` (0 disables the cache). A key whose end is known (a
+    rotation's grace period) is never kept past it. Keys are held only as hashes.
     """
 
     def __init__(self, ttl_s: float, max_entries: int = 4096) -> None:
@@ -81,18 +82,20 @@ class KeyCache(Generic[T]):
             entry = self._entries.get(key_hash)
             if entry is None:
                 return None
-            if time.monotonic() - entry[0] >= self.ttl_s:
+            if time.monotonic() >= entry[0]:
                 del self._entries[key_hash]
                 return None
             self._entries.move_to_end(key_hash)
             return entry[1]
 
-    def put(self, key_hash: str, value: T) -> None:
-        """Remember ``value`` as the principal of ``key_hash`` from now."""
-        if self.ttl_s <= 0:
+    def put(self, key_hash: str, value: T, *, valid_for_s: float | None = None) -> None:
+        """Remember ``value`` as the principal of ``key_hash`` from now, for ``ttl_s`` or
+        for ``valid_for_s`` (how long the key itself stays valid) if that is shorter."""
+        lifetime = self.ttl_s if valid_for_s is None else min(self.ttl_s, valid_for_s)
+        if lifetime <= 0:
             return
         with self._lock:
-            self._entries[key_hash] = (time.monotonic(), value)
+            self._entries[key_hash] = (time.monotonic() + lifetime, value)
             self._entries.move_to_end(key_hash)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)

@@ -1,8 +1,11 @@
-"""``faceflow users ...`` and ``faceflow db ...``: the ``app`` here is mounted by faceflow.cli.
+"""``faceflow users|keys|db ...``: the ``app`` here is mounted by faceflow.cli.
 
 ``users create NAME [--quota N] [--priority high] [--input-retention S] [--result-retention S]``
 prints the API key and the webhook secret once (they cannot be shown again); ``users set
-NAME ...`` changes those settings; ``db upgrade`` applies the Alembic migrations;
+NAME ...`` changes those settings; ``users disable|enable NAME`` turns a user off (keys
+refused, unfinished jobs cancelled, webhooks stopped) and on; ``keys list NAME``, ``keys
+revoke KEY-ID`` and ``keys rotate NAME [--grace S]`` manage API keys by their id (a key is
+printed only once, when it is made); ``db upgrade`` applies the Alembic migrations;
 ``retention run`` runs one retention pass (what the ``retention`` deployment schedules);
 ``services record-start|record-exit|list|wait-ready`` serve the systemd units (deploy/systemd).
 """
@@ -11,8 +14,11 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, NoReturn, TypeVar, get_args
 
 import typer
 from sqlmodel import Session
@@ -22,16 +28,20 @@ from webapi.config import get_settings
 from webapi.db import get_engine
 from webapi.errors import InvalidRequest, NotFound
 from webapi.migrations import DatabaseNotMigrated, check_migrated, upgrade
-from webapi.models import Priority, User
+from webapi.models import ApiKey, Priority, User, utcnow
+
+T = TypeVar("T")
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Job store administration.")
 users_app = typer.Typer(no_args_is_help=True, help="API users and their keys.")
+keys_app = typer.Typer(no_args_is_help=True, help="API keys: list, revoke, rotate.")
 db_app = typer.Typer(no_args_is_help=True, help="The job store database.")
 retention_app = typer.Typer(no_args_is_help=True, help="Deleting expired inputs and results.")
 services_app = typer.Typer(
     no_args_is_help=True, help="Supervised services: start records, readiness (systemd units)."
 )
 app.add_typer(users_app, name="users")
+app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
 app.add_typer(retention_app, name="retention")
 app.add_typer(services_app, name="services")
@@ -108,10 +118,10 @@ def create_user(
                 result_retention_s=_retention(result_retention),
             )
     except (DatabaseNotMigrated, InvalidRequest) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
+        _fail(exc)
     typer.echo(f"user:           {new.user.name} ({new.user.id}), {_describe(new.user)}")
     typer.echo(f"api key:        {new.api_key}")
+    typer.echo(f"key id:         {new.key_id}")
     typer.echo(f"webhook secret: {new.webhook_secret}")
     typer.echo("Store both now: they are not shown again.", err=True)
 
@@ -140,14 +150,32 @@ def set_user(
     if not changes:
         typer.echo("error: nothing to change", err=True)
         raise typer.Exit(2)
-    engine = get_engine(_url(database_url))
-    try:
-        with Session(engine, expire_on_commit=False) as session:
-            user = crud.update_user(session, name=name, **changes)
-    except (NotFound, InvalidRequest) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    user = _on_store(database_url, lambda session: crud.update_user(session, name=name, **changes))
     typer.echo(f"user {user.name}: {_describe(user)}")
+
+
+@users_app.command("disable")
+def disable_user(
+    name: Annotated[str, typer.Argument(help="The user to disable.")],
+    database_url: DatabaseOption = None,
+) -> None:
+    """Disable a user: keys refused, unfinished jobs cancelled, webhooks no longer sent."""
+    done = _on_store(database_url, lambda session: crud.disable_user(session, name=name))
+    typer.echo(
+        f"user {done.user.name} disabled: {done.cancelled} queued jobs cancelled, "
+        f"{done.cancel_requested} running jobs asked to stop; submits refused now, "
+        f"other requests within {_cache_time()}"
+    )
+
+
+@users_app.command("enable")
+def enable_user(
+    name: Annotated[str, typer.Argument(help="The user to enable again.")],
+    database_url: DatabaseOption = None,
+) -> None:
+    """Enable a disabled user again (jobs cancelled meanwhile stay cancelled)."""
+    user = _on_store(database_url, lambda session: crud.enable_user(session, name=name))
+    typer.echo(f"user {user.name} enabled")
 
 
 @users_app.command("list")
@@ -160,6 +188,94 @@ def list_users(database_url: DatabaseOption = None) -> None:
             typer.echo(
                 f"{user.name}\t{user.id}\tquota={user.quota}\tpriority={user.priority}{state}"
             )
+
+
+@keys_app.command("list")
+def list_keys(
+    name: Annotated[str, typer.Argument(help="The user whose keys to list.")],
+    database_url: DatabaseOption = None,
+) -> None:
+    """A user's API keys: id, first characters, creation and state (never the key)."""
+    keys = _on_store(database_url, lambda session: crud.list_keys(session, name=name))
+    now = utcnow()
+    for key in keys:
+        typer.echo(
+            f"{key.id}\t{key.prefix}…\tcreated {_when(key.created_at)}\t{_key_state(key, now)}"
+        )
+
+
+@keys_app.command("revoke")
+def revoke_key(
+    key_id: Annotated[uuid.UUID, typer.Argument(metavar="KEY-ID", help="From keys list.")],
+    database_url: DatabaseOption = None,
+) -> None:
+    """Revoke one API key now."""
+    key = _on_store(database_url, lambda session: crud.revoke_key(session, key_id=key_id))
+    typer.echo(f"key {key.id} {_key_state(key, utcnow())}: refused within {_cache_time()}")
+
+
+@keys_app.command("rotate")
+def rotate_key(
+    name: Annotated[str, typer.Argument(help="The user who gets a new key.")],
+    grace: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="Seconds the older keys keep working (default: "
+            "FACEFLOW_KEY_ROTATION_GRACE_SECONDS).",
+        ),
+    ] = None,
+    database_url: DatabaseOption = None,
+) -> None:
+    """Give a user a new API key (printed once); the older ones stop after the grace."""
+    settings = get_settings()
+    rotated = _on_store(
+        database_url,
+        lambda session: crud.rotate_key(
+            session,
+            name=name,
+            pepper=settings.api_key_pepper.get_secret_value(),
+            grace_s=settings.key_rotation_grace_seconds if grace is None else grace,
+        ),
+    )
+    typer.echo(f"user:    {rotated.user.name} ({rotated.user.id})")
+    typer.echo(f"api key: {rotated.api_key}")
+    typer.echo(f"key id:  {rotated.key.id}")
+    now = utcnow()
+    for key in rotated.old:
+        typer.echo(f"old key: {key.id} {_key_state(key, now)}")
+    typer.echo("Store the key now: it is not shown again.", err=True)
+
+
+def _key_state(key: ApiKey, now: datetime) -> str:
+    if key.revoked_at is None:
+        return "active"
+    if key.revoked_at > now:
+        return f"valid until {_when(key.revoked_at)}"
+    return f"revoked {_when(key.revoked_at)}"
+
+
+def _when(moment: datetime) -> str:
+    return moment.isoformat(timespec="seconds")
+
+
+def _cache_time() -> str:
+    return f"{get_settings().auth_cache_seconds:g} s (FACEFLOW_AUTH_CACHE_SECONDS)"
+
+
+def _on_store(database_url: str | None, action: Callable[[Session], T]) -> T:
+    """``action`` in a session on the job store; ``NotFound`` or ``InvalidRequest`` end
+    the command with its message and exit status 1."""
+    try:
+        with Session(get_engine(_url(database_url)), expire_on_commit=False) as session:
+            return action(session)
+    except (NotFound, InvalidRequest) as exc:
+        _fail(exc)
+
+
+def _fail(exc: Exception) -> NoReturn:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(1) from exc
 
 
 @db_app.command("upgrade")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tasks.options import ImageLimits
 
@@ -45,7 +45,15 @@ class Settings(BaseSettings):
         SecretStr(DEV_API_KEY_PEPPER), description="HMAC key under which API keys are hashed."
     )
     allow_private_urls: bool = Field(
-        False, description="Let callback and input URLs reach private addresses (dev/tests)."
+        False,
+        description="Let callback and input URLs reach private addresses over http or "
+        "https on any port (development and tests; production refuses it).",
+    )
+    url_ports: Annotated[list[Annotated[int, Field(ge=1, le=65535)]], NoDecode] = Field(
+        [443, 8443],
+        min_length=1,
+        description="Ports callback and input URLs may use (https): 443, and 8443, the "
+        "usual second TLS port of webhook receivers. Comma-separated in the environment.",
     )
     image_limits: ImageLimits = Field(default_factory=lambda: ImageLimits.model_validate({}))
     default_deadline_seconds: int = Field(120, ge=1, description="Job deadline when not given.")
@@ -76,6 +84,12 @@ class Settings(BaseSettings):
         ge=0,
         description="How long an authenticated API key is remembered in-process "
         "(a revoked key, disabled user or new quota applies within this time; 0: never).",
+    )
+    key_rotation_grace_seconds: float = Field(
+        86400.0,
+        ge=0,
+        description="How long the old API keys keep working after faceflow keys rotate "
+        "(the time to roll the new key out to the clients).",
     )
     submit_threads: int = Field(
         3,
@@ -148,6 +162,13 @@ class Settings(BaseSettings):
         description="Where supervised services record their starts (default: <home>/services); "
         "/metrics exports them as restart counters.",
     )
+
+    @field_validator("url_ports", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.strip("[]").split(",") if part.strip()]
+        return value
 
     @model_validator(mode="after")
     def _defaults_and_production(self) -> Self:

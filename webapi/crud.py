@@ -38,6 +38,7 @@ from webapi.errors import (
     Overloaded,
     PriorityNotAllowed,
     QuotaExceeded,
+    Unauthorized,
 )
 from webapi.inputs import InputRef
 from webapi.jobstate import transition
@@ -75,6 +76,7 @@ class NewUser:
     user: User
     api_key: str
     webhook_secret: str
+    key_id: uuid.UUID
 
 
 def create_user(
@@ -90,7 +92,6 @@ def create_user(
     """Create a user with one API key and a webhook secret; commits. ``priority`` is the
     user's priority class; the retention times (seconds) override the settings' for this
     user's jobs when given."""
-    api_key = new_api_key()
     user = User(
         name=name,
         quota=quota,
@@ -102,18 +103,12 @@ def create_user(
     session.add(user)
     try:
         session.flush()  # users before api_keys (no ORM relationship orders them)
-    except IntegrityError as exc:
-        session.rollback()
-        raise InvalidRequest(f"a user named {name!r} already exists") from exc
-    session.add(
-        ApiKey(user_id=user.id, key_hash=hash_api_key(api_key, pepper), prefix=api_key[:10])
-    )
-    try:
+        api_key, key = _add_key(session, user_id=user.id, pepper=pepper)
         session.commit()
     except IntegrityError as exc:
         session.rollback()
         raise InvalidRequest(f"a user named {name!r} already exists") from exc
-    return NewUser(user=user, api_key=api_key, webhook_secret=user.webhook_secret)
+    return NewUser(user=user, api_key=api_key, webhook_secret=user.webhook_secret, key_id=key.id)
 
 
 #: What ``update_user`` may change.
@@ -127,9 +122,7 @@ def update_user(session: Session, *, name: str, **changes: Any) -> User:
     unknown = sorted(set(changes) - USER_SETTINGS)
     if unknown:
         raise InvalidRequest(f"not user settings: {', '.join(unknown)}")
-    user = session.exec(select(User).where(col(User.name) == name)).first()
-    if user is None:
-        raise NotFound(f"no user named {name!r}")
+    user = user_named(session, name=name)
     for key, value in changes.items():
         setattr(user, key, value)
     session.add(user)
@@ -138,25 +131,163 @@ def update_user(session: Session, *, name: str, **changes: Any) -> User:
     return user
 
 
+def user_named(session: Session, *, name: str) -> User:
+    """The user called ``name``; ``NotFound`` if there is none."""
+    user = session.exec(select(User).where(col(User.name) == name)).first()
+    if user is None:
+        raise NotFound(f"no user named {name!r}")
+    return user
+
+
 def list_users(session: Session) -> Sequence[User]:
     """Every user, oldest first."""
     return session.exec(select(User).order_by(col(User.created_at))).all()
 
 
+@dataclass(frozen=True)
+class Disabled:
+    """A user just disabled and what became of their unfinished jobs."""
+
+    user: User
+    cancelled: int
+    cancel_requested: int
+
+
+def disable_user(session: Session, *, name: str) -> Disabled:
+    """Disable a user; commits. Their keys are refused (within ``auth_cache_seconds`` on
+    a running API; a submit at once: admission reads the flag under the user-row lock),
+    their webhooks are no longer sent (``relay.notify``), and their unfinished jobs are
+    cancelled: queued ones at once, running ones through a cancel request."""
+    user = _set_disabled(session, name=name, disabled=True)
+    counts = cancel_jobs_of(session, owner_id=user.id, message=USER_DISABLED_MESSAGE)
+    return Disabled(
+        user=user,
+        cancelled=counts[JobStatus.cancelled],
+        cancel_requested=counts[JobStatus.cancel_requested],
+    )
+
+
+def enable_user(session: Session, *, name: str) -> User:
+    """Enable a disabled user again (jobs cancelled meanwhile stay cancelled); commits."""
+    return _set_disabled(session, name=name, disabled=False)
+
+
+def _set_disabled(session: Session, *, name: str, disabled: bool) -> User:
+    user = user_named(session, name=name)
+    user.disabled = disabled
+    session.add(user)
+    session.commit()  # before a disable's sweep: a submit committed after it is refused
+    session.refresh(user)
+    return user
+
+
+@dataclass(frozen=True)
+class Authenticated:
+    """The user of a valid API key, and until when the key stays valid (None: revoked
+    only by a later command)."""
+
+    user: User
+    key_id: uuid.UUID
+    valid_until: datetime | None
+
+
 def authenticate(session: Session, *, api_key: str, pepper: str) -> User | None:
     """The enabled user owning ``api_key`` (not revoked), or None."""
+    found = authenticate_key(session, api_key=api_key, pepper=pepper)
+    return None if found is None else found.user
+
+
+def authenticate_key(
+    session: Session, *, api_key: str, pepper: str, now: datetime | None = None
+) -> Authenticated | None:
+    """The enabled user of ``api_key`` if the key is valid now (not revoked, or in a
+    rotation's grace period: ``revoked_at`` still ahead), or None."""
+    now = now or utcnow()
     key_hash = hash_api_key(api_key, pepper)
     row = session.exec(
         select(ApiKey, User)
         .join(User, col(User.id) == col(ApiKey.user_id))
-        .where(col(ApiKey.key_hash) == key_hash, col(ApiKey.revoked_at).is_(None))
+        .where(
+            col(ApiKey.key_hash) == key_hash,
+            sa.or_(col(ApiKey.revoked_at).is_(None), col(ApiKey.revoked_at) > now),
+        )
     ).first()
     if row is None:
         return None
     key, user = row
     if user.disabled or not key_matches(api_key, key.key_hash, pepper):
         return None
-    return user
+    return Authenticated(user=user, key_id=key.id, valid_until=key.revoked_at)
+
+
+def list_keys(session: Session, *, name: str) -> Sequence[ApiKey]:
+    """A user's API keys (hashes only), oldest first."""
+    user = user_named(session, name=name)
+    return session.exec(
+        select(ApiKey).where(col(ApiKey.user_id) == user.id).order_by(col(ApiKey.created_at))
+    ).all()
+
+
+def revoke_key(session: Session, *, key_id: uuid.UUID, now: datetime | None = None) -> ApiKey:
+    """Revoke one API key now (a key already revoked keeps its time); commits. Refused
+    within ``auth_cache_seconds`` on a running API. ``NotFound`` for an unknown id."""
+    now = now or utcnow()
+    key = session.get(ApiKey, key_id)
+    if key is None:
+        raise NotFound(f"no API key {key_id}")
+    if key.revoked_at is None or key.revoked_at > now:
+        key.revoked_at = now
+        session.add(key)
+    session.commit()
+    session.refresh(key)
+    return key
+
+
+@dataclass(frozen=True)
+class Rotated:
+    """A new API key (shown once) and the user's older keys, now ending with the grace."""
+
+    user: User
+    api_key: str
+    key: ApiKey
+    old: Sequence[ApiKey]
+
+
+def rotate_key(
+    session: Session, *, name: str, pepper: str, grace_s: float, now: datetime | None = None
+) -> Rotated:
+    """Give a user a new API key; every older key of theirs still valid then stops at
+    ``now + grace_s`` (a key ending sooner keeps its end); commits."""
+    now = now or utcnow()
+    ends = now + timedelta(seconds=grace_s)
+    user = user_named(session, name=name)
+    old = session.exec(
+        select(ApiKey).where(
+            col(ApiKey.user_id) == user.id,
+            sa.or_(col(ApiKey.revoked_at).is_(None), col(ApiKey.revoked_at) > ends),
+        )
+    ).all()
+    for key in old:
+        key.revoked_at = ends
+        session.add(key)
+    api_key, new = _add_key(session, user_id=user.id, pepper=pepper)
+    session.commit()
+    session.refresh(new)
+    older = [key for key in list_keys(session, name=name) if key.id != new.id]
+    return Rotated(
+        user=user,
+        api_key=api_key,
+        key=new,
+        old=[key for key in older if key.revoked_at is None or key.revoked_at > now],
+    )
+
+
+def _add_key(session: Session, *, user_id: uuid.UUID, pepper: str) -> tuple[str, ApiKey]:
+    """A new API key of ``user_id``, added to the session: (the key, its row)."""
+    api_key = new_api_key()
+    key = ApiKey(user_id=user_id, key_hash=hash_api_key(api_key, pepper), prefix=api_key[:10])
+    session.add(key)
+    return api_key, key
 
 
 # --------------------------------------------------------------------------- submit
@@ -311,8 +442,11 @@ def _admit(
     store: ObjectStore | None,
 ) -> list[Admission]:
     serialise_admission(session)
-    for owner_id in sorted({submission.owner.id for submission in submissions}):
-        _lock_user(session, owner_id)
+    disabled = {
+        owner_id
+        for owner_id in sorted({submission.owner.id for submission in submissions})
+        if _lock_user(session, owner_id)
+    }
     batch = _Batch(backlog(session, settings=settings))
     purged = inputs_purged_since(
         session,
@@ -323,6 +457,8 @@ def _admit(
     with session.no_autoflush:  # new rows are inserted together at commit
         for submission in submissions:
             try:
+                if submission.owner.id in disabled:  # its key may still be in a cache
+                    raise Unauthorized()
                 _check_inputs(submission, purged, store)
                 admissions.append(_admit_one(session, submission, batch, settings))
             except ApiError as exc:
@@ -526,11 +662,15 @@ def _timeouts(create: JobCreate, settings: Settings) -> tuple[int, int]:
     return deadline_s, queue_s
 
 
-def _lock_user(session: Session, user_id: uuid.UUID) -> None:
+def _lock_user(session: Session, user_id: uuid.UUID) -> bool:
     """Order one user's concurrent submits (PostgreSQL row lock; SQLite transactions are
-    ``BEGIN IMMEDIATE``, so already serial: no statement needed)."""
+    ``BEGIN IMMEDIATE``, so already serial) and return whether the user is disabled (or
+    gone): read under the lock, so no job is admitted after ``disable_user``'s sweep."""
+    statement = select(User.disabled).where(col(User.id) == user_id)
     if session.get_bind().dialect.name != "sqlite":
-        session.exec(select(User.id).where(col(User.id) == user_id).with_for_update()).first()
+        statement = statement.with_for_update()
+    disabled = session.exec(statement).first()
+    return disabled is None or bool(disabled)
 
 
 def _by_idempotency_key(session: Session, *, owner_id: uuid.UUID, key: str) -> Job | None:
@@ -847,11 +987,21 @@ def status_counts(session: Session) -> dict[JobStatus, int]:
 # --------------------------------------------------------------------------- cancel
 
 
+#: How many times a cancel looks again after losing a race with the relay.
+CANCEL_TRIES = 5
+USER_DISABLED_MESSAGE = "The job was cancelled: its user was disabled."
+#: What a cancel moves a job to, by the status it was seen in.
+_CANCELLED_TO = {
+    JobStatus.queued: JobStatus.cancelled,
+    JobStatus.running: JobStatus.cancel_requested,
+}
+
+
 def cancel_job(session: Session, *, owner: User, job_id: uuid.UUID) -> Job:
     """Cancel the caller's job: queued → cancelled now (its dispatch made obsolete);
     running → cancel_requested (the relay cancels the flow run); cancel_requested stays.
     A finished job raises ``JobNotCancellable`` (409)."""
-    for _ in range(5):
+    for _ in range(CANCEL_TRIES):
         job = get_job(session, owner=owner, job_id=job_id)
         status = job.status
         if status.is_terminal:
@@ -859,16 +1009,39 @@ def cancel_job(session: Session, *, owner: User, job_id: uuid.UUID) -> Job:
         if status is JobStatus.cancel_requested:
             session.commit()
             return job
-        fields: dict[str, Any] = {}
-        if status is JobStatus.queued:
-            to = JobStatus.cancelled
-            fields = {"error_code": "cancelled", "error_message": "The job was cancelled."}
-        else:
-            to = JobStatus.cancel_requested
-        if transition(session, job_id=job_id, to=to, expected=status, **fields):
+        if _cancel(session, job_id=job_id, status=status, message="The job was cancelled."):
             return get_job(session, owner=owner, job_id=job_id)
         session.rollback()  # lost a race with the relay: look again
     raise JobNotCancellable("The job changed state repeatedly; try again.")
+
+
+def cancel_jobs_of(session: Session, *, owner_id: uuid.UUID, message: str) -> dict[JobStatus, int]:
+    """Cancel every queued or running job of a user as ``cancel_job`` does (a lost race
+    is looked at again); commits. Returns how many became cancelled / cancel_requested."""
+    counts = dict.fromkeys((JobStatus.cancelled, JobStatus.cancel_requested), 0)
+    for _ in range(CANCEL_TRIES):
+        jobs = session.exec(
+            select(Job.id, Job.status).where(
+                col(Job.owner_id) == owner_id,
+                col(Job.status).in_([JobStatus.queued, JobStatus.running]),
+            )
+        ).all()
+        session.commit()  # ends the read (each cancel below commits on its own)
+        if not jobs:
+            break
+        for job_id, seen in jobs:
+            status = JobStatus(seen)
+            if _cancel(session, job_id=job_id, status=status, message=message):
+                counts[_CANCELLED_TO[status]] += 1
+    return counts
+
+
+def _cancel(session: Session, *, job_id: uuid.UUID, status: JobStatus, message: str) -> bool:
+    """One compare-and-set cancel of a job last seen ``status`` (queued or running)."""
+    fields: dict[str, Any] = {}
+    if status is JobStatus.queued:
+        fields = {"error_code": "cancelled", "error_message": message}
+    return transition(session, job_id=job_id, to=_CANCELLED_TO[status], expected=status, **fields)
 
 
 def reset_service_time_cache() -> None:

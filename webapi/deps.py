@@ -7,6 +7,7 @@ several apps (tests: one per database) live side by side in one process.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -19,7 +20,7 @@ from webapi import crud
 from webapi.auth import KeyCache, hash_api_key, parse_bearer
 from webapi.config import Settings
 from webapi.errors import Unauthorized
-from webapi.models import User
+from webapi.models import User, utcnow
 from webapi.storage import ObjectStore
 
 bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer ff_...")
@@ -69,8 +70,9 @@ async def get_current_user(
 ) -> User:
     """The user of the request's API key, or 401.
 
-    Looked up in the app's ``KeyCache`` first (``settings.auth_cache_seconds``), else in
-    a short read transaction of its own, ended before the route opens its own.
+    Looked up in the app's ``KeyCache`` first (``settings.auth_cache_seconds``, never
+    past the key's own end), else in a short read transaction of its own, ended before
+    the route opens its own.
     """
     header = None if credentials is None else f"{credentials.scheme} {credentials.credentials}"
     api_key = parse_bearer(header)
@@ -81,20 +83,25 @@ async def get_current_user(
     cache: KeyCache[User] = request.app.state.users
     user = cache.get(key_hash)
     if user is None:
-        user = await run_in_threadpool(
+        found = await run_in_threadpool(
             _authenticate, request.app.state.read_engine, api_key, pepper
         )
-        if user is None:
+        if found is None:
             raise Unauthorized()
-        cache.put(key_hash, user)
+        user = found.user
+        cache.put(key_hash, user, valid_for_s=_seconds_left(found.valid_until))
     return user
 
 
-def _authenticate(engine: Engine, api_key: str, pepper: str) -> User | None:
+def _authenticate(engine: Engine, api_key: str, pepper: str) -> crud.Authenticated | None:
     with Session(engine, expire_on_commit=False) as session:
-        user = crud.authenticate(session, api_key=api_key, pepper=pepper)
+        found = crud.authenticate_key(session, api_key=api_key, pepper=pepper)
         session.commit()
-        return user
+        return found
+
+
+def _seconds_left(until: datetime | None) -> float | None:
+    return None if until is None else (until - utcnow()).total_seconds()
 
 
 CurrentUser = Annotated[User, Depends(get_current_user)]

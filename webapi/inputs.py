@@ -17,7 +17,7 @@ from flows.params import input_key
 from tasks.options import CONTENT_TYPES, ImageLimits
 from webapi.errors import BlockedUrl, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from webapi.storage import ObjectStore
-from webapi.urls import check_url
+from webapi.urls import UrlPolicy
 
 ACCEPTED_MEDIA_TYPES: frozenset[str] = frozenset(
     {"image/jpeg", "image/jpg", "image/pjpeg", "image/png", "image/webp"}
@@ -82,19 +82,19 @@ def accept_input(
     name: str,
     limits: ImageLimits,
     store: ObjectStore,
-    allow_private_urls: bool,
+    urls: UrlPolicy,
 ) -> InputRef:
-    """One input as given in a request: bytes (multipart), a ``data:`` URI or a URL."""
+    """One input as given in a request: bytes (multipart), a ``data:`` URI or a URL that
+    ``urls`` allows."""
     if isinstance(value, bytes):
         return store_image(value, name=name, limits=limits, store=store)
     text = value.strip()
     if text[:5].lower() == "data:":
         data = decode_data_uri(text, name=name, max_bytes=limits.max_bytes)
         return store_image(data, name=name, limits=limits, store=store)
-    if text[:6].lower() == "https:" or (allow_private_urls and text[:5].lower() == "http:"):
-        schemes = ("http", "https") if allow_private_urls else ("https",)
+    if text.partition(":")[0].lower() in urls.schemes:
         try:
-            check_url(text, allow_private=allow_private_urls, schemes=schemes)
+            urls.check(text)
         except BlockedUrl as exc:
             raise BlockedUrl(f"{name}: {exc.message}") from exc
         return InputRef(name=name, digest=hashlib.sha256(text.encode()).hexdigest(), url=text)

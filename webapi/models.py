@@ -151,7 +151,11 @@ class User(UserBase, table=True):
 
     id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
     webhook_secret: str = Field(max_length=100, description="whsec_<base64 32 bytes>.")
-    disabled: bool = Field(default=False, description="A disabled user's keys are refused.")
+    disabled: bool = Field(
+        default=False,
+        description="A disabled user's keys and submits are refused and webhooks not sent "
+        "(faceflow users disable|enable).",
+    )
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
 
 
@@ -163,7 +167,9 @@ class UserPublic(UserBase):
 
 
 class ApiKey(SQLModel, table=True):
-    """One API key of a user, stored only as ``key_hash`` = hex HMAC-SHA256(pepper, key)."""
+    """One API key of a user, stored only as ``key_hash`` = hex HMAC-SHA256(pepper, key).
+    ``id`` names it (not secret: faceflow keys list|revoke); ``revoked_at`` is when it
+    stops working, in the future during a rotation's grace period."""
 
     __tablename__ = "api_keys"
 
@@ -172,7 +178,9 @@ class ApiKey(SQLModel, table=True):
     key_hash: str = Field(max_length=64, unique=True, index=True, description="hex HMAC-SHA256.")
     prefix: str = Field(max_length=16, description="First characters of the key, to recognise it.")
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime, nullable=False)
-    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    revoked_at: datetime | None = Field(
+        default=None, sa_type=UTCDateTime, description="When the key stops working."
+    )
 
 
 # --------------------------------------------------------------------------- jobs

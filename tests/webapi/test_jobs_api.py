@@ -232,19 +232,25 @@ def test_malformed_json_is_422(client: TestClient, engine: Engine, settings: Set
         assert response.status_code == 422, (content, response.text)
 
 
-def test_blocked_callback_and_input_urls_are_422_without_connecting(
-    database_url: str, tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _refuse_connections(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """From now on, a Python socket connection fails the test; returns the attempts."""
     attempts: list[object] = []
 
     def refuse(*args: object, **kwargs: object) -> None:
         attempts.append(args)
         raise AssertionError("a connection was attempted")
 
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+def test_blocked_callback_and_input_urls_are_422_without_connecting(
+    database_url: str, tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with _client(database_url, tmp_path, allow_private_urls=False) as client:
         user = make_user(engine, client.app.state.settings)  # type: ignore[attr-defined]
-        monkeypatch.setattr(socket, "create_connection", refuse)
-        monkeypatch.setattr(socket.socket, "connect", refuse)
+        attempts = _refuse_connections(monkeypatch)
         for url in (
             "http://127.0.0.1:8080/hook",
             "http://10.0.0.1/hook",
@@ -261,6 +267,63 @@ def test_blocked_callback_and_input_urls_are_422_without_connecting(
             assert response.status_code == 422, url  # plain http inputs: https only
     assert attempts == []
     assert jobs_of(engine) == []
+
+
+def test_callbacks_and_input_urls_are_https_on_the_allowed_ports(
+    database_url: str, tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without FACEFLOW_ALLOW_PRIVATE_URLS (as production): https only, ports 443 and
+    8443 (FACEFLOW_URL_PORTS), public addresses in every form; nothing is connected to."""
+    with _client(database_url, tmp_path, allow_private_urls=False) as client:
+        user = make_user(engine, client.app.state.settings)  # type: ignore[attr-defined]
+        attempts = _refuse_connections(monkeypatch)
+        for url, reason in (
+            ("http://93.184.216.34/hook", "scheme"),
+            ("https://93.184.216.34:22/hook", "port"),
+            ("https://93.184.216.34:6379/hook", "port"),
+            ("https://93.184.216.34:80/hook", "port"),
+            ("https://[::127.0.0.1]/hook", "non-public"),
+            ("https://[64:ff9b::a00:1]/hook", "non-public"),
+            ("https://[::ffff:169.254.169.254]/hook", "metadata"),
+        ):
+            for body in (job_body(callback_url=url), job_body(source=url)):
+                response = client.post("/v1/jobs", json=body, headers=auth(user))
+                assert response.status_code == 422, url
+                if reason != "scheme" or "callback_url" in body:  # http inputs: "https URL"
+                    assert _error(response) == "blocked_url", url
+                    assert reason in response.json()["error"]["message"], response.text
+        # a numeric host: the callback's URL parser (WHATWG) writes it as dotted decimal,
+        # an input URL is kept as given and so refused
+        response = client.post(
+            "/v1/jobs", json=job_body(source="https://0x5db8d822/a.jpg"), headers=auth(user)
+        )
+        assert response.status_code == 422 and "dotted decimal" in response.text
+        body = job_body(
+            callback_url="https://0x5db8d822:8443/hook", source="https://93.184.216.34/a.jpg"
+        )
+        assert client.post("/v1/jobs", json=body, headers=auth(user)).status_code == 202
+    assert attempts == []
+    [job] = jobs_of(engine)
+    assert job.callback_url == "https://93.184.216.34:8443/hook"
+
+
+def test_metadata_callbacks_are_refused_even_with_private_urls_allowed(
+    client: TestClient, engine: Engine, settings: Settings
+) -> None:
+    user = make_user(engine, settings)
+    for url in (
+        "http://[::ffff:169.254.169.254]/latest",
+        "http://[::a9fe:a9fe]/",
+        "http://0xa9fea9fe/",
+    ):
+        response = client.post("/v1/jobs", json=job_body(callback_url=url), headers=auth(user))
+        assert response.status_code == 422 and "metadata" in response.text, url
+    assert (
+        client.post(
+            "/v1/jobs", json=job_body(callback_url="http://127.0.0.1:9/hook"), headers=auth(user)
+        ).status_code
+        == 202
+    )
 
 
 def test_quota_is_429_with_retry_after(

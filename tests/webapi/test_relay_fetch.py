@@ -10,9 +10,9 @@ import pytest
 
 from tests.webapi.relay_harness import Receiver, free_port, receiver
 from webapi.relay.fetch import FetchRejected, FetchUnavailable, fetch_url
+from webapi.urls import DEVELOPMENT, UrlPolicy
 
 BODY = b"\x89PNG\r\n\x1a\n" + b"x" * 5000
-SCHEMES = ("http", "https")
 
 
 @pytest.fixture
@@ -31,8 +31,7 @@ def client() -> Iterator[httpx.Client]:
 def fetch(client: httpx.Client, url: str, **kwargs: object) -> bytes:
     options: dict[str, object] = {
         "max_bytes": 10_000,
-        "allow_private": True,
-        "schemes": SCHEMES,
+        "urls": DEVELOPMENT,
         "timeout_s": 5.0,
         **kwargs,
     }
@@ -74,13 +73,13 @@ def test_private_addresses_are_refused_before_any_connection(
 ) -> None:
     for url in (f"{server.url}/img", "http://10.0.0.1/x", "http://[::1]/x", "http://localhost/x"):
         with pytest.raises(FetchRejected):
-            fetch(client, url, allow_private=False)
+            fetch(client, url, urls=UrlPolicy(schemes=("http", "https"), ports=None))
     assert server.requests == []
 
 
 def test_plain_http_is_refused_by_default(server: Receiver, client: httpx.Client) -> None:
     with pytest.raises(FetchRejected):
-        fetch(client, f"{server.url}/img", schemes=("https",))
+        fetch(client, f"{server.url}/img", urls=UrlPolicy(ports=None, allow_private=True))
     assert server.requests == []
 
 
@@ -103,3 +102,19 @@ def test_server_errors_are_transient_client_errors_permanent(
         fetch(client, f"{server.url}/missing")
     with pytest.raises(FetchUnavailable):
         fetch(client, f"http://127.0.0.1:{free_port()}/img")  # nothing listens there
+
+
+def test_a_redirect_to_a_port_off_the_allow_list_is_not_followed(client: httpx.Client) -> None:
+    """Each hop honours the port allow-list: a public server cannot bounce the fetch to
+    another port (here: a second loopback server standing in for, say, Redis)."""
+    with receiver() as allowed, receiver() as other:
+        other.files["/img"] = (200, {"content-type": "image/png"}, BODY)
+        allowed.files["/hop"] = (302, {"location": f"{other.url}/img"}, b"")
+        allowed.files["/img"] = (200, {"content-type": "image/png"}, BODY)
+        port = int(allowed.url.rsplit(":", 1)[1])
+        urls = UrlPolicy(schemes=("http",), ports=frozenset({port}), allow_private=True)
+        assert fetch(client, f"{allowed.url}/img", urls=urls) == BODY
+        with pytest.raises(FetchRejected, match=f"port must be one of: {port}"):
+            fetch(client, f"{allowed.url}/hop", urls=urls)
+        assert [r.path for r in allowed.requests] == ["/img", "/hop"]
+        assert other.requests == []

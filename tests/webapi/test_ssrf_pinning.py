@@ -33,9 +33,10 @@ from tests.webapi.conftest import make_settings
 from tests.webapi.relay_harness import FAST, independent_verify, submit
 from tests.webapi.utils import make_user, outbox_of, succeed
 from webapi.relay import notify
-from webapi.relay.fetch import FetchUnavailable, fetch_url
+from webapi.relay.fetch import FetchRejected, FetchUnavailable, fetch_url
 from webapi.relay.runner import build_relay
 from webapi.storage import LocalObjectStore
+from webapi.urls import UrlPolicy
 
 NAME = "rebind.test"
 GOOD, EVIL = "127.0.0.1", "127.0.0.2"
@@ -174,9 +175,8 @@ def pair() -> Iterator[Pair]:
 
 
 def fetch(client: httpx.Client, url: str, schemes: tuple[str, ...] = ("http",)) -> bytes:
-    return fetch_url(
-        client, url, max_bytes=10_000, allow_private=True, schemes=schemes, timeout_s=5.0
-    )
+    urls = UrlPolicy(schemes=schemes, ports=None, allow_private=True)
+    return fetch_url(client, url, max_bytes=10_000, urls=urls, timeout_s=5.0)
 
 
 def test_the_fake_dns_rebinds_an_unpinned_request(pair: Pair, dns: Dns) -> None:
@@ -233,6 +233,29 @@ def test_webhook_connects_to_the_checked_address(
     assert (method, path, headers["host"]) == ("POST", "/hook?x=1", f"{NAME}:{pair.port}")
     assert headers["webhook-id"] == row.payload["webhook_id"]
     assert independent_verify(owner.webhook_secret, headers, body)
+    assert pair.evil.requests == []
+
+
+def test_an_ipv4_mapped_answer_is_judged_and_pinned_as_its_ipv4_address(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DNS answer ``::ffff:a.b.c.d`` is the IPv4 address: 127.0.0.1 is fetched (private
+    addresses allowed here) over IPv4; the metadata address is refused before connecting."""
+    answers = {"mapped.test": "::ffff:127.0.0.1", "meta.test": "::ffff:169.254.169.254"}
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        name = host.decode("ascii") if isinstance(host, bytes) else host
+        if name not in answers:
+            return real(host, port, *args, **kwargs)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", (answers[name], int(port), 0, 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    with httpx.Client() as client:
+        assert fetch(client, f"http://mapped.test:{pair.port}/img") == BODY
+        with pytest.raises(FetchRejected, match="metadata"):
+            fetch(client, f"http://meta.test:{pair.port}/img")
+    assert pair.good.paths() == ["/img"] and pair.good.hosts() == {f"mapped.test:{pair.port}"}
     assert pair.evil.requests == []
 
 

@@ -21,6 +21,7 @@ from webapi.storage import (
     StorageError,
     open_store,
 )
+from webapi.urls import DEVELOPMENT, UrlPolicy
 
 LIMITS = ImageLimits.model_validate({})
 
@@ -112,7 +113,8 @@ def test_accept_input_kinds(tmp_path: Path) -> None:
     store = LocalObjectStore(tmp_path)
 
     def accept(value: str | bytes, private: bool = False) -> InputRef:
-        return accept_input(value, name="s", limits=LIMITS, store=store, allow_private_urls=private)
+        urls = DEVELOPMENT if private else UrlPolicy()
+        return accept_input(value, name="s", limits=LIMITS, store=store, urls=urls)
 
     assert accept(source_jpeg()) == accept(data_uri(source_jpeg()))
     url = accept("https://93.184.216.34/a.jpg")

@@ -246,3 +246,28 @@ def test_each_event_is_received_at_least_once(relay: Relay, hooks: Receiver) -> 
     assert received == {str(job_id) for job_id in jobs}
     for post in hooks.posts():
         assert independent_verify(owner.webhook_secret, post.headers, post.body)
+
+
+def test_a_disabled_users_webhooks_are_not_sent(relay: Relay, hooks: Receiver) -> None:
+    """Pending rows (a success before the disable, the cancellation it caused) are closed
+    as obsolete when due, with no attempt; another user's webhook still goes out."""
+    alice = make_user(relay.engine, relay.settings)
+    bob = make_user(relay.engine, relay.settings)
+    succeeded = finished_job(relay, hooks, alice)
+    queued = submit(
+        relay.engine,
+        relay.settings,
+        relay.store,
+        alice,
+        callback_url=f"{hooks.url}/hook",
+        callback_events=["job.cancelled"],
+    ).id
+    bobs = finished_job(relay, hooks, bob)
+    with Session(relay.engine, expire_on_commit=False) as session:
+        assert crud.disable_user(session, name=alice.user.name).cancelled == 1
+    for job_id in (succeeded, queued):
+        row = notify_until_closed(relay, job_id)
+        assert (row.outcome, row.last_error) == ("obsolete", "the job's user is disabled")
+        assert deliveries(relay, job_id) == []
+    assert notify_until_closed(relay, bobs).outcome == "done"
+    assert [json.loads(r.body)["data"]["id"] for r in hooks.requests] == [str(bobs)]

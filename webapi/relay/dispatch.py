@@ -40,6 +40,7 @@ from webapi.prefect_api import PrefectRejected, PrefectUnavailable
 from webapi.relay import leases, outage
 from webapi.relay.context import Relay
 from webapi.relay.fetch import FetchError, FetchRejected, fetch_url
+from webapi.urls import UrlPolicy
 
 log = logging.getLogger(__name__)
 
@@ -302,10 +303,9 @@ def _fetch_and_store(relay: Relay, url: str | None, name: str) -> str:
         relay.http,
         url,
         max_bytes=settings.image_limits.max_bytes,
-        allow_private=settings.allow_private_urls,
+        urls=UrlPolicy.from_settings(settings),
         timeout_s=relay.timings.fetch_timeout_s,
         max_redirects=relay.timings.fetch_max_redirects,
-        schemes=("http", "https") if settings.allow_private_urls else ("https",),
     )
     ref = store_image(data, name=name, limits=settings.image_limits, store=relay.store)
     assert ref.key is not None

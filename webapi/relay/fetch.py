@@ -19,7 +19,7 @@ from urllib.parse import urljoin
 import httpx
 
 from webapi.errors import BlockedUrl
-from webapi.urls import Pinned, check_and_pin
+from webapi.urls import Pinned, UrlPolicy
 
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 RETRYABLE_CODES = frozenset({408, 425, 429})
@@ -48,17 +48,16 @@ def fetch_url(
     url: str,
     *,
     max_bytes: int,
-    allow_private: bool,
+    urls: UrlPolicy,
     timeout_s: float = 10.0,
     max_redirects: int = 3,
-    schemes: tuple[str, ...] = ("https",),
 ) -> bytes:
     """The body of ``url`` (at most ``max_bytes``), following up to ``max_redirects``
-    redirects, each one SSRF-checked. ``schemes`` defaults to https only."""
+    redirects, each one SSRF-checked under ``urls`` (schemes, ports, addresses)."""
     current = url
     for _hop in range(max_redirects + 1):
         try:
-            target = check_and_pin(current, allow_private=allow_private, schemes=schemes)
+            target = urls.check_and_pin(current)
         except BlockedUrl as exc:
             raise FetchRejected(f"The input URL is not allowed: {exc.message}") from exc
         location = _get(client, target, max_bytes=max_bytes, timeout_s=timeout_s)

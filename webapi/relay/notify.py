@@ -9,6 +9,7 @@ The URL is SSRF-checked again at send time (DNS may have changed) and the POST i
 to the checked address (``webapi.urls.pinned``), so DNS rebinding between the check and
 the connection cannot redirect it; ``Host``, SNI and certificate checks keep the original
 host name. Every attempt is a ``WebhookDelivery`` row, shown on the job as ``callbacks``.
+A disabled user's webhooks are not sent: each row is closed as ``obsolete`` when due.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from webapi.errors import BlockedUrl
 from webapi.models import Job, Outbox, OutboxOutcome, User, WebhookDelivery, utcnow
 from webapi.relay import leases
 from webapi.relay.context import Relay
-from webapi.urls import check_and_pin
+from webapi.urls import UrlPolicy
 from webapi.webhooks import encode_body, signed_headers
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,11 @@ def deliver(relay: Relay, row: Outbox) -> Attempt | None:
         user = session.get(User, job.owner_id) if job is not None else None
         url = job.callback_url if job is not None else None
         secret = user.webhook_secret if user is not None else None
+        disabled = user is not None and user.disabled
         session.commit()
+    if disabled:
+        _close(relay, row, "obsolete", "the job's user is disabled")
+        return None
     if not url or not secret:
         _close(relay, row, "obsolete", "the job has no callback URL any more")
         return None
@@ -128,7 +133,7 @@ def _post(relay: Relay, row: Outbox, url: str, secret: str) -> Attempt:
         return (time.perf_counter() - started) * 1000
 
     try:
-        target = check_and_pin(url, allow_private=relay.settings.allow_private_urls)
+        target = UrlPolicy.from_settings(relay.settings).check_and_pin(url)
     except BlockedUrl as exc:
         return Attempt("gave_up", None, f"blocked: {exc.message}", took())
     body = encode_body(row.payload.get("body") or {})

@@ -56,7 +56,7 @@ from webapi.models import (
     utcnow,
 )
 from webapi.storage import ObjectNotFound, ObjectStore
-from webapi.urls import check_url
+from webapi.urls import UrlPolicy
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -201,16 +201,13 @@ def _prepare(
     A per-face mapping's extra sources and references must be given inline (data: URIs or
     files): only the first source and the target may be URLs the relay fetches."""
     prepared_at = utcnow()  # before any input is found already stored
+    urls = UrlPolicy.from_settings(settings)
     if create.callback_url is not None:
         try:
-            check_url(str(create.callback_url), allow_private=settings.allow_private_urls)
+            urls.check(str(create.callback_url))
         except BlockedUrl as exc:
             raise BlockedUrl(f"callback_url: {exc.message}") from exc
-    common = {
-        "limits": settings.image_limits,
-        "store": store,
-        "allow_private_urls": settings.allow_private_urls,
-    }
+    common = {"limits": settings.image_limits, "store": store, "urls": urls}
     source = accept_input(raw_source, name="source", **common)  # type: ignore[arg-type]
     target = accept_input(raw_target, name="target", **common)  # type: ignore[arg-type]
     extras = [
