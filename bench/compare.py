@@ -29,9 +29,12 @@ import tasks
 from faceflow import samples
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext, warm_up
-try:
+from pathlib import Path
+# A checkout before the stage table (1dc7e48) has no tasks/stages.py; ask the checkout's
+# own folder, not the import system (the editable install would find this one's).
+if (Path(tasks.__file__).parent / "stages.py").exists():
     from tasks.stages import fuse_images
-except ImportError:  # a checkout before the stage table (1dc7e48)
+else:
     from tasks.pipeline import fuse_images
 
 runs = int(sys.argv[1])

@@ -191,9 +191,17 @@ def moderate_inputs_stage(
 
 def moderate_result_stage(image: RGBImage, ctx: PipelineContext) -> tuple[ModerationVerdict, ...]:
     """NSFW check of the result image, as ``moderate_inputs_stage`` does for the inputs."""
+    return moderate_results({"result": image}, ctx)
+
+
+def moderate_results(
+    images: Mapping[str, RGBImage], ctx: PipelineContext
+) -> tuple[ModerationVerdict, ...]:
+    """NSFW check of result images by name (a photo's result, a video's sampled frames);
+    ``()`` when the policy checks no results."""
     if not ctx.moderation.checks_result:
         return ()
-    return _moderate({"result": image}, ctx)
+    return _moderate(images, ctx)
 
 
 def _moderate(

@@ -10,18 +10,40 @@ detections) and hands groups of them to ``run_stages`` restricted to the frame s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from tasks import pipeline
 from tasks.detect import detect_faces_batch
 from tasks.errors import FaceFlowError, NoFaceFound
 from tasks.options import FusionOptions
 from tasks.pipeline import Detections, PipelineContext, SourceFace
 from tasks.stages import InMemory, InProcess, InputBytes, Stage, Work, run_stages
-from tasks.types import Face, FloatArray, RGBImage
-from tasks.video_plan import FacePlan, Swap, Track, frame_signature
+from tasks.types import Box, Face, FloatArray, RGBImage
+from tasks.video_io import (
+    SegmentWriter,
+    VideoInfo,
+    VideoLimits,
+    frame_timestamps,
+    join_segments,
+    probe_video,
+    read_frames,
+)
+from tasks.video_plan import (
+    Chunk,
+    FacePlan,
+    Swap,
+    frame_signature,
+    plan_chunks,
+    plan_faces,
+    scene_cuts,
+)
 
 FRAME_GROUP = 8
 """Frames a render or analysis step takes at once (the detector's CPU batch)."""
@@ -199,11 +221,200 @@ def track_reports(plan: FacePlan, similarities: dict[int, list[float]]) -> list[
     return out
 
 
-def sample_frames(track: Track, most: int = 6) -> list[int]:
-    """Up to ``most`` of a track's detected frames, evenly spread (for its embedding and
-    its identity similarity)."""
-    seen = sorted(track.detected)
-    if len(seen) <= most:
-        return seen
-    picks = np.linspace(0, len(seen) - 1, most).round().astype(int)
-    return [seen[i] for i in picks]
+def sample_frames(frames: Sequence[int], most: int = 6) -> list[int]:
+    """Up to ``most`` of ``frames``, evenly spread (a track's swapped frames whose fused face
+    the report checks against its source)."""
+    return [frames[i] for i in evenly(len(frames), most)]
+
+
+# --------------------------------------------------------------------------- one video
+
+
+MODERATION_SAMPLES = 8
+"""Frames of the input (before any face model) and of the result that moderation sees."""
+
+
+@dataclass
+class VideoResult:
+    """A fused video and what produced it."""
+
+    path: Path
+    info: VideoInfo
+    chunks: int
+    cuts: list[int]
+    tracks: list[TrackReport]
+    switches: int
+    swapped: list[list[Box]]  # per frame, the boxes of the faces replaced
+    frame_failures: dict[str, int]
+    moderation_flags: list[str]
+    timings_ms: dict[str, float]
+
+
+def evenly(n: int, most: int) -> list[int]:
+    """Up to ``most`` indices spread evenly over ``range(n)``."""
+    if n <= 0:
+        return []
+    return sorted({int(i) for i in np.linspace(0, n - 1, min(n, most)).round()})
+
+
+def read_indices(path: Path, indices: Sequence[int], pts: list[int]) -> list[RGBImage]:
+    """The frames at ``indices`` (each read by a seek)."""
+    return [f.image for i in indices for f in read_frames(path, i, i + 1, timestamps=pts)]
+
+
+def render_chunk(
+    path: Path,
+    out: Path,
+    chunk: Chunk,
+    *,
+    info: VideoInfo,
+    pts: list[int],
+    plan: FacePlan,
+    sources: Sequence[Source],
+    options: FusionOptions,
+    ctx: PipelineContext,
+    runner: FrameRunner,
+    keep: Callable[[int, RGBImage], None] = lambda index, image: None,
+) -> Path:
+    """Decode ``chunk``'s frames, fuse them (``render``) and encode them, with their own
+    pts, as the H.264 segment ``out``; ``keep(index, frame)`` sees every rendered frame
+    (for the report's samples). Memory: one render group of frames."""
+    end_pts = pts[chunk.stop] if chunk.stop < len(pts) else info.end_pts
+    frames = (
+        (f.index, f.image) for f in read_frames(path, chunk.start, chunk.stop, timestamps=pts)
+    )
+    with SegmentWriter(out, info=info, end_pts=end_pts) as writer:
+        for index, image in render(frames, plan, sources, options, ctx, runner):
+            keep(index, image)
+            writer.write(image, pts[index])
+    return out
+
+
+def fuse_video(
+    sources: Sequence[bytes],
+    video: Path,
+    out: Path,
+    options: FusionOptions | None = None,
+    ctx: PipelineContext | None = None,
+    *,
+    limits: VideoLimits | None = None,
+    workdir: Path | None = None,
+    chunk_s: float = 10.0,
+) -> VideoResult:
+    """Fuse the first source's face (a per-face mapping: each source's) into every frame
+    of ``video`` where the plan puts it, in this process: probe → moderation of sampled
+    frames → analysis → plan → render chunk by chunk → join with the audio → moderation
+    of sampled result frames. Raises the job's typed error."""
+    options = options or FusionOptions()
+    ctx = ctx or PipelineContext()
+    timings: dict[str, float] = {}
+    clock = _Clock(timings)
+    with clock("probe"):
+        info = probe_video(video, limits)
+        pts = frame_timestamps(video)
+        images = [pipeline.decode_stage(data, ctx) for data in sources]
+    samples = evenly(len(pts), MODERATION_SAMPLES)
+    with clock("moderate_inputs"):
+        frames = {
+            f"frame {i}": image
+            for i, image in zip(samples, read_indices(video, samples, pts), strict=True)
+        }
+        verdicts = pipeline.moderate_inputs_stage({"source": images[0], **frames}, ctx)
+        flags = pipeline.flagged_summaries(verdicts)
+    with clock("analyse"):
+        found = sources_of(images, options, ctx)
+        analysis = analyse(
+            (f.image for f in read_frames(video, 0, len(pts), timestamps=pts)),
+            options,
+            ctx,
+            Analysis(),
+        )
+    with clock("plan"):
+        cuts = scene_cuts(analysis.signatures)
+        seconds = [(p - info.first_pts) * float(info.time_base) for p in pts]
+        chunks = plan_chunks(seconds, cuts, target_s=chunk_s)
+        plan = plan_faces(analysis.faces, cuts, options.face)
+    runner = FrameRunner(ctx)
+    swapped_in: dict[int, list[int]] = {}
+    for index, swaps in enumerate(plan.frames):
+        for swap in swaps:
+            swapped_in.setdefault(swap.track, []).append(index)
+    wanted = {i: track for track, seen in swapped_in.items() for i in sample_frames(seen)}
+    checks: dict[int, list[tuple[RGBImage, Face, int]]] = {}
+    result_samples: dict[int, RGBImage] = {}
+    moderated = set(samples)
+
+    def keep(index: int, image: RGBImage) -> None:
+        if index in moderated:
+            result_samples[index] = image
+        for swap in plan.frames[index]:
+            if wanted.get(index) == swap.track:
+                checks.setdefault(swap.track, []).append((image, swap.face, swap.source))
+
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp, clock("render"):
+        segments = [
+            render_chunk(
+                video, Path(tmp) / f"chunk-{c.index:05d}.mp4", c, info=info, pts=pts, plan=plan,
+                sources=found, options=options, ctx=ctx, runner=runner, keep=keep,
+            )
+            for c in chunks
+        ]  # fmt: skip
+        with clock("join"):
+            joined = join_segments(segments, video, out, source_info=info)
+    with clock("moderate_result"):
+        named = {f"result frame {i}": image for i, image in sorted(result_samples.items())}
+        verdicts = pipeline.moderate_results(named, ctx)
+        flags += pipeline.flagged_summaries(verdicts)
+    with clock("quality"):
+        similarities = identity_similarities(checks, found, ctx)
+    return VideoResult(
+        path=out,
+        info=joined,
+        chunks=len(chunks),
+        cuts=cuts,
+        tracks=track_reports(plan, similarities),
+        switches=plan.switches,
+        swapped=[[swap.face.box for swap in swaps] for swaps in plan.frames],
+        frame_failures=dict(runner.failures),
+        moderation_flags=flags,
+        timings_ms=timings,
+    )
+
+
+def identity_similarities(
+    checks: dict[int, list[tuple[RGBImage, Face, int]]],
+    sources: Sequence[Source],
+    ctx: PipelineContext,
+) -> dict[int, list[float]]:
+    """Per track, the identity similarity of each sampled fused face to its source (the
+    quality report's embedder and measure)."""
+    from tasks.identity import embed_with_dlib, similarity
+
+    source_vectors = embed_with_dlib(
+        [(s.image, s.face) for s in sources], device=ctx.device, pins=ctx.pins
+    )
+    out: dict[int, list[float]] = {}
+    for track, samples in checks.items():
+        vectors = embed_with_dlib(
+            [(image, face) for image, face, _ in samples], device=ctx.device, pins=ctx.pins
+        )
+        out[track] = [
+            similarity(v, source_vectors[source])
+            for v, (_, _, source) in zip(vectors, samples, strict=True)
+        ]
+    return out
+
+
+class _Clock:
+    """Milliseconds per named step, into ``timings``."""
+
+    def __init__(self, timings: dict[str, float]) -> None:
+        self.timings = timings
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + (time.perf_counter() - start) * 1e3

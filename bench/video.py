@@ -1,0 +1,171 @@
+"""Video jobs in one process: the whole job against the bare per-frame loop, and memory.
+
+Run: ``.venv/bin/python bench/video.py [--seconds 20] [--size 480x360] [--fps 15]
+[--modes bare,job] [--chunk-s 10]``. Writes a clip (a slow pan and zoom over insightface's
+t1.jpg group photo, H.264, streamed to disk frame by frame), then, each mode in a fresh
+process (so peak RSS is its own):
+
+- ``bare``: the bare per-frame loop: decode each frame, detect its faces, fuse the
+  largest with the table's frame stages, encode it (no planning, no chunks, no audio);
+- ``job``: ``tasks.video.fuse_video`` (probe, sampled moderation, analysis, plan, chunked
+  render, join with audio, sampled result moderation, identity report).
+
+Prints frames per second, wall, peak RSS and the job's step timings; then the job's fps as
+a share of the bare loop's. Run it for two lengths to see whether memory grows with the
+video (it must not: it is bounded by a render group and a chunk). Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def write_clip(path: Path, seconds: float, width: int, height: int, fps: int) -> Path:
+    """A pan and zoom over t1.jpg, encoded as it is made (never the whole clip in memory)."""
+    import av
+    import cv2
+    import numpy as np
+
+    from faceflow import samples
+
+    photo = samples.t1_rgb()
+    n = int(seconds * fps)
+    with av.open(str(path), "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=fps, options={"preset": "veryfast"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.time_base = Fraction(1, fps)
+        for i in range(n):
+            t = i / max(1, n - 1)
+            w = int(photo.shape[1] * (0.9 - 0.3 * t))
+            h = w * height // width
+            x = int((photo.shape[1] - w) * (0.5 + 0.4 * np.sin(2 * np.pi * t)) / 1.0)
+            x = max(0, min(photo.shape[1] - w, x))
+            y = max(0, min(photo.shape[0] - h, (photo.shape[0] - h) // 2))
+            image = cv2.resize(photo[y : y + h, x : x + w], (width, height))
+            rgb = np.ascontiguousarray(image, dtype=np.uint8)
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+            frame.pts = i
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return path
+
+
+def bare(clip: Path, out: Path) -> dict[str, float]:
+    """Decode → detect → the table's frame stages on the largest face → encode, per frame."""
+    from faceflow import samples
+    from tasks.detect import detect_faces
+    from tasks.options import FusionOptions
+    from tasks.pipeline import PipelineContext, warm_up
+    from tasks.stages import run_stages
+    from tasks.video import FrameRunner, Source, frame_work, sources_of
+    from tasks.video_io import SegmentWriter, frame_timestamps, probe_video, read_frames
+    from tasks.video_plan import Swap
+
+    ctx = PipelineContext.for_this_machine()
+    warm_up(ctx)
+    options = FusionOptions()
+    (source,) = sources_of([samples.grace_hopper_rgb()], options, ctx)
+    info, pts = probe_video(clip), frame_timestamps(clip)
+    runner = FrameRunner(ctx)
+    start = time.perf_counter()
+    with SegmentWriter(out, info=info, end_pts=info.end_pts) as writer:
+        for frame in read_frames(clip, 0, len(pts), timestamps=pts):
+            image = frame.image
+            faces = detect_faces(image, device=ctx.device, max_side=ctx.detect_max_side)
+            if faces:
+                work = frame_work(
+                    image, [Swap(0, faces[0])], [Source(source.image, source.face)], options
+                )
+                run_stages([work], ctx, runner, only=lambda stage: stage.frames)
+                image = work.image if work.image is not None else image
+            writer.write(image, frame.pts)
+    wall = time.perf_counter() - start
+    return {"frames": len(pts), "wall_s": wall, "fps": len(pts) / wall}
+
+
+def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float]:
+    """``fuse_video`` on the clip."""
+    from faceflow import samples
+    from tasks.pipeline import PipelineContext, warm_up
+    from tasks.video import fuse_video
+
+    ctx = PipelineContext.for_this_machine()
+    warm_up(ctx)
+    start = time.perf_counter()
+    result = fuse_video([samples.grace_hopper_jpeg_bytes()], clip, out, ctx=ctx, chunk_s=chunk_s)
+    wall = time.perf_counter() - start
+    frames = result.info.frame_count
+    return {
+        "frames": frames,
+        "wall_s": wall,
+        "fps": frames / wall,
+        "chunks": result.chunks,
+        **{f"{k}_ms": round(v) for k, v in result.timings_ms.items()},
+    }
+
+
+def child(mode: str, clip: Path, chunk_s: float) -> None:
+    """One mode in this process; prints its figures as JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.mp4"
+        figures = bare(clip, out) if mode == "bare" else job(clip, out, chunk_s)
+    figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(figures))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--size", default="480x360")
+    parser.add_argument("--fps", type=int, default=15)
+    parser.add_argument("--modes", default="bare,job")
+    parser.add_argument("--chunk-s", type=float, default=10.0)
+    parser.add_argument("--child", nargs=2, metavar=("MODE", "CLIP"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], Path(args.child[1]), args.chunk_s)
+        return
+    width, height = (int(v) for v in args.size.split("x"))
+    with tempfile.TemporaryDirectory() as tmp:
+        clip = write_clip(Path(tmp) / "clip.mp4", args.seconds, width, height, args.fps)
+        print(f"clip: {args.seconds:g} s, {args.size}, {args.fps} fps")
+        results = {}
+        for mode in args.modes.split(","):
+            line = (
+                subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--chunk-s",
+                        str(args.chunk_s),
+                        "--child",
+                        mode,
+                        str(clip),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    cwd=HERE,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
+            results[mode] = json.loads(line)
+            print(f"{mode:>5}: {json.dumps(results[mode])}")
+        if "bare" in results and "job" in results:
+            share = results["job"]["fps"] / results["bare"]["fps"]
+            print(f"job fps / bare fps: {share:.2f}")
+
+
+if __name__ == "__main__":
+    main()
