@@ -52,12 +52,17 @@ from tasks.options import VideoLimits
 from tasks.types import RGBImage
 
 __all__ = [
+    "AUDIO_COPY_CODECS",
+    "DEFAULT_ENCODING",
     "AudioInfo",
+    "ContainerName",
     "SegmentEncoding",
     "SegmentWriter",
+    "VideoCodec",
     "VideoFrame",
     "VideoInfo",
     "VideoLimits",
+    "X264Preset",
     "frame_timestamps",
     "join_segments",
     "probe_video",
