@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -49,6 +50,43 @@ def _pan(width: int, height: int, count: int) -> list[np.ndarray]:
     return views
 
 
+def _long_clip(path: Path, n: int) -> dict[str, float | str]:
+    """Probe and decode a longer clip of noise (large packets): cost and memory growth."""
+    rng = np.random.default_rng(0)
+    noise = [rng.integers(0, 255, (240, 320, 3), dtype=np.uint8) for _ in range(8)]
+    info = VideoInfo(
+        container="mp4",
+        video_codec="h264",
+        width=320,
+        height=240,
+        rotation=0,
+        frame_count=n,
+        duration_s=n / 30,
+        fps=30.0,
+        variable_frame_rate=False,
+        time_base=Fraction(1, 30),
+        first_pts=0,
+        end_pts=n,
+        audio=None,
+        size_bytes=0,
+    )
+    encoding = SegmentEncoding(preset="ultrafast")
+    with SegmentWriter(path, info=info, end_pts=n, encoding=encoding) as writer:
+        for i in range(n):
+            writer.write(noise[i % len(noise)], i)
+    start = time.perf_counter()
+    probe_video(path)
+    probe_s = time.perf_counter() - start
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    decoded = sum(1 for _ in read_frames(path, 0, n))
+    growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    return {
+        "long_clip": f"{decoded} frames, {path.stat().st_size / 1e6:.0f} MB",
+        "long_probe_s": probe_s,
+        "long_decode_peak_rss_growth_mb": growth,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--width", type=int, default=1280)
@@ -56,6 +94,13 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=300)
     parser.add_argument("--fps", type=int, default=30)
     parser.add_argument("--preset", default=SegmentEncoding().preset, choices=get_args(X264Preset))
+    parser.add_argument(
+        "--long-frames",
+        type=int,
+        default=1800,
+        help="Frames of a 320x240 30 fps clip (noise, ultrafast) to probe and decode whole: "
+        "probe time and peak-RSS growth against length (0: skip).",
+    )
     args = parser.parse_args()
     views = _pan(args.width, args.height, 60)
     encoding = SegmentEncoding(preset=args.preset)
@@ -103,6 +148,8 @@ def main() -> None:
         start = time.perf_counter()
         join_segments(segments, clip, Path(tmp) / "joined.mp4", source_info=probed)
         figures["join_s"] = time.perf_counter() - start
+        if args.long_frames:
+            figures |= _long_clip(Path(tmp) / "long.mp4", args.long_frames)
     figures["size"] = f"{args.width}x{args.height}, {n} frames, x264 {args.preset}"
     print(json.dumps(figures, indent=2, default=str))
 
