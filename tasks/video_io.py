@@ -138,6 +138,7 @@ class _Scan:
     audio_start: int | None
     audio_end: int | None
     rotation_ccw: int | None  # of the first decoded frame; None when nothing was decoded
+    discarded: int  # video packets before the start an edit list sets (not frames)
 
 
 def _invalid(path: Path, exc: BaseException) -> InvalidVideo:
@@ -195,22 +196,25 @@ def _scan(container: InputContainer, path: Path, *, decode_first: bool) -> _Scan
     audio_start: int | None = None
     audio_end: int | None = None
     rotation: int | None = None
-    fed = 0
+    fed = discarded = 0
     try:
         for packet in container.demux(streams):
-            if packet.size == 0 or packet.is_discard:
-                continue  # a demuxer's flush packet, or one an edit list cuts away
+            if packet.size == 0:
+                continue  # a demuxer's flush packet
             if packet.stream.index == video.index:
                 if packet.pts is None:
                     raise InvalidVideo("A video frame has no timestamp.", detail=path.name)
-                pts.append(packet.pts)
-                end = max(end, packet.pts + (packet.duration or 0))
                 if decode_first and rotation is None and fed < _FIRST_FRAME_PACKETS:
-                    fed += 1
+                    fed += 1  # the decoder drops the frames of discarded packets itself
                     for frame in video.decode(packet):
                         rotation = frame.rotation
                         break
-            elif packet.pts is not None:
+                if packet.is_discard:
+                    discarded += 1  # before the start an edit list sets: decoded, never shown
+                    continue
+                pts.append(packet.pts)
+                end = max(end, packet.pts + (packet.duration or 0))
+            elif packet.pts is not None and not packet.is_discard:
                 start = packet.pts
                 audio_start = start if audio_start is None else min(audio_start, start)
                 stop = start + (packet.duration or 0)
@@ -228,7 +232,7 @@ def _scan(container: InputContainer, path: Path, *, decode_first: bool) -> _Scan
         raise InvalidVideo("Two video frames share a timestamp.", detail=path.name)
     if end <= pts[-1]:  # the last frame carries no duration: give it the one before
         end = pts[-1] + (pts[-1] - pts[-2] if len(pts) > 1 else 1)
-    return _Scan(pts, end, audio_start, audio_end, rotation)
+    return _Scan(pts, end, audio_start, audio_end, rotation, discarded)
 
 
 def _is_variable(pts: list[int], time_base: Fraction) -> bool:
@@ -275,7 +279,7 @@ def probe_video(path: str | Path, limits: VideoLimits | None = None) -> VideoInf
     if scan.rotation_ccw is None:
         raise InvalidVideo("No video frame could be decoded.", detail=path.name)
     count = len(scan.pts)
-    if declared_frames and count < declared_frames:
+    if declared_frames and count + scan.discarded < declared_frames:
         raise InvalidVideo("The video is truncated.", detail=f"{count} of {declared_frames} frames")
     duration = float((scan.end_pts - scan.pts[0]) * time_base)
     start_s = float(scan.pts[0] * time_base)

@@ -35,6 +35,7 @@ EXPECTED: dict[str, tuple[str, str, tuple[int, int], int, int, float, bool, tupl
     "webm": ("webm", "vp9", (479, 359), 0, 45, 15.0, False, ("opus", 2)),
     "mkv": ("mkv", "av1", (480, 360), 0, 30, 15.0, False, ("flac", 2)),
     "silent": ("mp4", "h264", (480, 360), 0, 30, 15.0, False, None),
+    "trimmed": ("mp4", "h264", (480, 360), 0, 27, 15.0, False, ("aac", 2)),
 }
 
 
@@ -114,7 +115,7 @@ def _full_decode(path: Path) -> list[tuple[int | None, np.ndarray]]:
         ]
 
 
-@pytest.mark.parametrize("variant", ["story", "vfr", "rotated", "webm"])
+@pytest.mark.parametrize("variant", ["story", "vfr", "rotated", "webm", "trimmed"])
 def test_read_frames_gives_the_exact_frames_of_a_middle_range(videos: Videos, variant: str) -> None:
     path = getattr(videos, variant)
     timestamps = frame_timestamps(path)
@@ -189,6 +190,7 @@ def _render(path: Path, info: VideoInfo, out_dir: Path, cuts: list[int]) -> list
         ("webm", "opus"),
         ("mkv", "aac"),  # FLAC does not go into MP4: transcoded
         ("silent", None),
+        ("trimmed", "aac"),
     ],
 )
 def test_segments_join_into_the_source_timeline(

@@ -10,7 +10,8 @@ The story clip (``story_frames``), in scenes at ``fps`` frames per second:
 ``Videos(directory)`` writes each variant on first use and caches it (one per test session
 through the ``videos`` fixture): the story as MP4/H.264 with a sine-tone AAC track, a
 variable-frame-rate MP4, a phone-style MOV/H.265 whose display matrix turns it 90°, a WebM
-(VP9, odd size, Opus), an MKV (AV1, FLAC), a silent MP4, and broken files: truncated with and
+(VP9, odd size, Opus), an MKV (AV1, FLAC), a silent MP4, a trimmed MP4 (an edit list hides
+its first frames), and broken files: truncated with and
 without the index, a corrupt index, not a video, an unsupported codec and container.
 """
 
@@ -153,7 +154,7 @@ def encode_video(
     frames = list(frames)
     height, width = frames[0].shape[:2]
     end = end_pts if end_pts is not None else pts[-1] + (pts[-1] - pts[-2])
-    seconds = float((end - pts[0]) * time_base)
+    seconds = float((end - max(pts[0], 0)) * time_base)  # what is shown
     rate = Fraction(len(frames)) / Fraction(end - pts[0]) / time_base
     with av.open(str(path), "w", format=container, options=container_options or {}) as out:
         defaults = {"preset": "veryfast"} if codec == "libx264" else {}
@@ -293,6 +294,19 @@ class Videos:
     def silent(self) -> Path:
         """MP4, H.264, 2 s, no audio."""
         return self._clip("silent.mp4", self.story_images[: 2 * FPS])
+
+    @cached_property
+    def trimmed(self) -> Path:
+        """MP4, H.264, 30 frames of which the edit list shows the last 27 (a trimmed clip:
+        the first three are decoded, never shown), AAC."""
+        frames = self.story_images[: 2 * FPS]
+        return encode_video(
+            self._path("trimmed.mp4"),
+            frames,
+            [i - 3 for i in range(len(frames))],
+            time_base=Fraction(1, FPS),
+            audio="aac",
+        )
 
     @cached_property
     def truncated(self) -> Path:
