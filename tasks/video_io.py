@@ -290,7 +290,7 @@ def probe_video(path: str | Path, limits: VideoLimits | None = None) -> VideoInf
         raise InvalidVideo("The video is truncated.", detail=f"{count} of {declared_frames} frames")
     duration = float((scan.end_pts - scan.pts[0]) * time_base)
     start_s = float(scan.pts[0] * time_base)
-    media_end = max(duration + start_s, (audio.duration_s if audio else 0.0) + start_s)
+    media_end = max(duration + start_s, audio.end_s if audio else 0.0)
     if declared_s is not None and declared_s - media_end > _TRUNCATION_SLACK_S:
         raise InvalidVideo(
             "The video is truncated.", detail=f"{media_end:.2f} s of {declared_s:.2f} s"
