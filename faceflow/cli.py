@@ -220,7 +220,7 @@ def models_list(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show every registered model and whether its file is present and verified."""
-    from tasks.registry import MODEL_NAMES, model_status
+    from tasks.registry import LIBRARIES, MODEL_NAMES, model_status
 
     rows = [model_status(name, directory=model_dir) for name in MODEL_NAMES]  # type: ignore[arg-type]
     if as_json:
@@ -248,6 +248,10 @@ def models_list(
         typer.echo(f"{r.spec.name:<20} {state:<9} {r.spec.filename:<20} {r.spec.source}")
         if r.problem and r.present:
             typer.echo(f"    {r.problem}")
+    for library in LIBRARIES.values():
+        typer.echo(
+            f"{library.name:<20} {'library':<9} {library.distribution:<20} {library.licence}"
+        )
 
 
 @app.command()

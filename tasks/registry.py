@@ -231,6 +231,40 @@ REGISTRY: dict[ModelName, ModelSpec] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class LibrarySpec:
+    """A dependency whose bundled native code carries its own licence terms (the models'
+    licences above are not the only ones an operator takes on)."""
+
+    name: str
+    distribution: str  # the pip distribution
+    licence: str
+    source: str
+    description: str
+
+
+LIBRARIES: dict[str, LibrarySpec] = {
+    "pyav": LibrarySpec(
+        name="pyav",
+        distribution="av",
+        licence=(
+            "GPL (GPL-2.0-or-later through x264 and x265, with FFmpeg's LGPL-3.0-or-later "
+            "libraries): PyAV's own code is BSD-3-Clause, but its manylinux wheel bundles "
+            "FFmpeg linked with libx264 and libx265, which makes that build GPL. Whoever "
+            "distributes it (a wheel, a container image) must offer the corresponding "
+            "source under the GPL; an operator who cannot must rebuild PyAV against an "
+            "FFmpeg without them (and encode segments with another H.264 encoder)"
+        ),
+        source="av>=18.1,<19 wheel from PyPI (FFmpeg 8, libavcodec 62; x264, x265, libvpx, "
+        "dav1d, SVT-AV1, Opus, LAME bundled in av.libs)",
+        description="Video jobs (tasks/video_io.py): demux, decode, H.264 encode of segments "
+        "(libx264), remux without re-encoding, AAC audio.",
+    ),
+}
+"""Libraries with licence terms of their own, beside the models (``faceflow models list``
+shows both)."""
+
+
 FUSER_SETTINGS: dict[FuserName, tuple[FuserSettings, ...]] = {
     "classic": (
         FuserSettings(fuser="classic", identity_weight=1.0, blend="multiband"),

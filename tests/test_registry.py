@@ -81,3 +81,13 @@ def test_model_cache_loads_once_per_key_and_clears() -> None:
     assert ("m", "cpu", None) not in cache
     assert cache.get(("m", "cpu", None), loader) is not first
     assert cache.total_loads() == 3
+
+
+def test_bundled_libraries_carry_their_licence() -> None:
+    from importlib.metadata import version
+
+    pyav = registry.LIBRARIES["pyav"]
+    assert "GPL" in pyav.licence and "x264" in pyav.licence
+    assert version(pyav.distribution).startswith("18.")  # the build the licence describes
+    for library in registry.LIBRARIES.values():
+        assert library.licence and library.source and library.description

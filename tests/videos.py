@@ -10,7 +10,8 @@ The story clip (``story_frames``), in scenes at ``fps`` frames per second:
 ``Videos(directory)`` writes each variant on first use and caches it (one per test session
 through the ``videos`` fixture): the story as MP4/H.264 with a sine-tone AAC track, a
 variable-frame-rate MP4, a phone-style MOV/H.265 whose display matrix turns it 90°, a WebM
-(VP9, odd size, Opus), an MKV (AV1, FLAC), a silent MP4, and broken files: truncated with and
+(VP9, odd size, Opus), an MKV (AV1, FLAC starting late), a silent MP4, a trimmed MP4 (an edit list hides
+its first frames), and broken files: truncated with and
 without the index, a corrupt index, not a video, an unsupported codec and container.
 """
 
@@ -118,10 +119,11 @@ def story_frames(width: int = WIDTH, height: int = HEIGHT, fps: int = FPS) -> It
         yield _window(cup_full, cw / 2, ch / 2, cw * (1.0 - 0.2 * i / max(n - 1, 1)), width, height)
 
 
-def _sine(rate: int, seconds: float, layout: str) -> Iterator[av.AudioFrame]:
+def _sine(rate: int, seconds: float, layout: str, delay_s: float) -> Iterator[av.AudioFrame]:
+    """A tone from ``delay_s`` to ``seconds``."""
     channels = 1 if layout == "mono" else 2
     total = round(rate * seconds)
-    for start in range(0, total, 1024):
+    for start in range(round(rate * delay_s), total, 1024):
         t = np.arange(start, min(start + 1024, total)) / rate
         wave = (0.3 * np.sin(2 * np.pi * TONE_HZ * t)).astype(np.float32)
         frame = av.AudioFrame.from_ndarray(
@@ -145,15 +147,17 @@ def encode_video(
     rotation_cw: int = 0,
     audio: str | None = None,
     audio_layout: str = "stereo",
+    audio_delay_s: float = 0.0,
     end_pts: int | None = None,
     container_options: dict[str, str] | None = None,
 ) -> Path:
     """Write ``frames`` shown at ``pts`` (stored as given; ``rotation_cw`` only sets the
-    display matrix), with a sine tone as long as the video in codec ``audio``."""
+    display matrix), with a sine tone in codec ``audio`` from ``audio_delay_s`` to the end
+    of the video."""
     frames = list(frames)
     height, width = frames[0].shape[:2]
     end = end_pts if end_pts is not None else pts[-1] + (pts[-1] - pts[-2])
-    seconds = float((end - pts[0]) * time_base)
+    seconds = float((end - max(pts[0], 0)) * time_base)  # what is shown
     rate = Fraction(len(frames)) / Fraction(end - pts[0]) / time_base
     with av.open(str(path), "w", format=container, options=container_options or {}) as out:
         defaults = {"preset": "veryfast"} if codec == "libx264" else {}
@@ -183,7 +187,7 @@ def encode_video(
             resampler = av.AudioResampler(
                 format=fmt, layout=audio_layout, rate=rate_hz, frame_size=sound.frame_size or 1024
             )
-            for chunk in _sine(rate_hz, seconds, audio_layout):
+            for chunk in _sine(rate_hz, seconds, audio_layout, audio_delay_s):
                 for piece in resampler.resample(chunk):
                     out.mux(sound.encode(piece))
             for piece in resampler.resample(None):
@@ -279,7 +283,7 @@ class Videos:
 
     @cached_property
     def mkv(self) -> Path:
-        """MKV, AV1, 2 s, FLAC (transcoded to AAC on join)."""
+        """MKV, AV1, 2 s, FLAC from 0.4 s on (transcoded to AAC on join)."""
         return self._clip(
             "clip.mkv",
             self.story_images[FPS : 3 * FPS],
@@ -287,12 +291,26 @@ class Videos:
             container="matroska",
             options={"preset": "12"},
             audio="flac",
+            audio_delay_s=0.4,
         )
 
     @cached_property
     def silent(self) -> Path:
         """MP4, H.264, 2 s, no audio."""
         return self._clip("silent.mp4", self.story_images[: 2 * FPS])
+
+    @cached_property
+    def trimmed(self) -> Path:
+        """MP4, H.264, 30 frames of which the edit list shows the last 27 (a trimmed clip:
+        the first three are decoded, never shown), AAC."""
+        frames = self.story_images[: 2 * FPS]
+        return encode_video(
+            self._path("trimmed.mp4"),
+            frames,
+            [i - 3 for i in range(len(frames))],
+            time_base=Fraction(1, FPS),
+            audio="aac",
+        )
 
     @cached_property
     def truncated(self) -> Path:
