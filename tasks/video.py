@@ -10,6 +10,7 @@ detections) and hands groups of them to ``run_stages`` restricted to the frame s
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,6 +28,7 @@ from tasks.pipeline import Detections, PipelineContext, SourceFace
 from tasks.stages import InMemory, InProcess, InputBytes, Stage, Work, run_stages
 from tasks.types import Box, Face, FloatArray, RGBImage
 from tasks.video_io import (
+    DEFAULT_ENCODING,
     SegmentWriter,
     VideoInfo,
     VideoLimits,
@@ -241,6 +243,7 @@ class VideoResult:
     path: Path
     info: VideoInfo
     chunks: int
+    chunks_rendered: int  # the others were found rendered (``chunk_dir``)
     cuts: list[int]
     tracks: list[TrackReport]
     switches: int
@@ -248,6 +251,37 @@ class VideoResult:
     frame_failures: dict[str, int]
     moderation_flags: list[str]
     timings_ms: dict[str, float]
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 hex of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def chunk_name(
+    video_digest: str,
+    chunk: Chunk,
+    plan: FacePlan,
+    sources: Sequence[bytes],
+    options: FusionOptions,
+) -> str:
+    """A rendered chunk's file name, from all it depends on: the video, the chunk's
+    frames, the plan's swaps in them (track, source, landmarks to 1/100 px), the sources
+    and the fusion options."""
+    digest = hashlib.sha256(f"{video_digest}:{chunk.start}:{chunk.stop}".encode())
+    for data in sources:
+        digest.update(hashlib.sha256(data).digest())
+    digest.update(options.model_dump_json().encode())
+    digest.update(DEFAULT_ENCODING.model_dump_json().encode())  # the join needs one encoding
+    for index in range(chunk.start, chunk.stop):
+        for swap in plan.frames[index]:
+            digest.update(f"{index}:{swap.track}:{swap.source}:".encode())
+            digest.update(np.round(swap.face.landmarks * 100).astype(np.int64).tobytes())
+    return f"chunk-{chunk.index:05d}-{digest.hexdigest()[:32]}.mp4"
 
 
 def evenly(n: int, most: int) -> list[int]:
@@ -299,12 +333,17 @@ def fuse_video(
     *,
     limits: VideoLimits | None = None,
     workdir: Path | None = None,
+    chunk_dir: Path | None = None,
     chunk_s: float = 10.0,
 ) -> VideoResult:
     """Fuse the first source's face (a per-face mapping: each source's) into every frame
     of ``video`` where the plan puts it, in this process: probe → moderation of sampled
     frames → analysis → plan → render chunk by chunk → join with the audio → moderation
-    of sampled result frames. Raises the job's typed error."""
+    of sampled result frames. Raises the job's typed error.
+
+    ``chunk_dir`` keeps rendered chunks under names made from their content (``chunk_name``):
+    a second call for the same video, sources, plan and options renders only the chunks
+    missing there (a re-dispatched attempt resumes)."""
     options = options or FusionOptions()
     ctx = ctx or PipelineContext()
     timings: dict[str, float] = {}
@@ -351,14 +390,27 @@ def fuse_video(
             if wanted.get(index) == swap.track:
                 checks.setdefault(swap.track, []).append((image, swap.face, swap.source))
 
+    video_digest = file_digest(video)
+    rendered = 0
     with tempfile.TemporaryDirectory(dir=workdir) as tmp, clock("render"):
-        segments = [
-            render_chunk(
-                video, Path(tmp) / f"chunk-{c.index:05d}.mp4", c, info=info, pts=pts, plan=plan,
-                sources=found, options=options, ctx=ctx, runner=runner, keep=keep,
-            )
-            for c in chunks
-        ]  # fmt: skip
+        keep_dir = chunk_dir or Path(tmp)
+        keep_dir.mkdir(parents=True, exist_ok=True)
+        segments = []
+        for c in chunks:
+            segment = keep_dir / chunk_name(video_digest, c, plan, sources, options)
+            if segment.exists():  # rendered by an earlier attempt: only its samples are read
+                if (moderated | set(wanted)) & set(range(c.start, c.stop)):
+                    for f in read_frames(segment, 0, c.frames):
+                        keep(c.start + f.index, f.image)
+            else:
+                partial = Path(tmp) / f"{segment.name}.partial"
+                render_chunk(
+                    video, partial, c, info=info, pts=pts, plan=plan, sources=found,
+                    options=options, ctx=ctx, runner=runner, keep=keep,
+                )  # fmt: skip
+                partial.replace(segment)  # whole chunks only: a killed render leaves none
+                rendered += 1
+            segments.append(segment)
         with clock("join"):
             joined = join_segments(segments, video, out, source_info=info)
     with clock("moderate_result"):
@@ -371,6 +423,7 @@ def fuse_video(
         path=out,
         info=joined,
         chunks=len(chunks),
+        chunks_rendered=rendered,
         cuts=cuts,
         tracks=track_reports(plan, similarities),
         switches=plan.switches,

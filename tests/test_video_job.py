@@ -19,9 +19,13 @@ def test_a_video_is_fused_frame_for_frame_with_its_timing_and_audio(
     videos: Videos, tmp_path: Path
 ) -> None:
     story = videos.story
+    chunks = tmp_path / "chunks"
+    source_photo = samples.grace_hopper_jpeg_bytes()
     result = fuse_video(
-        [samples.grace_hopper_jpeg_bytes()], story, tmp_path / "out.mp4", ctx=PipelineContext()
-    )
+        [source_photo], story, tmp_path / "out.mp4", ctx=PipelineContext(), chunk_dir=chunks,
+        chunk_s=2.0,
+    )  # fmt: skip
+    assert result.chunks == result.chunks_rendered == 3  # 2 s chunks, ends at the cuts
     source = probe_video(story)
     assert result.info.frame_count == source.frame_count
     assert frame_timestamps(result.path) == frame_timestamps(story)  # every frame's pts kept
@@ -49,3 +53,16 @@ def test_a_video_is_fused_frame_for_frame_with_its_timing_and_audio(
     swapped_tracks = [t for t in result.tracks if t.swapped_frames]
     assert all(t.similarity_mean is not None for t in swapped_tracks)
     assert all(t.jitter_after_px <= t.jitter_before_px for t in swapped_tracks)
+
+    # A second attempt (the first one's worker killed after two chunks) renders only the
+    # chunk that is missing, and gives the same video.
+    kept = sorted(chunks.iterdir())
+    assert len(kept) == 3
+    kept[2].unlink()
+    again = fuse_video(
+        [source_photo], story, tmp_path / "again.mp4", ctx=PipelineContext(), chunk_dir=chunks,
+        chunk_s=2.0,
+    )  # fmt: skip
+    assert (again.chunks, again.chunks_rendered) == (3, 1)
+    assert frame_timestamps(again.path) == frame_timestamps(story)
+    assert [t.swapped_frames for t in again.tracks] == [t.swapped_frames for t in result.tracks]
