@@ -242,9 +242,7 @@ def detect_stage(
     """
     if options.mapping:
         return _mapped_detections(source, target, options, ctx, extra_sources, references)
-    source_faces, target_faces = detect_faces_batch(
-        [source, target], **_detector_kwargs(options.detector, ctx)
-    )
+    source_faces, target_faces = detect_images([source, target], options.detector, ctx)
     return _detections(source_faces, target_faces, options)
 
 
@@ -266,9 +264,7 @@ def _mapped_detections(
             raise InvalidInput(
                 f"Mapping names reference {entry.reference}: the job has {len(references)}."
             )
-    found = detect_faces_batch(
-        [*sources, target, *references], **_detector_kwargs(options.detector, ctx)
-    )
+    found = detect_images([*sources, target, *references], options.detector, ctx)
     source_faces, target_faces, reference_faces = (
         found[: len(sources)],
         found[len(sources)],
@@ -326,7 +322,7 @@ def detect_stage_batch(
     for detector, indices in by_detector.items():
         images = [image for i in indices for image in jobs[i][:2]]
         try:
-            faces = detect_faces_batch(images, **_detector_kwargs(detector, ctx))
+            faces = detect_images(images, detector, ctx)
         except TimeoutError:
             raise
         except Exception as exc:
@@ -341,15 +337,20 @@ def detect_stage_batch(
     return [f for f in found if f is not None]
 
 
-def _detector_kwargs(detector: DetectorName, ctx: PipelineContext) -> dict[str, Any]:
-    return {
-        "detector": detector,
-        "device": ctx.device,
-        "model_dir": ctx.model_dir,
-        "pins": ctx.pins,
-        "max_side": ctx.detect_max_side,
-        "threads": ctx.model_threads,
-    }
+def detect_images(
+    images: Sequence[RGBImage], detector: DetectorName, ctx: PipelineContext
+) -> list[list[Face]]:
+    """The faces of each image (largest first) with ``detector`` where ``ctx`` says, the
+    images in ``ctx.model_threads`` batched calls (a job's, a batch's, a video's frames)."""
+    return detect_faces_batch(
+        images,
+        detector=detector,
+        device=ctx.device,
+        model_dir=ctx.model_dir,
+        pins=ctx.pins,
+        max_side=ctx.detect_max_side,
+        threads=ctx.model_threads,
+    )
 
 
 def _detections(

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from tasks import pipeline
-from tasks.detect import detect_faces_batch
 from tasks.errors import FaceFlowError, NoFaceFound
 from tasks.options import FusionOptions
 from tasks.pipeline import Detections, PipelineContext, SourceFace
@@ -71,15 +70,7 @@ def sources_of(
     images: Sequence[RGBImage], options: FusionOptions, ctx: PipelineContext
 ) -> list[Source]:
     """Each source photo's largest face (``NoFaceFound`` for a photo without one)."""
-    found = detect_faces_batch(
-        list(images),
-        detector=options.detector,
-        device=ctx.device,
-        model_dir=ctx.model_dir,
-        pins=ctx.pins,
-        max_side=ctx.detect_max_side,
-        threads=ctx.model_threads,
-    )
+    found = pipeline.detect_images(list(images), options.detector, ctx)
     sources = []
     for i, (image, faces) in enumerate(zip(images, found, strict=True)):
         if not faces:
@@ -96,15 +87,7 @@ def analyse(
     group: list[RGBImage] = []
 
     def flush() -> None:
-        analysis.faces += detect_faces_batch(
-            group,
-            detector=options.detector,
-            device=ctx.device,
-            model_dir=ctx.model_dir,
-            pins=ctx.pins,
-            max_side=ctx.detect_max_side,
-            threads=ctx.model_threads,
-        )
+        analysis.faces += pipeline.detect_images(group, options.detector, ctx)
         analysis.signatures += [frame_signature(f) for f in group]
         group.clear()
 
