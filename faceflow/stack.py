@@ -129,8 +129,11 @@ def _http_ok(url: str) -> Callable[[], bool]:
 
 def webapi_argv(cfg: StackConfig) -> list[str]:
     """The webapi's command line: uvicorn with the app factory, which logs JSON lines at
-    INFO (``webapi.main.create_app``); uvicorn's own access log is off (the app logs
+    INFO (``webapi.main.create_app``), and the options of every launcher
+    (``webapi.serving``: header deadline, keep-alive, no uvicorn access log: the app logs
     requests with their request id)."""
+    from webapi.serving import UVICORN_OPTIONS
+
     return [
         _bin("uvicorn"),
         "--factory",
@@ -139,7 +142,7 @@ def webapi_argv(cfg: StackConfig) -> list[str]:
         cfg.api_host,
         "--port",
         str(cfg.api_port),
-        "--no-access-log",
+        *UVICORN_OPTIONS,
     ]
 
 
