@@ -336,8 +336,11 @@ class Stack:
 
 def serve_forever(stack: Stack, poll_s: float = 0.5) -> None:
     """Watch the children until SIGINT/SIGTERM, restarting any that exits (and saying so);
-    then stop all. One that keeps exiting ends the stack (``Supervisor.restart_exited``)."""
+    then stop all, grandchildren included (this process adopts the orphans of its
+    children: ``Supervisor.adopt_orphans``). One that keeps exiting ends the stack
+    (``Supervisor.restart_exited``)."""
     stopping = False
+    stack.supervisor.adopt_orphans()
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
@@ -352,6 +355,7 @@ def serve_forever(stack: Stack, poll_s: float = 0.5) -> None:
                     f"restarted {restarted.name}: it had {restarted.reason} "
                     f"(restart {restarted.restarts}; log {stack.config.logs / restarted.name}.log)"
                 )
+            stack.supervisor.reap_orphans()
             time.sleep(poll_s)
     finally:
         stack.progress("stopping the stack")
