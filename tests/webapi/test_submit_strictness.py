@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,10 +13,21 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from sqlalchemy.engine import Engine
 
-from tests.webapi.utils import auth, data_uri, job_body, jobs_of, make_user, source_jpeg
+from faceflow.client import FaceFlowAPIError, FaceFlowClient
+from tests.webapi.conftest import make_settings, serve
+from tests.webapi.utils import (
+    auth,
+    data_uri,
+    job_body,
+    jobs_of,
+    make_user,
+    source_jpeg,
+    target_jpeg,
+)
 from webapi.bodies import check_json_shape
 from webapi.config import Settings
 from webapi.errors import JsonTooComplex
+from webapi.main import create_app
 
 
 def _png(width: int = 64, height: int = 64) -> bytes:
@@ -155,3 +167,32 @@ def test_json_shape_bounds() -> None:
         check_json_shape(b"[" + b"0," * 10 + b"0]", max_items=5, max_depth=3)
     # an unterminated string is left to the parser (and costs one pass)
     check_json_shape(b'{"a": "' + b"x" * 1_000_000, max_items=5, max_depth=3)
+
+
+def test_the_client_sends_files_as_multipart_past_the_json_limit(
+    database_url: str, tmp_path: Path, engine: Engine
+) -> None:
+    """Two photos whose data: URIs exceed the JSON limit still go through the project's
+    client: it sends files and bytes as multipart; data: URIs and URLs as JSON."""
+    settings = make_settings(database_url, tmp_path, max_json_bytes=100_000)
+    user = make_user(engine, settings)
+    assert len(data_uri(source_jpeg())) + len(data_uri(target_jpeg())) > 100_000
+    photo = tmp_path / "target.jpg"
+    photo.write_bytes(target_jpeg())
+    with serve(create_app(settings)) as url, FaceFlowClient(url, user.api_key) as client:
+        job = client.submit(
+            source_jpeg(), photo, options={"identity_weight": 0.7}, deadline_seconds=90
+        )
+        assert job["status"] == "queued" and job["options"]["identity_weight"] == 0.7
+        mapped = client.submit(
+            source_jpeg(),
+            photo,
+            extra_sources=[target_jpeg()],
+            references=[source_jpeg()],
+            options={"mapping": [{"source": 1, "reference": 0}, {"source": 0, "target": 1}]},
+        )
+        assert mapped["status"] == "queued"
+        with pytest.raises(FaceFlowAPIError) as refused:  # as data: URIs: JSON, over its limit
+            client.submit(data_uri(source_jpeg()), data_uri(target_jpeg()))
+        assert refused.value.status == 413
+    assert len(jobs_of(engine)) == 2
