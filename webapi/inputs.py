@@ -95,7 +95,7 @@ def check_image_data(data: bytes, image_format: str) -> None:
             return
         from PIL import Image
 
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(io.BytesIO(data), formats=[image_format.upper()]) as image:
             if image_format == "jpeg":  # DCT scaling: every coefficient, an eighth of the pixels
                 image.draft(image.mode, (max(1, image.width // 8), max(1, image.height // 8)))
             image.load()
