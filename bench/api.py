@@ -75,6 +75,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def wait_healthy(base_url: str, server: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """Wait until the API at ``base_url`` answers /healthz (``SystemExit`` if it exits)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base_url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the API did not start")
+        time.sleep(0.1)
+
+
 Request = Any  # awaitable factory: (client) -> (status code, body bytes)
 
 
@@ -262,17 +276,7 @@ def main() -> None:
     base_url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {user.api_key}"}
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base_url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the API did not start")
-            time.sleep(0.1)
-
+        wait_healthy(base_url, server)
         submit_headers = {"Content-Type": "application/json"}
 
         async def post(client: RawClient | HttpxClient) -> tuple[int, bytes]:

@@ -367,7 +367,7 @@ def submit(
     wait: Annotated[bool, typer.Option(help="Wait for the job to end.")] = False,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Save the result.")] = None,
     identity_weight: Annotated[float | None, typer.Option(help="0..1.")] = None,
-    deadline: Annotated[float | None, typer.Option(help="Deadline in seconds.")] = None,
+    deadline: Annotated[int | None, typer.Option(help="Deadline in whole seconds.")] = None,
     also: Annotated[
         list[Path] | None,
         typer.Option("--source", help="Another source image (repeatable; source 1, 2, ...)."),

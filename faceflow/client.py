@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import mimetypes
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,19 +47,29 @@ class _Request:
     path: str
     json: Mapping[str, Any] | None = None
     headers: Mapping[str, str] | None = None
+    files: list[tuple[str, tuple[str, bytes, str]]] | None = None
+    data: Mapping[str, str] | None = None
+
+
+def _is_ref(image: ImageInput) -> bool:
+    return isinstance(image, str) and image.startswith(("data:", "https://", "http://"))
+
+
+def _load(image: ImageInput) -> tuple[bytes, str]:
+    """The bytes and MIME type of a path or of bytes."""
+    if isinstance(image, bytes):
+        return image, _sniff_mime(image) or "image/jpeg"
+    path = Path(image)
+    data = path.read_bytes()
+    return data, _sniff_mime(data) or mimetypes.guess_type(path.name)[0] or "image/jpeg"
 
 
 def as_image_ref(image: ImageInput) -> str:
     """A ``data:`` URI (for paths and bytes) or the URL as given."""
-    if isinstance(image, str) and image.startswith(("data:", "https://", "http://")):
-        return image
-    if isinstance(image, bytes):
-        data, mime = image, _sniff_mime(image)
-    else:
-        path = Path(image)
-        data = path.read_bytes()
-        mime = _sniff_mime(data) or mimetypes.guess_type(path.name)[0] or "image/jpeg"
-    return f"data:{mime or 'image/jpeg'};base64,{base64.b64encode(data).decode()}"
+    if _is_ref(image):
+        return str(image)
+    data, mime = _load(image)
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def _sniff_mime(data: bytes) -> str | None:
@@ -78,21 +89,14 @@ def _submit_request(
     options: Mapping[str, Any] | None,
     callback_url: str | None,
     callback_events: list[str] | None,
-    deadline_seconds: float | None,
-    queue_timeout_seconds: float | None,
+    deadline_seconds: int | None,
+    queue_timeout_seconds: int | None,
     priority: str | None,
     idempotency_key: str | None,
     wait: int | None,
     extra_sources: Sequence[ImageInput] = (),
     references: Sequence[ImageInput] = (),
 ) -> _Request:
-    body: dict[str, Any] = {"target": as_image_ref(target)}
-    if extra_sources:  # a per-face mapping (options["mapping"]) says which face gets which
-        body["sources"] = [as_image_ref(image) for image in (source, *extra_sources)]
-    else:
-        body["source"] = as_image_ref(source)
-    if references:
-        body["references"] = [as_image_ref(image) for image in references]
     optional = {
         "options": dict(options) if options else None,
         "callback_url": callback_url,
@@ -101,12 +105,27 @@ def _submit_request(
         "queue_timeout_seconds": queue_timeout_seconds,
         "priority": priority,
     }
-    body.update({k: v for k, v in optional.items() if v is not None})
+    params = {k: v for k, v in optional.items() if v is not None}
     headers = {}
     if idempotency_key:
         headers["Idempotency-Key"] = idempotency_key
     if wait:
         headers["Prefer"] = f"wait={int(wait)}"
+    sources = (source, *extra_sources)
+    if not any(_is_ref(image) for image in (*sources, target, *references)):
+        # Files go as multipart: no base64, and the API's JSON body limit is much smaller.
+        parts = [("source", image) for image in sources] + [("target", target)]
+        parts += [("reference", image) for image in references]
+        files = [(name, (name, *_load(image))) for name, image in parts]
+        form = {"params": json.dumps(params)}
+        return _Request("POST", "/v1/jobs", None, headers, files=files, data=form)
+    body: dict[str, Any] = {"target": as_image_ref(target), **params}
+    if extra_sources:  # a per-face mapping (options["mapping"]) says which face gets which
+        body["sources"] = [as_image_ref(image) for image in sources]
+    else:
+        body["source"] = as_image_ref(source)
+    if references:
+        body["references"] = [as_image_ref(image) for image in references]
     return _Request("POST", "/v1/jobs", body, headers)
 
 
@@ -140,7 +159,9 @@ class FaceFlowClient:
         self._http.close()
 
     def _send(self, req: _Request) -> httpx.Response:
-        response = self._http.request(req.method, req.path, json=req.json, headers=req.headers)
+        response = self._http.request(
+            req.method, req.path, json=req.json, headers=req.headers, files=req.files, data=req.data
+        )
         _raise_for(response)
         return response
 
@@ -152,8 +173,8 @@ class FaceFlowClient:
         options: Mapping[str, Any] | None = None,
         callback_url: str | None = None,
         callback_events: list[str] | None = None,
-        deadline_seconds: float | None = None,
-        queue_timeout_seconds: float | None = None,
+        deadline_seconds: int | None = None,
+        queue_timeout_seconds: int | None = None,
         priority: str | None = None,
         idempotency_key: str | None = None,
         wait: int | None = None,
@@ -230,7 +251,7 @@ class AsyncFaceFlowClient:
 
     async def _send(self, req: _Request) -> httpx.Response:
         response = await self._http.request(
-            req.method, req.path, json=req.json, headers=req.headers
+            req.method, req.path, json=req.json, headers=req.headers, files=req.files, data=req.data
         )
         _raise_for(response)
         return response
@@ -243,8 +264,8 @@ class AsyncFaceFlowClient:
         options: Mapping[str, Any] | None = None,
         callback_url: str | None = None,
         callback_events: list[str] | None = None,
-        deadline_seconds: float | None = None,
-        queue_timeout_seconds: float | None = None,
+        deadline_seconds: int | None = None,
+        queue_timeout_seconds: int | None = None,
         priority: str | None = None,
         idempotency_key: str | None = None,
         wait: int | None = None,

@@ -129,8 +129,11 @@ def _http_ok(url: str) -> Callable[[], bool]:
 
 def webapi_argv(cfg: StackConfig) -> list[str]:
     """The webapi's command line: uvicorn with the app factory, which logs JSON lines at
-    INFO (``webapi.main.create_app``); uvicorn's own access log is off (the app logs
+    INFO (``webapi.main.create_app``), and the options of every launcher
+    (``webapi.serving``: header deadline, keep-alive, no uvicorn access log: the app logs
     requests with their request id)."""
+    from webapi.serving import UVICORN_OPTIONS
+
     return [
         _bin("uvicorn"),
         "--factory",
@@ -139,7 +142,7 @@ def webapi_argv(cfg: StackConfig) -> list[str]:
         cfg.api_host,
         "--port",
         str(cfg.api_port),
-        "--no-access-log",
+        *UVICORN_OPTIONS,
     ]
 
 
@@ -333,8 +336,11 @@ class Stack:
 
 def serve_forever(stack: Stack, poll_s: float = 0.5) -> None:
     """Watch the children until SIGINT/SIGTERM, restarting any that exits (and saying so);
-    then stop all. One that keeps exiting ends the stack (``Supervisor.restart_exited``)."""
+    then stop all, grandchildren included (this process adopts the orphans of its
+    children: ``Supervisor.adopt_orphans``). One that keeps exiting ends the stack
+    (``Supervisor.restart_exited``)."""
     stopping = False
+    stack.supervisor.adopt_orphans()
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
@@ -349,6 +355,7 @@ def serve_forever(stack: Stack, poll_s: float = 0.5) -> None:
                     f"restarted {restarted.name}: it had {restarted.reason} "
                     f"(restart {restarted.restarts}; log {stack.config.logs / restarted.name}.log)"
                 )
+            stack.supervisor.reap_orphans()
             time.sleep(poll_s)
     finally:
         stack.progress("stopping the stack")

@@ -1,7 +1,12 @@
 """Start, watch, restart and stop the local stack's processes by PID (no orphans).
 
-Each service runs in its own process group with its output in a log file; stopping sends
-SIGTERM to the group, waits for a grace period, then SIGKILL. ``Supervisor.restart_exited``
+Each service runs in its own process group with its output in a log file. Stopping one
+stops its whole family: its process group and every descendant, including those that left
+the group for a session of their own (Prefect's runner starts each flow-run process with
+``start_new_session``) and those orphaned meanwhile: SIGTERM, a grace period, then SIGKILL
+to whatever is left. A supervisor that ``adopt_orphans`` (``faceflow up``) is the child
+subreaper of its services' processes, so a grandchild whose parent died is re-parented to
+it rather than to init, and is stopped with the rest. ``Supervisor.restart_exited``
 starts a service that exited again (with a backoff; one that keeps failing is given up
 on) and, when the supervisor has a ``records`` directory, counts every start there
 (``webapi.services``: the API's ``/metrics`` exports them as restart counters).
@@ -9,16 +14,99 @@ on) and, when the supervisor has a ``records`` directory, counts every start the
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from webapi import services
+
+#: prctl option: orphaned descendants are re-parented to this process (Linux >= 3.4).
+PR_SET_CHILD_SUBREAPER = 36
+Identity = tuple[int, str]
+"""A process: its pid and its start time (so a reused pid is never signalled)."""
+
+
+def _stats() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, the fields of ``/proc/<pid>/stat`` after the command name) of every process."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                yield int(entry.name), stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+
+
+def process_table() -> dict[int, tuple[int, int, str]]:
+    """Every process: pid -> (parent pid, process group, start time); zombies left out."""
+    return {
+        pid: (int(fields[1]), int(fields[2]), fields[19].decode())
+        for pid, fields in _stats()
+        if fields[0] != b"Z"
+    }
+
+
+def family(
+    leaders: set[int], table: dict[int, tuple[int, int, str]] | None = None
+) -> set[Identity]:
+    """``leaders`` (live ones), the members of their process groups and every descendant
+    of any of them, wherever their session."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = [pid for pid, (_, pgid, _) in table.items() if pid in leaders or pgid in leaders]
+    found: set[int] = set()
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    return {(pid, table[pid][2]) for pid in found}
+
+
+def _still_running(members: set[Identity]) -> set[Identity]:
+    table = process_table()
+    return {(pid, start) for pid, start in members if pid in table and table[pid][2] == start}
+
+
+def _signal_all(members: set[Identity], sig: signal.Signals) -> None:
+    for pid, _ in members:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_family(
+    leaders: set[int], grace: float, reap: Callable[[], object] = lambda: None
+) -> set[Identity]:
+    """SIGTERM the ``family`` of ``leaders``, wait up to ``grace`` seconds for all of it to
+    exit (descendants found meanwhile join it), SIGKILL what is left and wait up to 5 s
+    more; ``reap`` is called while waiting (to collect exited children). Returns what
+    still ran at the end (nothing, unless SIGKILL could not be delivered)."""
+    members = family(leaders)
+    _signal_all(members, signal.SIGTERM)
+    for sig, wait in ((signal.SIGKILL, grace), (None, 5.0)):
+        deadline = time.monotonic() + wait
+        while True:
+            reap()
+            members = _still_running(members) | family(leaders)
+            if not members or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if sig is None or not members:
+            break
+        _signal_all(members, sig)
+    return members
 
 
 class ServiceFailed(RuntimeError):
@@ -81,25 +169,12 @@ class Service:
         raise ServiceFailed(self.name, f"was not ready after {timeout:.0f} s", self.log)
 
     def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the process group, then SIGKILL after ``grace`` seconds."""
-        if self.process is None or self.process.poll() is not None:
+        """Stop the process, its group and every descendant (``stop_family``), also when
+        the process itself has already exited."""
+        if self.process is None:
             return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # the group may hold children (flow-run processes) that outlived the leader
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        process = self.process
+        stop_family({process.pid}, grace, reap=process.poll)
 
     def kill(self, sig: signal.Signals = signal.SIGKILL) -> None:
         """Send ``sig`` to the whole process group at once (fault injection); reap the leader."""
@@ -148,6 +223,7 @@ class Supervisor:
 
     services: list[Service] = field(default_factory=list)
     records: Path | None = None
+    adopted_orphans: bool = False
     max_restarts: int = 5
     restart_window_s: float = 300.0
     restart_backoff_s: float = 1.0
@@ -217,9 +293,45 @@ class Supervisor:
                 code = service.process.returncode if service.process else None
                 raise ServiceFailed(service.name, f"exited with code {code}", service.log)
 
+    def adopt_orphans(self) -> bool:
+        """Make this process the child subreaper of its descendants (Linux), so that
+        ``stop_all`` also finds a service's grandchild whose parent died (it would be
+        re-parented to init and outlive the stack). Only for a process that starts no
+        other children (``faceflow up``): ``reap_orphans`` collects every exited child
+        that is not a service. Returns whether it took effect."""
+        if not sys.platform.startswith("linux"):
+            return False
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.adopted_orphans = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return self.adopted_orphans
+
+    def orphans(self) -> set[int]:
+        """Adopted processes: this process's children that are not a service."""
+        if not self.adopted_orphans:
+            return set()
+        own, services = os.getpid(), set(self.pids())
+        return {pid for pid, (ppid, _, _) in process_table().items() if ppid == own} - services
+
+    def reap_orphans(self) -> None:
+        """Collect the exit status of adopted children that exited (never a service's)."""
+        if not self.adopted_orphans:
+            return
+        own, services = str(os.getpid()).encode(), set(self.pids())
+        for pid, fields in _stats():
+            if fields[0] == b"Z" and fields[1] == own and pid not in services:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
     def stop_all(self, grace: float = 10.0) -> None:
+        """Stop every service (in reverse start order), then any adopted orphan."""
         for service in reversed(self.services):
             service.stop(grace)
+        orphans = self.orphans()
+        if orphans:
+            stop_family(orphans, grace, reap=self.reap_orphans)
+        self.reap_orphans()
 
     def pids(self) -> list[int]:
         return [s.pid for s in self.services if s.pid is not None]

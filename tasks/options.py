@@ -12,7 +12,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeInt,
     field_validator,
     model_validator,
 )
@@ -21,7 +20,9 @@ DetectorName = Literal["mtcnn", "scrfd"]
 FuserName = Literal["classic", "inswapper"]
 OutputFormat = Literal["png", "jpeg", "webp"]
 BlendMode = Literal["multiband", "seamless", "feather"]
-FaceChoice = Literal["largest", "all"] | NonNegativeInt
+StrictIndex = Annotated[int, Field(ge=0, strict=True)]
+"""A non-negative int that must be given as one: ``true`` or ``"2"`` is refused, not 1 or 2."""
+FaceChoice = Literal["largest", "all"] | StrictIndex
 EnhancerName = Literal["none", "gfpgan"]
 
 DETECTORS: tuple[str, ...] = get_args(DetectorName)
@@ -77,13 +78,13 @@ class FaceMapping(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    source: NonNegativeInt = Field(description="Index of the source image (0 = the first).")
-    target: NonNegativeInt | None = Field(
+    source: StrictIndex = Field(description="Index of the source image (0 = the first).")
+    target: StrictIndex | None = Field(
         None,
         description="Target face by its number in reading order (rows top to bottom, left "
         "to right; 0 = the first).",
     )
-    reference: NonNegativeInt | None = Field(
+    reference: StrictIndex | None = Field(
         None,
         description="Instead of target: index of a reference image; the target face most "
         "similar to the reference's face is chosen.",
@@ -104,26 +105,39 @@ class FusionOptions(BaseModel):
     detector: DetectorName = Field("mtcnn", description="Face detector.")
     fuser: FuserName = Field("classic", description="Fusion method.")
     identity_weight: float = Field(
-        0.85, ge=0.0, le=1.0, description="How much of the source face to carry (0 keeps target)."
+        0.85,
+        ge=0.0,
+        le=1.0,
+        strict=True,
+        description="How much of the source face to carry (0 keeps target).",
     )
     face: FaceChoice = Field(
         "largest", description="Target face(s) to replace: 'largest', 'all' or a face index."
     )
     blend: BlendMode = Field("multiband", description="How the face is blended back.")
-    color_transfer: bool = Field(True, description="Match the source face's colour to the target.")
-    sharpen: float = Field(0.0, ge=0.0, le=2.0, description="Unsharp-mask amount (0 = off).")
+    color_transfer: bool = Field(
+        True, strict=True, description="Match the source face's colour to the target."
+    )
+    sharpen: float = Field(
+        0.0, ge=0.0, le=2.0, strict=True, description="Unsharp-mask amount (0 = off)."
+    )
     enhancer: EnhancerName = Field(
         "none",
         description="Face restoration of the fused face before it is blended back: 'none' or "
         "'gfpgan' (a GFPGAN 1.4 ONNX model the operator provides and pins).",
     )
     enhancer_blend: float = Field(
-        0.8, ge=0.0, le=1.0, description="How much of the restored face to keep (1 = all)."
+        0.8,
+        ge=0.0,
+        le=1.0,
+        strict=True,
+        description="How much of the restored face to keep (1 = all).",
     )
     min_identity: float | None = Field(
         None,
         ge=0.0,
         le=1.0,
+        strict=True,
         description="Quality floor on the result's identity similarity to the source (0.5 is "
         "the same-person threshold): below it the job retries once with the next fuser "
         "settings and returns the better result.",
@@ -136,7 +150,9 @@ class FusionOptions(BaseModel):
         "faces that 'face' chooses.",
     )
     output_format: OutputFormat = Field("png", description="Encoding of the result image.")
-    jpeg_quality: int = Field(92, ge=50, le=100, description="Quality for JPEG and WebP output.")
+    jpeg_quality: int = Field(
+        92, ge=50, le=100, strict=True, description="Quality for JPEG and WebP output."
+    )
 
     @model_validator(mode="after")
     def _mapping_or_face(self) -> FusionOptions:

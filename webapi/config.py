@@ -56,6 +56,23 @@ class Settings(BaseSettings):
         "usual second TLS port of webhook receivers. Comma-separated in the environment.",
     )
     image_limits: ImageLimits = Field(default_factory=lambda: ImageLimits.model_validate({}))
+    max_json_bytes: int = Field(
+        8 * 1024 * 1024,
+        gt=0,
+        description="Largest JSON request body (multipart bodies may be larger: "
+        "max_request_bytes). A JSON body is held and parsed whole, its images are base64 "
+        "(a third larger); big images belong in multipart files or URLs.",
+    )
+    json_max_items: int = Field(
+        1000, ge=1, description="Most keys, strings and list items in one JSON body."
+    )
+    json_max_depth: int = Field(16, ge=1, description="Deepest nesting of a JSON body.")
+    header_read_seconds: float = Field(
+        10.0, gt=0, description="Time a client has to send its request headers."
+    )
+    body_read_seconds: float = Field(
+        60.0, gt=0, description="Time a client has to send its whole request body (408)."
+    )
     default_deadline_seconds: int = Field(120, ge=1, description="Job deadline when not given.")
     max_deadline_seconds: int = Field(3600, ge=1)
     default_queue_timeout_seconds: int = Field(60, ge=1, description="Time allowed to start.")

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tasks import errors as pipeline_errors
 
@@ -95,6 +96,14 @@ class PayloadTooLarge(ApiError):
     default_message = "The request body is too large."
 
 
+class RequestTimeout(ApiError):
+    """The client did not send its whole body in time (``webapi.bodies``)."""
+
+    status_code = 408
+    code = "request_timeout"
+    default_message = "The request body did not arrive in time."
+
+
 class UnsupportedMediaType(ApiError):
     status_code = 415
     code = "unsupported_media_type"
@@ -104,6 +113,13 @@ class UnsupportedMediaType(ApiError):
 class InvalidRequest(ApiError):
     status_code = 422
     code = "invalid_request"
+
+
+class JsonTooComplex(InvalidRequest):
+    """A JSON body with too many keys and items, or nested too deep (``webapi.bodies``)."""
+
+    code = "json_too_complex"
+    default_message = "The JSON body has too many keys or levels."
 
 
 class BlockedUrl(InvalidRequest):
@@ -187,6 +203,13 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     return _response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
 
 
+async def _client_gone(request: Request, exc: Exception) -> JSONResponse:
+    """A client that hung up mid-request: one line at info, not a traceback (nobody reads
+    the answer)."""
+    log.info("client disconnected during %s %s", request.method, request.url.path)
+    return _response(400, "client_disconnected", "The client disconnected.")
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return _response(500, "internal_error", "An unexpected error occurred.")
@@ -207,4 +230,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(pipeline_errors.FaceFlowError, _pipeline_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _unexpected)

@@ -1,9 +1,13 @@
 """Job inputs at submit: decode ``data:`` URIs, validate images, store them by content hash.
 
-Validation is ``tasks.images.probe_image`` (header only: magic bytes, byte count, pixel
-count, smallest side; torch-free, imported on first use), so no pixel data is decoded
-in the API. An https URL input is only SSRF-checked here; the relay fetches it later
-(with the same checks, size limits and timeouts) and stores it the same way.
+Validation is ``tasks.images.probe_image`` (the header: magic bytes, byte count, pixel
+count, smallest side; torch-free, imported on first use; decompression bombs are refused
+there, before any pixel is decoded) and then ``check_image_data``: every byte of pixel
+data is decoded with small memory (a PNG's compressed stream is inflated and dropped, a
+JPEG is decoded at 1/8 scale), so a truncated or corrupt file is a 422 at submit instead
+of a failed job later. Callers run this in a worker thread (zlib and Pillow's decoders
+release the GIL). An https URL input is only SSRF-checked here; the relay fetches it
+later (with the same checks, size limits and timeouts) and stores it the same way.
 """
 
 from __future__ import annotations
@@ -11,9 +15,13 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
+import struct
+import zlib
 from dataclasses import dataclass
 
 from flows.params import input_key
+from tasks.errors import InvalidInput
 from tasks.options import CONTENT_TYPES, ImageLimits
 from webapi.errors import BlockedUrl, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from webapi.storage import ObjectStore
@@ -69,11 +77,57 @@ def store_image(data: bytes, *, name: str, limits: ImageLimits, store: ObjectSto
     if len(data) > limits.max_bytes:
         raise PayloadTooLarge(f"{name}: the image exceeds {limits.max_bytes} bytes.")
     info = probe_image(data, limits)
+    check_image_data(data, info.format)
     digest = hashlib.sha256(data).hexdigest()
     key = input_key(digest, info.format)
     if not store.exists(key):
         store.put(key, data, content_type=CONTENT_TYPES[info.format])
     return InputRef(name=name, digest=digest, key=key, width=info.width, height=info.height)
+
+
+def check_image_data(data: bytes, image_format: str) -> None:
+    """``InvalidInput`` unless all of the pixel data of an image ``probe_image`` accepted
+    decodes: truncated, corrupt or with bad checksums. Memory stays small whatever the
+    image's size, but for WebP (decoded whole: bounded by the pixel limit)."""
+    try:
+        if image_format == "png":
+            _inflate_png(data)
+            return
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data), formats=[image_format.upper()]) as image:
+            if image_format == "jpeg":  # DCT scaling: every coefficient, an eighth of the pixels
+                image.draft(image.mode, (max(1, image.width // 8), max(1, image.height // 8)))
+            image.load()
+    except (OSError, SyntaxError, ValueError, EOFError, zlib.error, struct.error) as exc:
+        raise InvalidInput("The image data is corrupt or truncated.") from exc
+
+
+_PNG_CHUNK = struct.Struct(">I4s")
+
+
+def _inflate_png(data: bytes, piece: int = 1 << 20) -> None:
+    """Walk a PNG's chunks (CRCs checked) to IEND, inflating the IDAT stream to its end
+    ``piece`` bytes at a time and dropping the output."""
+    inflater = zlib.decompressobj()
+    position = 8
+    while True:
+        length, kind = _PNG_CHUNK.unpack_from(data, position)
+        end = position + 8 + length
+        if end + 4 > len(data):
+            raise EOFError(f"truncated {kind!r} chunk")
+        (crc,) = struct.unpack_from(">I", data, end)
+        if zlib.crc32(data[position + 4 : end]) != crc:
+            raise SyntaxError(f"bad CRC in {kind!r} chunk")
+        if kind == b"IDAT":
+            inflater.decompress(data[position + 8 : end], piece)
+            while inflater.unconsumed_tail:
+                inflater.decompress(inflater.unconsumed_tail, piece)
+        elif kind == b"IEND":
+            break
+        position = end + 4
+    if not inflater.eof:
+        raise EOFError("the image data ends early")
 
 
 def accept_input(

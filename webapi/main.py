@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from webapi import errors
 from webapi.admission import Admitter
 from webapi.auth import KeyCache
+from webapi.bodies import BodyDeadlineMiddleware
 from webapi.config import Settings, get_settings
 from webapi.db import get_engine, read_only
 from webapi.inputs import warm_up
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None, *, json_logs: bool | None = Non
     app.state.admitter = Admitter(app.state.engine, settings, store=app.state.store)
     app.state.relay = None
     errors.install(app)
+    app.add_middleware(BodyDeadlineMiddleware, seconds=settings.body_read_seconds)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(jobs.router)
     app.include_router(health.router)

@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from pydantic import AnyUrl, BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import AnyUrl, BaseModel, ConfigDict, StrictInt, field_validator, model_validator
 from sqlalchemy.engine import Dialect
 from sqlmodel import JSON, Field, SQLModel
 
@@ -343,10 +343,10 @@ class JobCreate(BaseModel):
     callback_events: list[CallbackEvent] | None = Field(
         default=None, description="Events to send (default: every terminal event)."
     )
-    deadline_seconds: int | None = Field(
+    deadline_seconds: StrictInt | None = Field(
         default=None, ge=1, description="Total time allowed from submit (default from settings)."
     )
-    queue_timeout_seconds: int | None = Field(
+    queue_timeout_seconds: StrictInt | None = Field(
         default=None, ge=1, description="Time allowed to start (default from settings)."
     )
     priority: Priority | None = Field(

@@ -171,8 +171,8 @@ def test_too_large_is_413(database_url: str, tmp_path: Path, engine: Engine) -> 
         # bytes: a real photo of ~60 KB against a 20 KB limit
         response = client.post("/v1/jobs", json=job_body(), headers=auth(user))
         assert response.status_code == 413 and _error(response) == "payload_too_large"
-        # the whole body, declared by Content-Length
-        big = b"{" + b" " * (settings.max_request_bytes + 1) + b"}"
+        # the whole JSON body, declared by Content-Length
+        big = b"{" + b" " * (settings.max_json_bytes + 1) + b"}"
         response = client.post(
             "/v1/jobs", content=big, headers={**auth(user), "Content-Type": "application/json"}
         )

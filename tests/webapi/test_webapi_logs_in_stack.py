@@ -12,33 +12,20 @@ from pathlib import Path
 
 import httpx
 
-from faceflow.stack import REPO_ROOT, StackConfig, webapi_argv
-from faceflow.supervisor import Service
-from tests.webapi.relay_harness import free_port
+from tests.webapi.utils import stack_webapi
 from webapi.migrations import upgrade
 
 
 def test_the_stacks_webapi_logs_json_lines_at_info(tmp_path: Path) -> None:
-    config = StackConfig(home=tmp_path, api_port=free_port(), external_prefect=None)
     database_url = f"sqlite:///{tmp_path / 'webapi.db'}"
     upgrade(database_url)
-    service = Service(
-        name="webapi",
-        argv=webapi_argv(config),
-        log=tmp_path / "webapi.log",
-        env={
-            **config.env(),
-            "FACEFLOW_DATABASE_URL": database_url,
-            "FACEFLOW_PREFECT_API_URL": "http://127.0.0.1:9/api",  # nothing listens
-        },
-        cwd=REPO_ROOT,
-    )
+    service, api_url = stack_webapi(tmp_path, database_url)
     service.start()
     try:
         service.wait_ready(
-            lambda: httpx.get(f"{config.api_url}/healthz", timeout=2).status_code == 200, 60
+            lambda: httpx.get(f"{api_url}/healthz", timeout=2).status_code == 200, 60
         )
-        response = httpx.get(f"{config.api_url}/healthz", headers={"X-Request-ID": "req-logs-1"})
+        response = httpx.get(f"{api_url}/healthz", headers={"X-Request-ID": "req-logs-1"})
         assert response.headers["x-request-id"] == "req-logs-1"
         time.sleep(0.5)
     finally:

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -15,6 +16,7 @@ from PIL import Image
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from faceflow.supervisor import Service
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 from webapi import crud
 from webapi.config import Settings
@@ -220,3 +222,26 @@ def clear_jobs(engine: Engine) -> None:
         session.execute(sa.delete(Job))
         session.commit()
     crud.reset_service_time_cache()
+
+
+def stack_webapi(home: Path, database_url: str, **env: str) -> tuple[Service, str]:
+    """The webapi as ``faceflow up`` starts it (``faceflow.stack.webapi_argv``) on a free
+    loopback port, against ``database_url`` and an unreachable Prefect, ``env`` on top
+    (not started): the service and its base URL."""
+    from faceflow.stack import REPO_ROOT, StackConfig, webapi_argv
+    from tests.webapi.relay_harness import free_port
+
+    config = StackConfig(home=home, api_port=free_port(), external_prefect=None)
+    service = Service(
+        name="webapi",
+        argv=webapi_argv(config),
+        log=home / "webapi.log",
+        env={
+            **config.env(),
+            "FACEFLOW_DATABASE_URL": database_url,
+            "FACEFLOW_PREFECT_API_URL": "http://127.0.0.1:9/api",  # nothing listens
+            **env,
+        },
+        cwd=REPO_ROOT,
+    )
+    return service, config.api_url

@@ -14,7 +14,6 @@ from typing import Annotated, Any
 import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
@@ -24,6 +23,7 @@ from tasks.options import MAX_REFERENCES, MAX_SOURCES
 from tasks.report import QualityReport
 from webapi import crud
 from webapi.admission import Admitter
+from webapi.bodies import parse_json_model, read_limited
 from webapi.config import Settings
 from webapi.db import read_only
 from webapi.deps import CurrentUser, EngineDep, ReadSessionDep, SessionDep, SettingsDep, StoreDep
@@ -36,7 +36,6 @@ from webapi.errors import (
     PayloadTooLarge,
     ResultExpired,
     UnsupportedMediaType,
-    describe_validation,
 )
 from webapi.inputs import InputRef, accept_input
 from webapi.logs import log_context
@@ -247,12 +246,15 @@ async def _read_submission(
     is_json = content_type == "application/json" or content_type.endswith("+json")
     if not is_json and content_type != "multipart/form-data":
         raise UnsupportedMediaType()
-    body = await _read_limited(request, settings.max_request_bytes)
+    limit = settings.max_json_bytes if is_json else settings.max_request_bytes
+    body = await read_limited(request, limit)
     sources: list[str | bytes]
     references: list[str | bytes]
     target: str | bytes | None
-    if is_json:
-        create = _parse_create(body)
+    if is_json:  # parsed in a worker thread: the event loop keeps serving meanwhile
+        create = await anyio.to_thread.run_sync(
+            _parse_create, body, settings, limiter=request.app.state.submit_limiter
+        )
         sources = list(create.sources or ([create.source] if create.source is not None else []))
         target, references = create.target, list(create.references or [])
     else:
@@ -266,27 +268,10 @@ async def _read_submission(
     return create, sources, target, references
 
 
-async def _read_limited(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    request._body = body  # request.form() re-reads the cached body
-    return body
-
-
-def _parse_create(raw: bytes | str) -> JobCreate:
-    try:
-        return JobCreate.model_validate_json(raw)
-    except ValidationError as exc:
-        raise InvalidRequest(describe_validation(exc.errors())) from exc
+def _parse_create(raw: bytes | str, settings: Settings) -> JobCreate:
+    return parse_json_model(
+        JobCreate, raw, max_items=settings.json_max_items, max_depth=settings.json_max_depth
+    )
 
 
 async def _read_multipart(
@@ -298,7 +283,7 @@ async def _read_multipart(
     async with request.form(max_files=most, max_fields=most + 1, max_part_size=1024 * 1024) as form:
         field = form.get("params")
         params = (await field.read()) if isinstance(field, UploadFile) else field
-        create = _parse_create(params or "{}")
+        create = _parse_create(params or "{}", settings)
         if any(v is not None for v in (create.source, create.sources, create.target)) or (
             create.references is not None
         ):
