@@ -69,12 +69,32 @@ class AuthFileError(RuntimeError):
     """The credential file is unusable: others may read it, or it is empty."""
 
 
+def new_auth_string() -> str:
+    """A fresh credential: ``faceflow:<256 random bits, URL-safe base64>``."""
+    return f"{AUTH_USER}:{secrets.token_urlsafe(32)}"
+
+
+def write_auth_env(path: Path, *, replace: bool = False) -> None:
+    """Write a new credential as an environment file for systemd's ``EnvironmentFile=``:
+    the server's and the clients' variable with one value, mode 0600, replaced atomically
+    (``replace``: a rotation; otherwise an existing file is an ``AuthFileError``)."""
+    if path.exists() and not replace:
+        raise AuthFileError(f"{path} exists: pass --replace to rotate the credential")
+    credential = new_auth_string()
+    text = f"{SERVER_AUTH_VAR}={credential}\n{CLIENT_AUTH_VAR}={credential}\n"
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, path)
+
+
 def ensure_auth_string(path: Path) -> str:
     """The Prefect API credential kept in ``path``: ``faceflow:<256 random bits>``, written
     with mode 0600 at the first start and read again at every later one (``read_auth_string``).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    credential = f"{AUTH_USER}:{secrets.token_urlsafe(32)}"
+    credential = new_auth_string()
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

@@ -133,3 +133,27 @@ def test_an_existing_server_gets_the_credential_of_the_environment(
     assert config.env()[prefect_server.CLIENT_AUTH_VAR] == "ops:from-the-environment"
     monkeypatch.delenv(prefect_server.CLIENT_AUTH_VAR)
     assert prefect_server.CLIENT_AUTH_VAR not in StackConfig(external_prefect="x").env()
+
+
+def test_faceflow_prefect_auth_writes_the_units_credential_and_rotates_it(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from faceflow.cli import app
+
+    path = tmp_path / "prefect-auth.env"
+    runner = CliRunner()
+    made = runner.invoke(app, ["prefect-auth", str(path)])
+    assert made.exit_code == 0, made.output
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    lines = dict(line.split("=", 1) for line in path.read_text().splitlines())
+    assert set(lines) == {prefect_server.SERVER_AUTH_VAR, prefect_server.CLIENT_AUTH_VAR}
+    (credential,) = set(lines.values())  # the server asks for what the clients send
+    assert credential.startswith("faceflow:") and credential not in made.output
+
+    again = runner.invoke(app, ["prefect-auth", str(path)])
+    assert again.exit_code == 1 and "--replace" in again.output
+    assert credential in path.read_text()  # left alone
+    rotated = runner.invoke(app, ["prefect-auth", str(path), "--replace"])
+    assert rotated.exit_code == 0 and credential not in path.read_text()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
