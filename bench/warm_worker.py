@@ -89,9 +89,9 @@ class PrefectRest:
     """A Prefect server's REST API over httpx; 503s and dropped connections (SQLite under
     load) are retried with backoff. Shared by this bench and ``tests/worker``."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
         self.url = url
-        self.http = httpx.Client(base_url=url, timeout=30)
+        self.http = httpx.Client(base_url=url, headers=headers, timeout=30)
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         for attempt in range(8):

@@ -269,6 +269,27 @@ def demo(
     fuse(src, samples.grace_hopper_path(), output)
 
 
+@app.command("prefect-auth")
+def prefect_auth(
+    path: Annotated[
+        Path, typer.Argument(help="Environment file to write, e.g. /etc/faceflow/prefect-auth.env.")
+    ],
+    replace: Annotated[
+        bool, typer.Option("--replace", help="Replace an existing credential (a rotation).")
+    ] = False,
+) -> None:
+    """Write a new Prefect API credential for the systemd units (EnvironmentFile=): the
+    server's PREFECT_SERVER_API_AUTH_STRING and the clients' PREFECT_API_AUTH_STRING, one
+    value, mode 0600. Prints where it is, never what it is."""
+    from faceflow import prefect_server
+
+    try:
+        prefect_server.write_auth_env(path, replace=replace)
+    except (OSError, prefect_server.AuthFileError) as exc:
+        raise _fail("prefect_auth", str(exc), 1) from exc
+    typer.echo(f"wrote a new Prefect API credential to {path} (mode 0600)")
+
+
 @blocks_app.command("init")
 def blocks_init(
     home: Annotated[Path | None, typer.Option(help="FaceFlow home (default .faceflow).")] = None,

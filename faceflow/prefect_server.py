@@ -8,12 +8,19 @@ PostgreSQL and events, the message cache, causal ordering, concurrency leases an
 in Redis (``prefect-redis``). Migrations run once, before any API process starts, because
 several processes must not migrate at the same time. A real deployment puts more API
 replicas behind a load balancer with the same environment; ``docs/prefect-scale-out.md``.
+
+In both layouts the API asks for HTTP basic auth (``PREFECT_SERVER_API_AUTH_STRING``; its
+clients send ``PREFECT_API_AUTH_STRING``): the stack makes the credential at its first
+start, in a file only its owner can read, and gives it to every process it starts.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import stat
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
 import psycopg
@@ -46,6 +53,71 @@ instead of Prefect's defaults (the recorder one task-run event per insert, the p
 events or every 5 s). Every task run and event is still recorded (the UI's per-stage view
 and event feed lag by a second at most); the server spends 23-34 % less CPU per flow run
 (``bench/prefect_costs.py``, docs/batching.md)."""
+
+
+AUTH_FILE = "prefect-api-auth"
+"""The stack's Prefect API credential, under its home (mode 0600)."""
+AUTH_USER = "faceflow"
+SERVER_AUTH_VAR = "PREFECT_SERVER_API_AUTH_STRING"
+"""What the server asks for (every server process: API, services, migrations)."""
+CLIENT_AUTH_VAR = "PREFECT_API_AUTH_STRING"
+"""What Prefect's clients send (workers, flow runs, the CLI, blocks) and the relay too
+(``webapi.config.Settings.prefect_api_auth_string``)."""
+
+
+class AuthFileError(RuntimeError):
+    """The credential file is unusable: others may read it, or it is empty."""
+
+
+def new_auth_string() -> str:
+    """A fresh credential: ``faceflow:<256 random bits, URL-safe base64>``."""
+    return f"{AUTH_USER}:{secrets.token_urlsafe(32)}"
+
+
+def write_auth_env(path: Path, *, replace: bool = False) -> None:
+    """Write a new credential as an environment file for systemd's ``EnvironmentFile=``:
+    the server's and the clients' variable with one value, mode 0600, replaced atomically
+    (``replace``: a rotation; otherwise an existing file is an ``AuthFileError``)."""
+    if path.exists() and not replace:
+        raise AuthFileError(f"{path} exists: pass --replace to rotate the credential")
+    credential = new_auth_string()
+    text = f"{SERVER_AUTH_VAR}={credential}\n{CLIENT_AUTH_VAR}={credential}\n"
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(tmp, path)
+
+
+def ensure_auth_string(path: Path) -> str:
+    """The Prefect API credential kept in ``path``: ``faceflow:<256 random bits>``, written
+    with mode 0600 at the first start and read again at every later one (``read_auth_string``).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    credential = new_auth_string()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_auth_string(path)
+    with os.fdopen(fd, "w") as out:
+        out.write(credential + "\n")
+    return credential
+
+
+def read_auth_string(path: Path) -> str:
+    """The credential in ``path``. A file that its group or others may read is refused:
+    the credential may have leaked (remove the file to make a new one: a rotation)."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise AuthFileError(
+            f"{path} has mode {mode:04o}: its group or others may read the Prefect API "
+            "credential; remove the file (a new credential is made at the next start) "
+            "or chmod 600 it"
+        )
+    credential = path.read_text().strip()
+    if not credential:
+        raise AuthFileError(f"{path} is empty: remove it to make a new credential")
+    return credential
 
 
 def services_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:

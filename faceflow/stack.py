@@ -4,8 +4,9 @@ Prefect server (SQLite under the home, unless ``PREFECT_API_URL`` names one; or 
 ``--prefect scale-out`` PostgreSQL + Redis, API processes and services apart) → work pool
 from ``work_pools/gpu-process.json`` and its priority work queue → blocks → ``prefect
 --no-prompt deploy --all`` → worker(s) → job-store migrations → webapi with its relay.
-Every child runs in its own process group with a log under ``<home>/logs/`` and is stopped
-by PID. While it runs, a part that exits is started again (and said so on the console);
+The Prefect API asks for a credential that the stack makes at its first start
+(``<home>/prefect-api-auth``, mode 0600) and gives to every child. Every child runs in its
+own process group with a log under ``<home>/logs/`` and is stopped by PID. While it runs, a part that exits is started again (and said so on the console);
 each start is counted under ``<home>/services/`` for the API's ``/metrics``.
 """
 
@@ -64,6 +65,11 @@ class StackConfig:
             "FACEFLOW_PREFECT_REDIS_URL", prefect_server.DEFAULT_REDIS_URL
         )
     )
+    prefect_auth_string: str | None = field(
+        default_factory=lambda: os.environ.get(prefect_server.CLIENT_AUTH_VAR), repr=False
+    )
+    """The Prefect API's credential: the environment's for an existing server; for the
+    stack's own, the one in ``prefect_auth_file`` (set by ``Stack.start``)."""
 
     def __post_init__(self) -> None:
         self.home = self.home.resolve()
@@ -89,10 +95,17 @@ class StackConfig:
         """Start records of the parts (``webapi.services``; the API's default too)."""
         return self.home / "services"
 
+    @property
+    def prefect_auth_file(self) -> Path:
+        """Where the stack keeps its Prefect server's credential (mode 0600)."""
+        return self.home / prefect_server.AUTH_FILE
+
     def server_env(self) -> dict[str, str]:
-        """Environment of the Prefect server's own processes: the services' write batching,
-        and when scaled out, the shared database and Redis."""
+        """Environment of the Prefect server's own processes: the credential it asks for,
+        the services' write batching, and when scaled out, the shared database and Redis."""
         env = prefect_server.services_env()
+        if self.prefect_auth_string:
+            env[prefect_server.SERVER_AUTH_VAR] = self.prefect_auth_string
         if self.prefect_mode == "scale-out":
             env.update(
                 prefect_server.scale_out_env(self.prefect_database_url, self.prefect_redis_url)
@@ -100,8 +113,11 @@ class StackConfig:
         return env
 
     def env(self) -> dict[str, str]:
-        """Environment shared by every child process."""
+        """Environment shared by every child process (with the Prefect API's credential:
+        every child is a Prefect client, the relay included)."""
+        auth = self.prefect_auth_string
         return {
+            **({prefect_server.CLIENT_AUTH_VAR: auth} if auth else {}),
             "FACEFLOW_HOME": str(self.home),
             "FACEFLOW_PREFECT_API_URL": self.prefect_api_url,
             "PREFECT_API_URL": self.prefect_api_url,
@@ -195,8 +211,13 @@ class Stack:
         prefect = _bin("prefect")
         faceflow = _bin("faceflow")
         if cfg.external_prefect:
-            self.progress(f"prefect: using existing server {cfg.prefect_api_url}")
+            auth = "with" if cfg.prefect_auth_string else "without"
+            self.progress(
+                f"prefect: using existing server {cfg.prefect_api_url} "
+                f"({auth} {prefect_server.CLIENT_AUTH_VAR})"
+            )
         else:
+            self.prefect_credential()
             self._start_prefect_server(prefect)
         self.progress("prefect: work pool, blocks, deployments")
         template = REPO_ROOT / "work_pools" / POOL_TEMPLATES[cfg.worker_type]
@@ -276,6 +297,24 @@ class Stack:
         self.supervisor.check_alive()
         self.progress(f"ready: API {cfg.api_url}/docs  Prefect UI {cfg.prefect_ui_url}")
 
+    def prefect_credential(self) -> Path:
+        """The credential the stack's own Prefect server asks for, from its home (made at
+        the first start, reused after): set on the config, and where it is said (never what
+        it is); returns the file."""
+        cfg = self.config
+        log = cfg.logs / "prefect-auth.log"
+        try:
+            cfg.prefect_auth_string = prefect_server.ensure_auth_string(cfg.prefect_auth_file)
+        except (OSError, prefect_server.AuthFileError) as exc:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(f"{exc}\n")
+            raise ServiceFailed("prefect-auth", f"credential unusable: {exc}", log) from exc
+        self.progress(
+            f"prefect: API and UI ask for the credential in {cfg.prefect_auth_file} "
+            "(user:password, mode 0600; the UI's login takes the whole line)"
+        )
+        return cfg.prefect_auth_file
+
     def _start_prefect_server(self, prefect: str) -> None:
         """The Prefect server in the configured mode, waited for until healthy."""
         cfg = self.config
@@ -312,7 +351,9 @@ class Stack:
 
         log = self.config.logs / "work-queue.log"
         try:
-            with PrefectAPI(self.config.prefect_api_url) as api:
+            with PrefectAPI(
+                self.config.prefect_api_url, auth_string=self.config.prefect_auth_string
+            ) as api:
                 api.ensure_work_queue(POOL_NAME, PRIORITY_QUEUE, priority=1)
         except PrefectError as exc:
             log.write_text(f"{exc}\n")

@@ -177,6 +177,30 @@ def test_every_unit_has_readiness_restart_policy_and_start_records() -> None:
     assert "http://127.0.0.1:8000/readyz" in (UNITS / "faceflow-webapi.service").read_text()
 
 
+PREFECT_AUTH_ENV = "EnvironmentFile=/etc/faceflow/prefect-auth.env"
+PREFECT_CLIENTS = {
+    "faceflow-prefect-server.service",
+    "faceflow-prefect-services.service",
+    "faceflow-relay.service",
+    "faceflow-control-worker.service",
+    "faceflow-gpu-worker@.service",
+}
+"""The units that serve or call the Prefect API's authenticated routes (issue 22)."""
+
+
+def test_the_units_that_use_prefect_read_its_credential_from_a_file_of_its_own() -> None:
+    for unit in _units():
+        text = unit.read_text()
+        reads = PREFECT_AUTH_ENV in text.splitlines()
+        assert reads == (unit.name in PREFECT_CLIENTS), unit.name  # the API holds none
+        assert "AUTH_STRING" not in text, unit.name  # never inline (systemctl show)
+    assert "AUTH_STRING" not in (UNITS / "faceflow.env.example").read_text()
+    example = (UNITS / "prefect-auth.env.example").read_text().splitlines()
+    values = dict(line.split("=", 1) for line in example if line and not line.startswith("#"))
+    assert set(values) == {"PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING"}
+    assert set(values.values()) == {"faceflow:change-me"}
+
+
 def test_the_commands_the_units_run_exist() -> None:
     """Every ``faceflow …`` command line of the units parses (``--help`` of its command)."""
     commands: set[tuple[str, ...]] = set()

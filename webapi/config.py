@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tasks.options import ImageLimits
@@ -41,6 +41,16 @@ class Settings(BaseSettings):
     )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto).")
     prefect_api_url: str = Field("http://127.0.0.1:4200/api", description="Prefect REST API.")
+    prefect_api_auth_string: SecretStr | None = Field(
+        None,
+        # Prefect's own client variable, so one setting serves the relay and every Prefect
+        # client of a host; FACEFLOW_PREFECT_API_AUTH_STRING wins when both are set.
+        validation_alias=AliasChoices(
+            "faceflow_prefect_api_auth_string", "prefect_api_auth_string"
+        ),
+        description="Credential of the Prefect API (user:password, HTTP basic auth; "
+        "PREFECT_API_AUTH_STRING): the relay sends it with every Prefect call.",
+    )
     api_key_pepper: SecretStr = Field(
         SecretStr(DEV_API_KEY_PEPPER), description="HMAC key under which API keys are hashed."
     )

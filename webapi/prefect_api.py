@@ -9,12 +9,14 @@ error on the parameters).
 
 from __future__ import annotations
 
+import base64
+import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -31,6 +33,9 @@ from flows.params import (
     idempotency_key,
     run_tags,
 )
+
+if TYPE_CHECKING:
+    from webapi.config import Settings
 
 FILTER_BATCH = 200  # PREFECT_SERVER_API_DEFAULT_LIMIT: the most runs one filter call returns
 # 4xx answers that say "not now" rather than "never": auth being fixed, a deployment
@@ -50,6 +55,18 @@ def sent_parameters(params: JobAttempt) -> dict[str, Any]:
         if not sent.get(name):
             sent.pop(name, None)
     return sent
+
+
+def auth_headers(*, auth_string: str | None = None, api_key: str | None = None) -> dict[str, str]:
+    """The ``Authorization`` header Prefect's own client sends: HTTP basic auth with a
+    self-hosted server's auth string (``PREFECT_API_AUTH_STRING``, ``user:password``),
+    else a Prefect Cloud API key as a bearer token; no header without either."""
+    if auth_string:
+        token = base64.b64encode(auth_string.encode("utf-8")).decode("ascii")
+        return {"Authorization": f"Basic {token}"}
+    if api_key:
+        return {"Authorization": f"Bearer {api_key}"}
+    return {}
 
 
 class PrefectError(Exception):
@@ -148,20 +165,24 @@ def _parse_time(value: str | None) -> datetime | None:
 class PrefectAPI:
     """Thread-safe synchronous client for the relay's Prefect REST calls.
 
-    ``api_url`` is the API root, e.g. ``http://127.0.0.1:4200/api`` (``PREFECT_API_URL``).
+    ``api_url`` is the API root, e.g. ``http://127.0.0.1:4200/api`` (``PREFECT_API_URL``);
+    ``auth_string`` the server's credential (``PREFECT_API_AUTH_STRING``), ``api_key`` a
+    Prefect Cloud key (``auth_headers``). Without the credential an authenticated server
+    answers 401, which counts as transient: jobs wait until it is set right.
     """
 
     def __init__(
         self,
         api_url: str,
         *,
+        auth_string: str | None = None,
         api_key: str | None = None,
         timeout: float = 10.0,
         flow_name: str = FLOW_NAME,
         deployment_name: str = DEPLOYMENT_NAME,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = auth_headers(auth_string=auth_string, api_key=api_key)
         self.flow_name = flow_name
         self.deployment_name = deployment_name
         self._http = httpx.Client(
@@ -172,6 +193,17 @@ class PrefectAPI:
         )
         self._deployment_ids: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PrefectAPI:
+        """The relay's client: ``settings.prefect_api_url`` with its auth string, or a
+        Prefect Cloud key from ``PREFECT_API_KEY``."""
+        auth = settings.prefect_api_auth_string
+        return cls(
+            settings.prefect_api_url,
+            auth_string=auth.get_secret_value() if auth else None,
+            api_key=os.environ.get("PREFECT_API_KEY"),
+        )
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -191,6 +223,11 @@ class PrefectAPI:
         except httpx.TransportError as exc:  # refused, dropped, timed out
             raise PrefectUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         code = response.status_code
+        if code == 401:  # an operator's to fix; the jobs wait meanwhile
+            raise PrefectUnavailable(
+                f"{method} {path}: HTTP 401: the Prefect API refused this client's "
+                "credential (PREFECT_API_AUTH_STRING missing or not the server's)"
+            )
         if code >= 500 or code in TRANSIENT_4XX:
             raise PrefectUnavailable(f"{method} {path}: HTTP {code}")
         if code >= 400:

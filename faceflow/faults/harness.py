@@ -29,6 +29,7 @@ from faceflow.faults.receiver import Receiver
 from faceflow.stack import Stack, StackConfig
 from faceflow.supervisor import Service
 from flows.faults import ENABLE_VAR, FILE_VAR
+from webapi.prefect_api import auth_headers
 from webapi.storage import ObjectStore, open_store
 
 Database = Literal["sqlite", "postgres"]
@@ -115,6 +116,11 @@ class Harness:
     @property
     def prefect_api(self) -> str:
         return self.stack.config.prefect_api_url
+
+    @property
+    def prefect_headers(self) -> dict[str, str]:
+        """The Prefect API's credential as a header (the stack's own server asks for it)."""
+        return auth_headers(auth_string=self.stack.config.prefect_auth_string)
 
     @property
     def users_by_name(self) -> dict[str, User]:

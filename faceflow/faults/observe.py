@@ -87,10 +87,15 @@ def settle(
     return {job_id: Observation(latest.get(job_id), job_id in late) for job_id in owner}
 
 
-def _post(prefect_api: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+Headers = Mapping[str, str]
+
+
+def _post(
+    prefect_api: str, path: str, body: dict[str, Any], headers: Headers
+) -> list[dict[str, Any]]:
     for attempt in range(5):
         try:
-            response = httpx.post(f"{prefect_api}{path}", json=body, timeout=30)
+            response = httpx.post(f"{prefect_api}{path}", json=body, headers=headers, timeout=30)
             response.raise_for_status()
             return list(response.json())
         except httpx.HTTPError:
@@ -100,10 +105,14 @@ def _post(prefect_api: str, path: str, body: dict[str, Any]) -> list[dict[str, A
     return []
 
 
-def prefect_writers(prefect_api: str, job_ids: Iterable[str]) -> dict[str, int]:
+def prefect_writers(
+    prefect_api: str, job_ids: Iterable[str], headers: Headers | None = None
+) -> dict[str, int]:
     """Per job: flow runs whose ``store`` task completed for it. A ``fuse-faces`` run is
     named by its job id; a ``fuse-batch`` run is tagged ``job:<id>`` for each job it
-    carried and counts for the jobs its per-job table artifact says it stored."""
+    carried and counts for the jobs its per-job table artifact says it stored.
+    ``headers``: the API's credential (``webapi.prefect_api.auth_headers``)."""
+    headers = headers or {}
     ids = sorted(set(job_ids))
     runs: dict[str, dict[str, Any]] = {}
     for start in range(0, len(ids), 100):
@@ -112,7 +121,9 @@ def prefect_writers(prefect_api: str, job_ids: Iterable[str]) -> dict[str, int]:
             {"flow_runs": {"name": {"any_": chunk}}, "limit": 200},
             {"flow_runs": {"tags": {"any_": [f"job:{j}" for j in chunk]}}, "limit": 200},
         ):
-            runs.update({run["id"]: run for run in _post(prefect_api, "/flow_runs/filter", body)})
+            runs.update(
+                {run["id"]: run for run in _post(prefect_api, "/flow_runs/filter", body, headers)}
+            )
     found: dict[str, int] = dict.fromkeys(ids, 0)
     run_ids = sorted(runs)
     for start in range(0, len(run_ids), 100):
@@ -128,15 +139,16 @@ def prefect_writers(prefect_api: str, job_ids: Iterable[str]) -> dict[str, int]:
                 },
                 "limit": 200,
             },
+            headers,
         )
         for run_id in {task["flow_run_id"] for task in stores}:
-            for job_id in _stored_by(prefect_api, runs[run_id]):
+            for job_id in _stored_by(prefect_api, runs[run_id], headers):
                 if job_id in found:
                     found[job_id] += 1
     return found
 
 
-def _stored_by(prefect_api: str, run: dict[str, Any]) -> list[str]:
+def _stored_by(prefect_api: str, run: dict[str, Any], headers: Headers) -> list[str]:
     """The jobs a run whose store task completed stored a result for."""
     if "batch" not in (run.get("tags") or []):
         return [str(run["name"])]
@@ -144,6 +156,7 @@ def _stored_by(prefect_api: str, run: dict[str, Any]) -> list[str]:
         prefect_api,
         "/artifacts/filter",
         {"artifacts": {"flow_run_id": {"any_": [run["id"]]}, "type": {"any_": ["table"]}}},
+        headers,
     )
     stored: list[str] = []
     for table in tables:
@@ -167,14 +180,17 @@ def storage_writers(
 
 
 def result_writers(
-    prefect_api: str, store: ObjectStore, observations: Mapping[str, Observation]
+    prefect_api: str,
+    store: ObjectStore,
+    observations: Mapping[str, Observation],
+    headers: Headers | None = None,
 ) -> tuple[dict[str, int], list[str]]:
     """Writers per job (the larger of Prefect's and storage's count) and any notes."""
     notes: list[str] = []
     jobs = {job_id: seen.job for job_id, seen in observations.items()}
     stored = storage_writers(store, jobs)
     try:
-        ran = prefect_writers(prefect_api, jobs)
+        ran = prefect_writers(prefect_api, jobs, headers)
     except httpx.HTTPError as exc:
         ran = {}
         notes.append(f"Prefect not readable for dup-exec ({type(exc).__name__}): storage only")

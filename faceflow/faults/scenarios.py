@@ -143,7 +143,7 @@ def finish(
         webhooks_done=webhooks_done,
         webhook_wait_s=p.webhook_wait_s if webhook_wait_s is None else webhook_wait_s,
     )
-    writers, writer_notes = result_writers(h.prefect_api, h.store, observations)
+    writers, writer_notes = result_writers(h.prefect_api, h.store, observations, h.prefect_headers)
     listed: set[str] = set()
     for user in h.users_by_name.values():
         listed |= h.client.job_ids(user)

@@ -17,6 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from faceflow.prefect_server import AUTH_FILE
+from webapi.prefect_api import auth_headers
+
 BIN = Path(sys.executable).parent
 TERMINAL = {"succeeded", "failed", "expired", "cancelled"}
 
@@ -108,6 +111,17 @@ def create_user(env: Mapping[str, str], name: str) -> dict[str, str]:
     )  # fmt: skip
     fields = dict(line.split(":", 1) for line in created.stdout.splitlines() if ":" in line)
     return {key: value.strip() for key, value in fields.items()}
+
+
+def prefect_auth(home: Path) -> str:
+    """The Prefect API credential ``faceflow up`` made under its home."""
+    return (home / AUTH_FILE).read_text().strip()
+
+
+def prefect_client(home: Path, api_url: str) -> httpx.Client:
+    """A client of the stack's Prefect API with its credential (401 without it)."""
+    headers = auth_headers(auth_string=prefect_auth(home))
+    return httpx.Client(base_url=api_url, headers=headers, timeout=30)
 
 
 def data_uri(data: bytes, mime: str = "image/jpeg") -> str:

@@ -31,6 +31,7 @@ from tests.e2e.harness import (
     free_port,
     pid_of,
     pids_with_home,
+    prefect_client,
     start_stack,
     stop_stack,
     watch,
@@ -140,6 +141,12 @@ def test_the_server_runs_as_api_processes_and_services_on_postgres(
     assert pid_of(scale_out.home, b"services") > 0  # prefect server services start
     assert not list((scale_out.home / "prefect").glob("*.db")), "no SQLite server database"
     assert httpx.get(f"{scale_out.prefect_api}/health", timeout=10).json() is True
+    # Every API process asks for the stack's credential (issue 22).
+    for _ in range(4):  # the processes share one socket: a few requests reach both
+        anonymous = httpx.post(f"{scale_out.prefect_api}/flow_runs/filter", json={}, timeout=10)
+        assert anonymous.status_code == 401
+    with prefect_client(scale_out.home, scale_out.prefect_api) as prefect:
+        assert prefect.post("/flow_runs/filter", json={"limit": 1}).status_code == 200
     (version,) = scale_out.query("SELECT version_num FROM alembic_version")[0]
     assert version, "the migrations ran against the PostgreSQL database"
     log = (scale_out.home / "logs" / "prefect-server.log").read_text()

@@ -13,9 +13,11 @@ import io
 import json
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
 from blocks.settings import FusionSettings
 from tests import samples
@@ -36,6 +38,8 @@ from tests.e2e.harness import (
     free_port,
     pid_of,
     pids_with_home,
+    prefect_auth,
+    prefect_client,
     start_stack,
     stop_stack,
     watch,
@@ -94,6 +98,8 @@ class RunningStack:
     webhook_secret: str
     process: subprocess.Popen[bytes]
     receiver: Receiver
+    prefect: httpx.Client
+    """The stack's Prefect API, with its credential."""
 
     def client(self) -> httpx.Client:
         return httpx.Client(
@@ -116,20 +122,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     args = ["--api-port", str(api_port), "--prefect-port", str(prefect_port)]
     proc = start_stack(home, args, env)
     api = f"http://127.0.0.1:{api_port}"
+    prefect_api = f"http://127.0.0.1:{prefect_port}/api"
     fields = create_user(env, "e2e")
     receiver = _receiver()
     running = RunningStack(
         home=home,
         api=api,
-        prefect_api=f"http://127.0.0.1:{prefect_port}/api",
+        prefect_api=prefect_api,
         api_key=fields["api key"],
         webhook_secret=fields["webhook secret"],
         process=proc,
         receiver=receiver,
+        prefect=prefect_client(home, prefect_api),
     )
     try:
         yield running
     finally:
+        running.prefect.close()
         receiver.server.shutdown()
         stop_stack(proc)
 
@@ -177,12 +186,12 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
         assert verify_signature(stack.webhook_secret, headers, body)
         assert not verify_signature("whsec_" + base64.b64encode(b"x" * 32).decode(), headers, body)
 
-    runs = httpx.post(
-        f"{stack.prefect_api}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [job_id]}}}
+    runs = stack.prefect.post(
+        "/flow_runs/filter", json={"flow_runs": {"name": {"any_": [job_id]}}}
     ).json()
     assert len(runs) == 1 and runs[0]["state_type"] == "COMPLETED"
-    artifacts = httpx.post(
-        f"{stack.prefect_api}/artifacts/filter",
+    artifacts = stack.prefect.post(
+        "/artifacts/filter",
         json={"artifacts": {"flow_run_id": {"any_": [runs[0]["id"]]}}},
     ).json()
     assert {a["type"] for a in artifacts} >= {"table", "markdown"}, artifacts
@@ -191,8 +200,8 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
     stages = {"moderate_inputs", "detect", "align", "fuse", "postprocess", "quality"}
     deadline = time.monotonic() + 15
     while True:
-        task_runs = httpx.post(
-            f"{stack.prefect_api}/task_runs/filter",
+        task_runs = stack.prefect.post(
+            "/task_runs/filter",
             json={"flow_runs": {"id": {"any_": [runs[0]["id"]]}}},
         ).json()
         done = {t["name"] for t in task_runs if t["state_type"] == "COMPLETED"}
@@ -253,7 +262,9 @@ def _submit(client: httpx.Client, body: dict[str, object]) -> str:
 @contextmanager
 def _operator_settings(stack: RunningStack, settings: FusionSettings) -> Iterator[None]:
     """Save ``settings`` as the stack's ``fusion-settings/default``; the defaults after."""
-    with temporary_settings({PREFECT_API_URL: stack.prefect_api}):
+    with temporary_settings(
+        {PREFECT_API_URL: stack.prefect_api, PREFECT_API_AUTH_STRING: prefect_auth(stack.home)}
+    ):
         settings.save("default", overwrite=True)
         try:
             yield
@@ -357,9 +368,9 @@ def test_cancel_of_a_queued_job(stack: RunningStack) -> None:
 
 def test_the_stack_restarts_a_part_that_dies_and_counts_it(stack: RunningStack) -> None:
     # The priority lane and the retention schedule are set up by `faceflow up`.
-    queue = httpx.get(f"{stack.prefect_api}/work_pools/gpu/queues/priority", timeout=10).json()
+    queue = stack.prefect.get("/work_pools/gpu/queues/priority").json()
+    retention = stack.prefect.get("/deployments/name/retention/retention")
     assert queue["priority"] == 1
-    retention = httpx.get(f"{stack.prefect_api}/deployments/name/retention/retention", timeout=10)
     assert retention.status_code == 200
     os.kill(pid_of(stack.home, b"local-control"), signal.SIGKILL)
     log = stack.home.parent / "up.log"
@@ -373,6 +384,29 @@ def test_the_stack_restarts_a_part_that_dies_and_counts_it(stack: RunningStack) 
     assert 'faceflow_service_restarts_total{service="worker-control"} 1.0' in metrics
     assert 'faceflow_service_restarts_total{service="webapi"} 0.0' in metrics
     assert 'faceflow_lane_queued_jobs{lane="high"}' in metrics
+
+
+def test_the_prefect_api_asks_for_the_credential_that_no_log_shows(
+    stack: RunningStack,
+) -> None:
+    """Issue 22: whoever reaches the Prefect API without the stack's credential can neither
+    read runs' parameters and blocks nor change a run; the credential file is 0600 and the
+    console names it without showing it."""
+    credential = stack.home / "prefect-api-auth"
+    assert stat.S_IMODE(credential.stat().st_mode) == 0o600
+    secret = prefect_auth(stack.home)
+    for method, path, body in (
+        ("POST", "/flow_runs/filter", {}),
+        ("POST", "/block_documents/filter", {}),
+        ("POST", "/deployments/", {"name": "x", "flow_id": str(uuid.uuid4())}),
+    ):
+        anonymous = httpx.request(method, f"{stack.prefect_api}{path}", json=body, timeout=10)
+        assert anonymous.status_code == 401, (path, anonymous.text)
+    assert stack.prefect.post("/flow_runs/filter", json={"limit": 1}).status_code == 200
+    up = (stack.home.parent / "up.log").read_text()
+    assert str(credential) in up
+    for log in [stack.home.parent / "up.log", *(stack.home / "logs").glob("*.log")]:
+        assert secret.split(":", 1)[1] not in log.read_text(errors="replace"), log
 
 
 def test_stopping_the_stack_leaves_no_process(stack: RunningStack) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 from typing import Any, cast
 
@@ -106,3 +107,44 @@ def test_kubernetes_template_requests_a_gpu_node() -> None:
     assert resources["requests"]["nvidia.com/gpu"] == 1
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+@pytest.mark.parametrize("name", ["gpu-process", "gpu-docker", "gpu-kubernetes", "gpu-ecs"])
+def test_the_prefect_credential_comes_from_the_worker_never_the_template(
+    name: str, prefect_harness: Home
+) -> None:
+    """Issue 22: each flow run gets the Prefect API's credential from its worker's own
+    PREFECT_API_AUTH_STRING (Prefect's base job configuration passes the worker's settings
+    on); no template carries one."""
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.settings import PREFECT_API_AUTH_STRING, temporary_settings
+    from prefect.workers.base import BaseJobConfiguration
+
+    template = load(name)
+    assert "AUTH_STRING=" not in json.dumps(template)
+    assert not any("AUTH" in key for key in defaults(template).get("env", {}))
+    config = asyncio.run(BaseJobConfiguration.from_template_and_values(template, {}))
+    with temporary_settings({PREFECT_API_AUTH_STRING: "faceflow:from-the-worker"}):
+        config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="job"))
+    assert config.env["PREFECT_API_AUTH_STRING"] == "faceflow:from-the-worker"
+
+
+def test_the_ecs_template_can_take_the_credential_from_secrets_manager(
+    prefect_harness: Home,
+) -> None:
+    """With ``prefect_api_auth_string_secret_arn`` the ECS task reads the credential from
+    AWS Secrets Manager: the worker's own value is left out of the task's environment."""
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.settings import PREFECT_API_AUTH_STRING, temporary_settings
+    from prefect_aws.workers.ecs_worker import ECSJobConfiguration
+
+    arn = "arn:aws:secretsmanager:eu-west-1:123456789012:secret:prefect-auth"
+    values = {"prefect_api_auth_string_secret_arn": arn}
+    config = cast(
+        ECSJobConfiguration,
+        asyncio.run(ECSJobConfiguration.from_template_and_values(load("gpu-ecs"), values)),
+    )
+    with temporary_settings({PREFECT_API_AUTH_STRING: "faceflow:from-the-worker"}):
+        config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="job"))
+    assert "PREFECT_API_AUTH_STRING" not in config.env
+    assert config.prefect_api_auth_string_secret_arn == arn

@@ -38,6 +38,7 @@ from webapi import crud
 from webapi.config import Settings
 from webapi.inputs import InputRef, store_image
 from webapi.models import Job
+from webapi.prefect_api import auth_headers
 from webapi.relay.context import RelayTimings
 from webapi.storage import ObjectStore
 
@@ -70,11 +71,15 @@ def free_port() -> int:
 
 
 class PrefectServer:
-    """``prefect server start`` on 127.0.0.1 with its own home; restartable on one port."""
+    """``prefect server start`` on 127.0.0.1 with its own home; restartable on one port.
+    With ``auth_string`` the API asks for it (HTTP basic auth) and the helpers send it."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, auth_string: str | None = None) -> None:
         self.home = home
         self.port = free_port()
+        self.auth_string = auth_string
+        self.headers = auth_headers(auth_string=auth_string)
+        auth = {"PREFECT_SERVER_API_AUTH_STRING": auth_string} if auth_string else {}
         self.service = Service(
             name="prefect-server",
             argv=[
@@ -94,6 +99,7 @@ class PrefectServer:
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_API_URL": self.api_url,
                 "PREFECT_LOGGING_LEVEL": "WARNING",
+                **auth,
             },
         )
 
@@ -116,6 +122,7 @@ class PrefectServer:
         response = httpx.post(
             f"{self.api_url}/flow_runs/{flow_run_id}/set_state",
             json={"state": {"type": state_type, "message": message}, "force": True},
+            headers=self.headers,
             timeout=10,
         )
         response.raise_for_status()
@@ -128,20 +135,28 @@ class PrefectServer:
             "description": description,
             "flow_run_id": flow_run_id,
         }
-        httpx.post(f"{self.api_url}/artifacts/", json=body, timeout=10).raise_for_status()
+        httpx.post(
+            f"{self.api_url}/artifacts/", json=body, headers=self.headers, timeout=10
+        ).raise_for_status()
 
     def delete_run(self, flow_run_id: str) -> None:
-        httpx.delete(f"{self.api_url}/flow_runs/{flow_run_id}", timeout=10).raise_for_status()
+        httpx.delete(
+            f"{self.api_url}/flow_runs/{flow_run_id}", headers=self.headers, timeout=10
+        ).raise_for_status()
 
     def runs_of_job(self, job_id: uuid.UUID | str) -> list[dict[str, Any]]:
         """Every flow run tagged ``job:<id>``."""
         body = {"flow_runs": {"tags": {"all_": [f"job:{job_id}"]}}, "limit": 50}
-        response = httpx.post(f"{self.api_url}/flow_runs/filter", json=body, timeout=10)
+        response = httpx.post(
+            f"{self.api_url}/flow_runs/filter", json=body, headers=self.headers, timeout=10
+        )
         response.raise_for_status()
         return list(response.json())
 
     def run(self, flow_run_id: str) -> dict[str, Any]:
-        response = httpx.get(f"{self.api_url}/flow_runs/{flow_run_id}", timeout=10)
+        response = httpx.get(
+            f"{self.api_url}/flow_runs/{flow_run_id}", headers=self.headers, timeout=10
+        )
         response.raise_for_status()
         return dict(response.json())
 
@@ -261,6 +276,35 @@ def deploy_stand_ins() -> None:
     """Register deployments ``fuse-faces/fuse-faces`` and ``fuse-faces-strict/fuse-faces``."""
     stand_in_flow().to_deployment(name="fuse-faces").apply()
     strict_flow().to_deployment(name="fuse-faces").apply()
+
+
+@contextmanager
+def stand_in_server(home: Path, auth_string: str | None = None) -> Iterator[PrefectServer]:
+    """A started ``PrefectServer`` (asking for ``auth_string`` if given) with the stand-in
+    deployments; this process's Prefect client settings point at it inside the block."""
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_LOGGING_TO_API_ENABLED,
+        temporary_settings,
+    )
+
+    server = PrefectServer(home, auth_string=auth_string)
+    server.start()
+    try:
+        with temporary_settings(
+            updates={
+                PREFECT_API_URL: server.api_url,
+                PREFECT_API_AUTH_STRING: auth_string,
+                PREFECT_HOME: home / "client",
+                PREFECT_LOGGING_TO_API_ENABLED: False,
+            }
+        ):
+            deploy_stand_ins()
+            yield server
+    finally:
+        server.stop()
 
 
 def execute_run(flow_run_id: str) -> str:

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable
@@ -53,8 +52,7 @@ def build_relay(
     settings = settings or get_settings()
     return Relay(
         engine=engine or get_engine(settings.database_url),
-        prefect=prefect
-        or PrefectAPI(settings.prefect_api_url, api_key=os.environ.get("PREFECT_API_KEY")),
+        prefect=prefect or PrefectAPI.from_settings(settings),
         store=store or open_store(settings.storage_url, s3_endpoint_url=settings.s3_endpoint_url),
         settings=settings,
         timings=timings or RelayTimings(),
