@@ -10,6 +10,7 @@ flow receives the block document name as a parameter). Both expose ``read_path``
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -111,6 +112,58 @@ def exists(store: ByteStore, key: str) -> bool:
             return False
         raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
     return True
+
+
+def fetch_to(store: ByteStore, key: str, path: Path) -> Path:
+    """Copy the object under ``key`` to the file ``path`` without holding it in memory
+    (``LocalFileSystem``: a file copy under its basepath; ``S3Bucket``: a streamed
+    download); ``InvalidInput`` when absent, ``TransientError`` for other failures."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if isinstance(store, LocalFileSystem):
+            shutil.copyfile(store._resolve_path(key), path)
+        elif hasattr(store, "download_object_to_path"):
+            store.download_object_to_path(key, path)
+        else:  # any other filesystem block: whole, through memory
+            path.write_bytes(store.read_path(key))
+    except Exception as exc:
+        if _is_missing(exc):
+            raise InvalidInput("An input was not found in storage.", detail=key) from exc
+        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
+    return path
+
+
+def put_from(store: ByteStore, key: str, path: Path) -> None:
+    """Store the file ``path`` under ``key`` (overwrites) without reading it whole: a
+    copy to a temporary name renamed when complete (``LocalFileSystem``), a streamed
+    upload (``S3Bucket``: an object appears only when its upload completes)."""
+    try:
+        if isinstance(store, LocalFileSystem):
+            target = store._resolve_path(key)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.partial")
+            shutil.copyfile(path, partial)
+            partial.replace(target)
+        elif hasattr(store, "upload_from_path"):
+            store.upload_from_path(path, key)
+        else:
+            store.write_path(key, path.read_bytes())
+    except Exception as exc:
+        raise TransientError("Storage could not be written.", detail=type(exc).__name__) from exc
+
+
+def is_stored(store: ByteStore, key: str) -> bool:
+    """Whether ``key`` is stored, without reading a large object whole where the block
+    can tell (``LocalFileSystem``: the file; ``S3Bucket``: a listing of the key)."""
+    if isinstance(store, LocalFileSystem):
+        return store._resolve_path(key).is_file()
+    listing = getattr(store, "list_objects", None)
+    if callable(listing):
+        try:
+            return any(str(o.get("Key", "")).endswith(key) for o in listing(folder=key))
+        except Exception as exc:
+            raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
+    return exists(store, key)
 
 
 def read_bytes(block_name: str, key: str) -> bytes:

@@ -9,6 +9,7 @@ sidecar (``ResultRef``) under ``results/``; the relay reads the sidecar after th
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +22,8 @@ FLOW_NAME = "fuse-faces"
 DEPLOYMENT_NAME = "fuse-faces"
 BATCH_FLOW_NAME = "fuse-batch"
 BATCH_DEPLOYMENT_NAME = "fuse-batch"
+VIDEO_FLOW_NAME = "fuse-video"
+VIDEO_DEPLOYMENT_NAME = "fuse-video"
 
 FINAL_STAGE = "store"
 """The stage a succeeded job last went through (the relay records it on success): the last
@@ -98,6 +101,31 @@ class ResultRef(BaseModel):
         default_factory=list,
         description="What a report-only moderation check flagged (role: label score).",
     )
+
+
+class VideoResultRef(ResultRef):
+    """What a successful ``fuse-video`` run returns and writes as ``result_meta_key``."""
+
+    frames: int = Field(description="Frames of the result (the input's).")
+    duration_s: float = Field(description="Duration of the result's video stream.")
+    chunks: int = Field(description="Render chunks of the video.")
+    chunks_rendered: int = Field(
+        description="Chunks this attempt rendered (the others were found in storage)."
+    )
+    cuts: list[int] = Field(default_factory=list, description="Frames that start a scene.")
+    switches: int = Field(0, description="Identity switches of the face plan.")
+    tracks: list[dict[str, Any]] = Field(
+        default_factory=list, description="The report per track (tasks.video.TrackReport)."
+    )
+    frame_failures: dict[str, int] = Field(
+        default_factory=dict, description="Frames a stage failed on (kept unchanged), by code."
+    )
+
+
+def video_chunk_key(name: str) -> str:
+    """Storage key of a rendered chunk (``tasks.video.chunk_name``: named by content, so
+    any attempt of any job with the same video, plan, sources and options reuses it)."""
+    return f"video-chunks/{name}"
 
 
 def input_key(digest: str, ext: str) -> str:

@@ -307,6 +307,102 @@ def render_chunk(
     return out
 
 
+@dataclass
+class Probed:
+    """A video after probe and input moderation: its info, every frame's pts, the decoded
+    source photos, the frames moderation saw and what it flagged."""
+
+    info: VideoInfo
+    pts: list[int]
+    images: list[RGBImage]
+    samples: list[int]
+    flags: list[str]
+
+
+def probe_and_moderate(
+    sources: Sequence[bytes],
+    video: Path,
+    ctx: PipelineContext,
+    limits: VideoLimits | None = None,
+) -> Probed:
+    """Probe ``video`` (typed errors for an unreadable or over-limit one), decode the
+    sources and moderate them with ``MODERATION_SAMPLES`` frames, before any face model."""
+    info = probe_video(video, limits)
+    pts = frame_timestamps(video)
+    images = [pipeline.decode_stage(data, ctx) for data in sources]
+    samples = evenly(len(pts), MODERATION_SAMPLES)
+    frames = {
+        f"frame {i}": image
+        for i, image in zip(samples, read_indices(video, samples, pts), strict=True)
+    }
+    verdicts = pipeline.moderate_inputs_stage({"source": images[0], **frames}, ctx)
+    return Probed(info, pts, images, samples, pipeline.flagged_summaries(verdicts))
+
+
+@dataclass
+class Planned:
+    """A video's sources' faces, scene cuts, chunks and face plan."""
+
+    sources: list[Source]
+    cuts: list[int]
+    chunks: list[Chunk]
+    plan: FacePlan
+
+
+def analyse_and_plan(
+    video: Path, probed: Probed, options: FusionOptions, ctx: PipelineContext, chunk_s: float
+) -> Planned:
+    """The analysis pass over every frame, then scene cuts, chunks (``chunk_s`` apart,
+    moved to a cut nearby) and the face plan."""
+    found = sources_of(probed.images, options, ctx)
+    frames = (f.image for f in read_frames(video, 0, len(probed.pts), timestamps=probed.pts))
+    analysis = analyse(frames, options, ctx, Analysis())
+    cuts = scene_cuts(analysis.signatures)
+    info = probed.info
+    seconds = [(p - info.first_pts) * float(info.time_base) for p in probed.pts]
+    chunks = plan_chunks(seconds, cuts, target_s=chunk_s)
+    return Planned(found, cuts, chunks, plan_faces(analysis.faces, cuts, options.face))
+
+
+class Samples:
+    """The rendered frames the end of a job looks at: the moderated ones and up to 6
+    swapped frames per track (identity check against its source)."""
+
+    def __init__(self, plan: FacePlan, moderated: Iterable[int]) -> None:
+        self.plan = plan
+        self.moderated = set(moderated)
+        swapped_in: dict[int, list[int]] = {}
+        for index, swaps in enumerate(plan.frames):
+            for swap in swaps:
+                swapped_in.setdefault(swap.track, []).append(index)
+        self.wanted = {i: track for track, seen in swapped_in.items() for i in sample_frames(seen)}
+        self.checks: dict[int, list[tuple[RGBImage, Face, int]]] = {}
+        self.results: dict[int, RGBImage] = {}
+
+    def keep(self, index: int, image: RGBImage) -> None:
+        """Keep rendered frame ``index`` if it is a sample (``render_chunk``'s ``keep``)."""
+        if index in self.moderated:
+            self.results[index] = image
+        for swap in self.plan.frames[index]:
+            if self.wanted.get(index) == swap.track:
+                self.checks.setdefault(swap.track, []).append((image, swap.face, swap.source))
+
+    def read_from(self, segment: Path, chunk: Chunk) -> None:
+        """Keep the samples of an already rendered ``segment`` (only read when it has any)."""
+        if (self.moderated | set(self.wanted)) & set(range(chunk.start, chunk.stop)):
+            for f in read_frames(segment, 0, chunk.frames):
+                self.keep(chunk.start + f.index, f.image)
+
+    def moderate_and_check(
+        self, sources: Sequence[Source], ctx: PipelineContext
+    ) -> tuple[list[str], dict[int, list[float]]]:
+        """Moderation's flags on the sampled result frames, and each track's identity
+        similarities."""
+        named = {f"result frame {i}": image for i, image in sorted(self.results.items())}
+        flags = pipeline.flagged_summaries(pipeline.moderate_results(named, ctx))
+        return flags, identity_similarities(self.checks, sources, ctx)
+
+
 def fuse_video(
     sources: Sequence[bytes],
     video: Path,
@@ -322,7 +418,8 @@ def fuse_video(
     """Fuse the first source's face (a per-face mapping: each source's) into every frame
     of ``video`` where the plan puts it, in this process: probe → moderation of sampled
     frames → analysis → plan → render chunk by chunk → join with the audio → moderation
-    of sampled result frames. Raises the job's typed error.
+    of sampled result frames. Raises the job's typed error. (The ``fuse-video`` flow,
+    ``flows/video.py``, runs the same steps as Prefect tasks.)
 
     ``chunk_dir`` keeps rendered chunks under names made from their content (``chunk_name``):
     a second call for the same video, sources, plan and options renders only the chunks
@@ -332,64 +429,28 @@ def fuse_video(
     timings: dict[str, float] = {}
     clock = _Clock(timings)
     with clock("probe"):
-        info = probe_video(video, limits)
-        pts = frame_timestamps(video)
-        images = [pipeline.decode_stage(data, ctx) for data in sources]
-    samples = evenly(len(pts), MODERATION_SAMPLES)
-    with clock("moderate_inputs"):
-        frames = {
-            f"frame {i}": image
-            for i, image in zip(samples, read_indices(video, samples, pts), strict=True)
-        }
-        verdicts = pipeline.moderate_inputs_stage({"source": images[0], **frames}, ctx)
-        flags = pipeline.flagged_summaries(verdicts)
+        probed = probe_and_moderate(sources, video, ctx, limits)
+    info, pts = probed.info, probed.pts
     with clock("analyse"):
-        found = sources_of(images, options, ctx)
-        analysis = analyse(
-            (f.image for f in read_frames(video, 0, len(pts), timestamps=pts)),
-            options,
-            ctx,
-            Analysis(),
-        )
-    with clock("plan"):
-        cuts = scene_cuts(analysis.signatures)
-        seconds = [(p - info.first_pts) * float(info.time_base) for p in pts]
-        chunks = plan_chunks(seconds, cuts, target_s=chunk_s)
-        plan = plan_faces(analysis.faces, cuts, options.face)
+        planned = analyse_and_plan(video, probed, options, ctx, chunk_s)
+    plan = planned.plan
     runner = FrameRunner(ctx)
-    swapped_in: dict[int, list[int]] = {}
-    for index, swaps in enumerate(plan.frames):
-        for swap in swaps:
-            swapped_in.setdefault(swap.track, []).append(index)
-    wanted = {i: track for track, seen in swapped_in.items() for i in sample_frames(seen)}
-    checks: dict[int, list[tuple[RGBImage, Face, int]]] = {}
-    result_samples: dict[int, RGBImage] = {}
-    moderated = set(samples)
-
-    def keep(index: int, image: RGBImage) -> None:
-        if index in moderated:
-            result_samples[index] = image
-        for swap in plan.frames[index]:
-            if wanted.get(index) == swap.track:
-                checks.setdefault(swap.track, []).append((image, swap.face, swap.source))
-
+    samples = Samples(plan, probed.samples)
     video_digest = file_digest(video)
     rendered = 0
     with tempfile.TemporaryDirectory(dir=workdir) as tmp, clock("render"):
         keep_dir = chunk_dir or Path(tmp)
         keep_dir.mkdir(parents=True, exist_ok=True)
         segments = []
-        for c in chunks:
+        for c in planned.chunks:
             segment = keep_dir / chunk_name(video_digest, c, plan, sources, options)
             if segment.exists():  # rendered by an earlier attempt: only its samples are read
-                if (moderated | set(wanted)) & set(range(c.start, c.stop)):
-                    for f in read_frames(segment, 0, c.frames):
-                        keep(c.start + f.index, f.image)
+                samples.read_from(segment, c)
             else:
                 partial = Path(tmp) / f"{segment.name}.partial"
                 render_chunk(
-                    video, partial, c, info=info, pts=pts, plan=plan, sources=found,
-                    options=options, ctx=ctx, runner=runner, keep=keep,
+                    video, partial, c, info=info, pts=pts, plan=plan, sources=planned.sources,
+                    options=options, ctx=ctx, runner=runner, keep=samples.keep,
                 )  # fmt: skip
                 partial.replace(segment)  # whole chunks only: a killed render leaves none
                 rendered += 1
@@ -397,22 +458,18 @@ def fuse_video(
         with clock("join"):
             joined = join_segments(segments, video, out, source_info=info)
     with clock("moderate_result"):
-        named = {f"result frame {i}": image for i, image in sorted(result_samples.items())}
-        verdicts = pipeline.moderate_results(named, ctx)
-        flags += pipeline.flagged_summaries(verdicts)
-    with clock("quality"):
-        similarities = identity_similarities(checks, found, ctx)
+        flags, similarities = samples.moderate_and_check(planned.sources, ctx)
     return VideoResult(
         path=out,
         info=joined,
-        chunks=len(chunks),
+        chunks=len(planned.chunks),
         chunks_rendered=rendered,
-        cuts=cuts,
+        cuts=planned.cuts,
         tracks=track_reports(plan, similarities),
         switches=plan.switches,
         swapped=[[swap.face.box for swap in swaps] for swaps in plan.frames],
         frame_failures=dict(runner.failures),
-        moderation_flags=flags,
+        moderation_flags=probed.flags + flags,
         timings_ms=timings,
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -9,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -129,3 +131,24 @@ def probe_overlap(monkeypatch: pytest.MonkeyPatch, timeout_s: float = 5.0) -> Ov
         monkeypatch.setattr(pipeline, other, companion(other, getattr(pipeline, other)))
         monkeypatch.setattr(pipeline, stage, waiting(stage, getattr(pipeline, stage)))
     return overlap
+
+
+def check_file_transfer(block_name: str, tmp_path: Path) -> None:
+    """``put_from`` / ``is_stored`` / ``fetch_to`` on the storage block ``block_name``:
+    a 3 MiB file goes in and comes back byte for byte; a missing key reads as missing."""
+    from blocks.storage import fetch_to, is_stored, load_storage, put_from
+    from tasks.errors import InvalidInput
+
+    store = load_storage(block_name)
+    data = os.urandom(3 << 20)
+    source = tmp_path / "in.bin"
+    source.write_bytes(data)
+    key = f"video-chunks/test-{uuid.uuid4().hex}.mp4"
+    assert not is_stored(store, key)
+    put_from(store, key, source)
+    assert is_stored(store, key)
+    assert not is_stored(store, key[:-4])  # a prefix of a stored key is not stored
+    back = fetch_to(store, key, tmp_path / "deep" / "out.bin")
+    assert back.read_bytes() == data
+    with pytest.raises(InvalidInput):
+        fetch_to(store, f"{key}.missing", tmp_path / "missing.bin")

@@ -4,6 +4,7 @@ the per-process block cache."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ from flows.params import DEFAULT_SETTINGS_BLOCK, DEFAULT_STORAGE_BLOCK
 from tasks.errors import InvalidInput
 from tasks.options import FusionOptions
 from tests.orchestration.conftest import Home, PrefectServer
-from tests.orchestration.helpers import prefect_cli
+from tests.orchestration.helpers import check_file_transfer, prefect_cli
 
 
 def test_every_field_is_described_in_a_sentence() -> None:
@@ -82,6 +83,11 @@ def test_default_blocks_and_local_storage(prefect_harness: Home) -> None:
     assert uri == (prefect_harness.storage.resolve() / "results/x/attempt-1.png").as_uri()
     with pytest.raises(InvalidInput):
         read_bytes(DEFAULT_STORAGE_BLOCK, "inputs/zz/none.jpg")
+
+
+def test_local_storage_moves_files_by_path(prefect_harness: Home, tmp_path: Path) -> None:
+    check_file_transfer(DEFAULT_STORAGE_BLOCK, tmp_path)
+    assert not list(prefect_harness.storage.rglob("*.partial"))  # renamed when whole
 
 
 def test_a_changed_block_is_used_once_the_cache_ttl_passed(

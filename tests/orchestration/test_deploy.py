@@ -20,6 +20,8 @@ from flows.params import (
     BATCH_FLOW_NAME,
     DEPLOYMENT_NAME,
     FLOW_NAME,
+    VIDEO_DEPLOYMENT_NAME,
+    VIDEO_FLOW_NAME,
     FuseBatchParams,
     FuseFacesParams,
     JobAttempt,
@@ -62,6 +64,7 @@ def deployed(prefect_server: PrefectServer) -> dict[str, dict[str, Any]]:
         for name in (
             f"{FLOW_NAME}/{DEPLOYMENT_NAME}",
             f"{BATCH_FLOW_NAME}/{BATCH_DEPLOYMENT_NAME}",
+            f"{VIDEO_FLOW_NAME}/{VIDEO_DEPLOYMENT_NAME}",
             "reconcile/reconcile",
             "retention/retention",
         )
@@ -99,6 +102,10 @@ def test_deploy_all_creates_the_deployments(deployed: dict[str, dict[str, Any]])
     assert reconcile["global_concurrency_limit"]["limit"] == 1
     assert reconcile["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
     assert fuse["schedules"] == []
+    video = deployed[f"{VIDEO_FLOW_NAME}/{VIDEO_DEPLOYMENT_NAME}"]
+    assert video["entrypoint"] == "flows/video.py:fuse_video_flow"
+    assert (video["work_pool_name"], video["work_queue_name"]) == ("gpu", "video")
+    assert video["parameters"] == fuse["parameters"]
 
 
 def test_the_batch_deployment_takes_what_the_relay_sends(

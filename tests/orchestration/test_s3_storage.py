@@ -19,7 +19,7 @@ from flows.fuse import fuse_faces
 from flows.params import ResultRef, input_key, result_meta_key
 from tasks.errors import InvalidInput
 from tests.orchestration.conftest import BIN, Home, free_port
-from tests.orchestration.helpers import job_params
+from tests.orchestration.helpers import check_file_transfer, job_params
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 
 BUCKET = "faceflow-test"
@@ -80,6 +80,10 @@ def test_s3_bytes_round_trip(moto: str, s3_block: str) -> None:
     assert location == f"s3://{BUCKET}/{FOLDER}/results/j/attempt-1.png"
     with pytest.raises(InvalidInput):
         read_bytes(s3_block, "inputs/00/missing.jpg")
+
+
+def test_s3_moves_files_by_path(moto: str, s3_block: str, tmp_path: Path) -> None:
+    check_file_transfer(s3_block, tmp_path)
 
 
 def test_flow_reads_inputs_and_writes_results_on_s3(moto: str, s3_block: str) -> None:

@@ -1,0 +1,297 @@
+"""The ``fuse-video`` flow (v1, in one process): one video job attempt as Prefect tasks.
+
+probe + moderation of sampled input frames → analysis + plan → one ``render-chunk-<i>``
+task run per chunk → join (audio muxed) → moderation of sampled result frames + report →
+store. Each step is a task under ``flows.deadline.StageGuard`` with the job's one deadline
+(``VIDEO_STAGES``: budgets per step, a chunk's budget per chunk). The steps are
+``tasks.video``'s, the ones its in-process ``fuse_video`` runs.
+
+Videos never pass through memory whole: the input is copied from the storage block to a
+temporary directory (``blocks.storage.fetch_to``), chunks and the result go back file by
+file (``put_from``). A rendered chunk is stored under ``video-chunks/<chunk_name>`` (a name
+made from the video, chunk, face plan, sources and options): a chunk found there is not
+rendered again, so a re-dispatched attempt renders only the missing chunks.
+
+Contract as ``fuse-faces``: the result under ``result_key(job, attempt, "mp4")`` and its
+``VideoResultRef`` sidecar last; the run returns the ref dict, or on failure writes the
+``JobFailure`` record and ends ``Failed`` with ``"[code] message"``.
+
+Not yet: chunks as child flow runs over the GPU pool, progress, cancel (issue 27).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+from prefect import Task, flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Failed, State
+
+from blocks.settings import StagePolicy, load_settings
+from blocks.storage import (
+    ByteStore,
+    fetch_to,
+    is_stored,
+    load_storage,
+    put_from,
+    read_from,
+    write_to,
+)
+from flows.deadline import Deadline, StageGuard
+from flows.fuse import _tag_flow_run, failed
+from flows.params import (
+    DEFAULT_SETTINGS_BLOCK,
+    DEFAULT_STORAGE_BLOCK,
+    VIDEO_FLOW_NAME,
+    JobFailure,
+    VideoResultRef,
+    result_error_key,
+    result_key,
+    result_meta_key,
+    video_chunk_key,
+)
+from flows.run import pipeline_context
+from tasks.errors import DeadlineExceeded, FaceFlowError
+from tasks.options import FusionOptions
+from tasks.pipeline import PipelineContext
+from tasks.video import (
+    FrameRunner,
+    Planned,
+    Probed,
+    Samples,
+    analyse_and_plan,
+    chunk_name,
+    file_digest,
+    join_segments,
+    probe_and_moderate,
+    render_chunk,
+    track_reports,
+)
+from tasks.video_io import VideoInfo
+from tasks.video_plan import Chunk
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Time budget, expected cost and retries of one video step."""
+
+    budget_s: float
+    expected_s: float
+    retries: int
+
+
+VIDEO_STAGES: dict[str, Budget] = {
+    "probe": Budget(budget_s=120.0, expected_s=1.0, retries=2),
+    "analyse": Budget(budget_s=1800.0, expected_s=10.0, retries=1),
+    "render_chunk": Budget(budget_s=600.0, expected_s=5.0, retries=2),  # per chunk
+    "join": Budget(budget_s=300.0, expected_s=2.0, retries=2),
+    "report": Budget(budget_s=300.0, expected_s=2.0, retries=1),
+    "store": Budget(budget_s=300.0, expected_s=1.0, retries=2),
+}
+"""Defaults of the video steps (seconds). A chunk of ~10 s renders in ~5-60 s on CPU."""
+
+RETRY_DELAY_S = 1.0
+CHUNK_S = 10.0
+"""Default chunk length (seconds); moved to a scene cut within a quarter of it."""
+
+_TASK = {"persist_result": False, "cache_policy": NO_CACHE}
+
+
+@dataclass
+class VideoJob:
+    """One attempt's state between its steps (in this process)."""
+
+    store: ByteStore
+    workdir: Path
+    video: Path
+    sources: list[bytes]
+    options: FusionOptions
+    ctx: PipelineContext
+    chunk_s: float
+    probed: Probed | None = None
+    planned: Planned | None = None
+    samples: Samples | None = None
+    digest: str = ""
+
+
+@task(name="probe", task_run_name="probe", **_TASK)  # type: ignore[call-overload]
+def probe_task(job: VideoJob, target_key: str) -> Probed:
+    """Copy the video from storage, probe it and moderate sampled frames."""
+    fetch_to(job.store, target_key, job.video)
+    job.digest = file_digest(job.video)
+    return probe_and_moderate(job.sources, job.video, job.ctx)
+
+
+@task(name="analyse", task_run_name="analyse", **_TASK)  # type: ignore[call-overload]
+def analyse_task(job: VideoJob) -> Planned:
+    """Analyse every frame and plan the chunks and faces."""
+    assert job.probed is not None
+    return analyse_and_plan(job.video, job.probed, job.options, job.ctx, job.chunk_s)
+
+
+@task(name="render_chunk", task_run_name="render_chunk", **_TASK)  # type: ignore[call-overload]
+def render_chunk_task(job: VideoJob, chunk: Chunk, runner: FrameRunner) -> tuple[Path, bool]:
+    """The chunk's segment, local: from storage when an earlier attempt stored it (only
+    its samples are read), else rendered and stored. Whether it was rendered."""
+    assert job.probed is not None and job.planned is not None and job.samples is not None
+    plan = job.planned.plan
+    name = chunk_name(job.digest, chunk, plan, job.sources, job.options)
+    key, segment = video_chunk_key(name), job.workdir / "chunks" / name
+    segment.parent.mkdir(parents=True, exist_ok=True)
+    if is_stored(job.store, key):
+        fetch_to(job.store, key, segment)
+        job.samples.read_from(segment, chunk)
+        return segment, False
+    partial = segment.with_name(f"{name}.partial")
+    render_chunk(
+        job.video, partial, chunk, info=job.probed.info, pts=job.probed.pts, plan=plan,
+        sources=job.planned.sources, options=job.options, ctx=job.ctx, runner=runner,
+        keep=job.samples.keep,
+    )  # fmt: skip
+    partial.replace(segment)
+    put_from(job.store, key, segment)
+    return segment, True
+
+
+@task(name="join", task_run_name="join", **_TASK)  # type: ignore[call-overload]
+def join_task(job: VideoJob, segments: list[Path]) -> VideoInfo:
+    """Concatenate the segments and mux the input's audio into the result file."""
+    assert job.probed is not None
+    return join_segments(
+        segments, job.video, job.workdir / "result.mp4", source_info=job.probed.info
+    )
+
+
+@task(name="report", task_run_name="report", **_TASK)  # type: ignore[call-overload]
+def report_task(job: VideoJob) -> tuple[list[str], dict[int, list[float]]]:
+    """Moderation of the sampled result frames and each track's identity similarities."""
+    assert job.planned is not None and job.samples is not None
+    return job.samples.moderate_and_check(job.planned.sources, job.ctx)
+
+
+@task(name="store", task_run_name="store", **_TASK)  # type: ignore[call-overload]
+def store_task(job: VideoJob, ref: VideoResultRef, meta_key: str) -> None:
+    """The result file, then its sidecar (last: its presence means the video is whole)."""
+    put_from(job.store, ref.key, job.workdir / "result.mp4")
+    write_to(job.store, meta_key, ref.model_dump_json().encode())
+
+
+def guarded(stage: str, deadline: Deadline) -> StageGuard:
+    """The guard of video step ``stage`` under the job's deadline."""
+    b = VIDEO_STAGES[stage]
+    policy = StagePolicy(
+        stage=cast(Any, stage),
+        budget_s=b.budget_s,
+        expected_s=b.expected_s,
+        retries=b.retries,
+        retry_delay_s=RETRY_DELAY_S,
+    )
+    return StageGuard(deadline, policy)
+
+
+@flow(
+    name=VIDEO_FLOW_NAME,
+    flow_run_name="{job_id}",
+    persist_result=False,
+    retries=0,
+    validate_parameters=True,
+    log_prints=False,
+)
+def fuse_video_flow(
+    job_id: str,
+    owner_id: str,
+    source_key: str,
+    target_key: str,
+    deadline_at: datetime,
+    options: FusionOptions | None = None,
+    attempt: int = 1,
+    extra_source_keys: list[str] | None = None,
+    storage_block: str = DEFAULT_STORAGE_BLOCK,
+    settings_block: str = DEFAULT_SETTINGS_BLOCK,
+    chunk_s: float = CHUNK_S,
+) -> dict[str, Any] | State[Any]:
+    """Fuse the source face into every frame of the target video for one job attempt.
+
+    Returns ``VideoResultRef.model_dump(mode="json")``; on failure the run ends ``Failed``
+    with ``"[code] message"`` and the attempt's ``JobFailure`` is in storage."""
+    logger = get_run_logger()
+    deadline = Deadline.of(deadline_at)
+    if deadline.passed():
+        late = DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
+        logger.error("%s", late)
+        return Failed(message=str(late), data=late)
+    stage = "load"
+    store: ByteStore | None = None
+    try:
+        _tag_flow_run(job_id, owner_id)
+        settings = load_settings(settings_block)
+        store = load_storage(storage_block)
+        ctx = pipeline_context(settings)
+        chosen = settings.apply_defaults(options or FusionOptions.model_validate({}))
+        sources = [read_from(store, k) for k in [source_key, *(extra_source_keys or [])]]
+        with tempfile.TemporaryDirectory(prefix="fuse-video-") as tmp:
+            workdir = Path(tmp)
+            job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_s)
+
+            def step(name: str, fn: Task[..., R], *args: Any) -> R:
+                nonlocal stage
+                stage = name
+                return guarded(name, deadline).run(fn, *args)
+
+            job.probed = step("probe", probe_task, job, target_key)
+            job.planned = step("analyse", analyse_task, job)
+            job.samples = Samples(job.planned.plan, job.probed.samples)
+            runner = FrameRunner(ctx)
+            segments, rendered = [], 0
+            for chunk in job.planned.chunks:
+                render = render_chunk_task.with_options(
+                    task_run_name=f"render-chunk-{chunk.index:04d}"
+                )
+                segment, did = step("render_chunk", render, job, chunk, runner)
+                segments.append(segment)
+                rendered += int(did)
+            info = step("join", join_task, job, segments)
+            flags, similarities = step("report", report_task, job)
+            plan = job.planned.plan
+            ref = VideoResultRef(
+                key=result_key(job_id, attempt, "mp4"),
+                content_type="video/mp4",
+                width=info.width,
+                height=info.height,
+                faces_replaced=sum(len(swaps) for swaps in plan.frames),
+                device=ctx.device,
+                moderation=job.probed.flags + flags,
+                frames=info.frame_count,
+                duration_s=float(info.duration_s),
+                chunks=len(job.planned.chunks),
+                chunks_rendered=rendered,
+                cuts=job.planned.cuts,
+                switches=plan.switches,
+                tracks=[asdict(t) for t in track_reports(plan, similarities)],
+                frame_failures=dict(runner.failures),
+            )
+            step("store", store_task, job, ref, result_meta_key(job_id, attempt))
+    except Exception as exc:
+        if isinstance(exc, FaceFlowError) and store is not None:
+            _write_failure(store, job_id, attempt, exc, stage)
+        return failed(exc, f"Video job {job_id} attempt {attempt}")
+    logger.info("Video job %s: %d chunk(s), %d rendered", job_id, ref.chunks, ref.chunks_rendered)
+    return ref.model_dump(mode="json")
+
+
+def _write_failure(
+    store: ByteStore, job_id: str, attempt: int, error: FaceFlowError, stage: str
+) -> None:
+    record = JobFailure(
+        code=error.code, message=error.public_message, retryable=not error.permanent, stage=stage
+    )
+    try:
+        write_to(store, result_error_key(job_id, attempt), record.model_dump_json().encode())
+    except FaceFlowError as exc:  # the relay then finds no outcome: result_missing
+        get_run_logger().error("Job %s: outcome not stored: %s", job_id, exc)

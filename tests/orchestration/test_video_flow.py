@@ -1,0 +1,124 @@
+"""The fuse-video flow in-process under a real (test-harness) Prefect server: the story clip
+(90 frames, 480x360, three scenes) with grace_hopper as the source, in 2-s chunks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blocks.storage import fetch_to, load_storage
+from flows.params import (
+    DEFAULT_STORAGE_BLOCK,
+    FuseFacesParams,
+    JobFailure,
+    VideoResultRef,
+    result_error_key,
+    result_key,
+    result_meta_key,
+)
+from flows.video import fuse_video_flow
+from tasks.video_io import frame_timestamps, probe_video
+from tests import samples
+from tests.orchestration.conftest import Home
+from tests.orchestration.helpers import job_params, task_runs
+from tests.videos import Videos
+
+CHUNKS = 3  # the story clip in 2-s chunks, moved to its cuts (tests/test_video_job.py)
+
+
+@dataclass
+class Run:
+    """A completed fuse-video run: its parameters, returned ref and task runs by name."""
+
+    params: dict[str, Any]
+    ref: VideoResultRef
+    task_runs: dict[str, Any]
+
+
+def run_video(params: dict[str, Any]) -> Run:
+    state = fuse_video_flow(**params, chunk_s=2.0, return_state=True)
+    assert state.is_completed(), state.message
+    ref = VideoResultRef.model_validate(state.result())
+    return Run(params, ref, task_runs(state.state_details.flow_run_id))
+
+
+def render_runs(run: Run) -> list[str]:
+    return sorted(name for name in run.task_runs if name.startswith("render-chunk-"))
+
+
+@pytest.fixture(scope="module")
+def first(prefect_harness: Home, videos: Videos) -> Run:
+    params = job_params(
+        prefect_harness.put_input(samples.grace_hopper_jpeg_bytes()),
+        prefect_harness.put_input(videos.story.read_bytes(), "mp4"),
+        seconds=900.0,
+    )
+    FuseFacesParams.model_validate(params)  # the photo flow's contract, a video target
+    return run_video(params)
+
+
+def chunk_files(home: Home) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in (home.storage / "video-chunks").glob("*.mp4")}
+
+
+def test_a_video_is_fused_with_one_task_run_per_chunk(
+    first: Run, prefect_harness: Home, videos: Videos, tmp_path: Path
+) -> None:
+    ref, job_id = first.ref, first.params["job_id"]
+    assert ref.key == result_key(job_id, 1, "mp4") and ref.content_type == "video/mp4"
+    assert ref.chunks == ref.chunks_rendered == CHUNKS
+    assert render_runs(first) == [f"render-chunk-{i:04d}" for i in range(CHUNKS)]
+    assert all(first.task_runs[n].state_type == "COMPLETED" for n in render_runs(first))
+    assert {"probe", "analyse", "join", "report", "store"} <= set(first.task_runs)
+
+    result = fetch_to(load_storage(DEFAULT_STORAGE_BLOCK), ref.key, tmp_path / "result.mp4")
+    source = probe_video(videos.story)
+    assert probe_video(result).frame_count == source.frame_count == ref.frames
+    assert frame_timestamps(result) == frame_timestamps(videos.story)
+    assert (ref.width, ref.height) == (source.width, source.height)
+    assert ref.faces_replaced > 0 and ref.tracks and ref.frame_failures == {}
+    sidecar = (prefect_harness.storage / result_meta_key(job_id, 1)).read_text()
+    assert VideoResultRef.model_validate_json(sidecar) == ref
+    assert len(chunk_files(prefect_harness)) == CHUNKS
+
+
+def test_a_second_attempt_renders_only_the_missing_chunk(
+    first: Run, prefect_harness: Home, videos: Videos, tmp_path: Path
+) -> None:
+    before = chunk_files(prefect_harness)
+    lost = sorted(before)[1]
+    (prefect_harness.storage / "video-chunks" / lost).unlink()
+    again = run_video({**first.params, "attempt": 2})
+
+    assert again.ref.chunks == CHUNKS and again.ref.chunks_rendered == 1
+    assert len(render_runs(again)) == CHUNKS  # every chunk is a task run; one did work
+    after = chunk_files(prefect_harness)
+    assert set(after) == set(before)  # same content keys: same plan, same names
+    assert {n for n in after if after[n] != before[n]} == {lost}  # only it was written
+    result = fetch_to(load_storage(DEFAULT_STORAGE_BLOCK), again.ref.key, tmp_path / "r.mp4")
+    assert again.ref.key.endswith("attempt-2.mp4")
+    assert frame_timestamps(result) == frame_timestamps(videos.story)
+
+
+def test_too_little_time_fails_deadline_exceeded_without_a_result(
+    prefect_harness: Home, videos: Videos
+) -> None:
+    params = job_params(
+        prefect_harness.put_input(samples.grace_hopper_jpeg_bytes()),
+        prefect_harness.put_input(videos.story.read_bytes(), "mp4"),
+        seconds=10.0,  # below what probe + analysis (expected 10 s) need
+    )
+    state = fuse_video_flow(**params, chunk_s=2.0, return_state=True)
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[deadline_exceeded]")
+    job_id = params["job_id"]
+    failure = JobFailure.model_validate(
+        json.loads((prefect_harness.storage / result_error_key(job_id, 1)).read_text())
+    )
+    assert failure.code == "deadline_exceeded" and not failure.retryable
+    assert not (prefect_harness.storage / result_key(job_id, 1, "mp4")).exists()
+    assert not (prefect_harness.storage / result_meta_key(job_id, 1)).exists()
