@@ -40,7 +40,7 @@ from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.options import FusionOptions
 
 
-def _tag_flow_run(job_id: str, owner_id: str) -> None:
+def tag_flow_run(job_id: str, owner_id: str) -> None:
     """Add job and owner tags to this flow run unless it has them already.
 
     The relay creates every run with these tags (``flows.params.run_tags``), so a
@@ -124,7 +124,7 @@ def fuse_faces(
         attempt=attempt,
     )
     try:
-        _tag_flow_run(job_id, owner_id)
+        tag_flow_run(job_id, owner_id)
         (job,) = run_jobs(
             [spec],
             storage_block=storage_block,

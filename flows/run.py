@@ -244,24 +244,25 @@ class FlowRunner:
         the run does not re-dispatch it)."""
         job = self._job(work)
         job.outcome, job.stage = error.code, stage.name
-        job.failure = JobFailure(
-            code=error.code,
-            message=error.public_message,
-            retryable=not error.permanent,
-            stage=stage.name,
+        job.failure = write_failure(
+            self.store, job.spec.job_id, job.spec.attempt, error, stage.name
         )
-        get_run_logger().warning(
-            "Job %s attempt %d failed at %s: %s",
-            job.spec.job_id,
-            job.spec.attempt,
-            stage.name,
-            error,
-        )
-        try:
-            key = result_error_key(job.spec.job_id, job.spec.attempt)
-            write_to(self.store, key, job.failure.model_dump_json().encode())
-        except FaceFlowError as exc:  # the relay then finds no outcome: result_missing
-            get_run_logger().error("Job %s: outcome not stored: %s", job.spec.job_id, exc)
+
+
+def write_failure(
+    store: ByteStore, job_id: str, attempt: int, error: FaceFlowError, stage: str
+) -> JobFailure:
+    """Log a job attempt's failure at ``stage`` and write its ``JobFailure`` record (the
+    relay reads it; if it cannot be written the relay finds no outcome: result_missing)."""
+    failure = JobFailure(
+        code=error.code, message=error.public_message, retryable=not error.permanent, stage=stage
+    )
+    get_run_logger().warning("Job %s attempt %d failed at %s: %s", job_id, attempt, stage, error)
+    try:
+        write_to(store, result_error_key(job_id, attempt), failure.model_dump_json().encode())
+    except FaceFlowError as exc:
+        get_run_logger().error("Job %s: outcome not stored: %s", job_id, exc)
+    return failure
 
 
 def run_jobs(

@@ -42,19 +42,17 @@ from blocks.storage import (
     write_to,
 )
 from flows.deadline import Deadline, StageGuard
-from flows.fuse import _tag_flow_run, failed
+from flows.fuse import failed, tag_flow_run
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     VIDEO_FLOW_NAME,
-    JobFailure,
     VideoResultRef,
-    result_error_key,
     result_key,
     result_meta_key,
     video_chunk_key,
 )
-from flows.run import pipeline_context
+from flows.run import pipeline_context, write_failure
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
@@ -229,7 +227,7 @@ def fuse_video_flow(
     stage = "load"
     store: ByteStore | None = None
     try:
-        _tag_flow_run(job_id, owner_id)
+        tag_flow_run(job_id, owner_id)
         settings = load_settings(settings_block)
         store = load_storage(storage_block)
         ctx = pipeline_context(settings)
@@ -279,19 +277,7 @@ def fuse_video_flow(
             step("store", store_task, job, ref, result_meta_key(job_id, attempt))
     except Exception as exc:
         if isinstance(exc, FaceFlowError) and store is not None:
-            _write_failure(store, job_id, attempt, exc, stage)
+            write_failure(store, job_id, attempt, exc, stage)
         return failed(exc, f"Video job {job_id} attempt {attempt}")
     logger.info("Video job %s: %d chunk(s), %d rendered", job_id, ref.chunks, ref.chunks_rendered)
     return ref.model_dump(mode="json")
-
-
-def _write_failure(
-    store: ByteStore, job_id: str, attempt: int, error: FaceFlowError, stage: str
-) -> None:
-    record = JobFailure(
-        code=error.code, message=error.public_message, retryable=not error.permanent, stage=stage
-    )
-    try:
-        write_to(store, result_error_key(job_id, attempt), record.model_dump_json().encode())
-    except FaceFlowError as exc:  # the relay then finds no outcome: result_missing
-        get_run_logger().error("Job %s: outcome not stored: %s", job_id, exc)
