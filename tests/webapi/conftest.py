@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
-from tests.webapi.relay_harness import PrefectServer, deploy_stand_ins
+from tests.webapi.relay_harness import PrefectServer, stand_in_server
 from webapi import crud
 from webapi.config import Settings
 from webapi.db import dispose_engines, get_engine
@@ -187,25 +187,5 @@ def s3_endpoint() -> Iterator[str]:
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     """A real Prefect server with the stand-in deployments; this process's Prefect client
     settings point at it while the session lasts."""
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_HOME,
-        PREFECT_LOGGING_TO_API_ENABLED,
-        temporary_settings,
-    )
-
-    home = tmp_path_factory.mktemp("prefect-home")
-    server = PrefectServer(home)
-    server.start()
-    try:
-        with temporary_settings(
-            updates={
-                PREFECT_API_URL: server.api_url,
-                PREFECT_HOME: home / "client",
-                PREFECT_LOGGING_TO_API_ENABLED: False,
-            }
-        ):
-            deploy_stand_ins()
-            yield server
-    finally:
-        server.stop()
+    with stand_in_server(tmp_path_factory.mktemp("prefect-home")) as server:
+        yield server

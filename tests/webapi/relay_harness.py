@@ -147,6 +147,33 @@ class PrefectServer:
         return dict(response.json())
 
 
+@contextmanager
+def stand_in_server(home: Path) -> Iterator[PrefectServer]:
+    """A started ``PrefectServer`` with the stand-in deployments; this process's Prefect
+    client settings point at it until exit, when it is stopped."""
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_LOGGING_TO_API_ENABLED,
+        temporary_settings,
+    )
+
+    server = PrefectServer(home)
+    server.start()
+    try:
+        with temporary_settings(
+            updates={
+                PREFECT_API_URL: server.api_url,
+                PREFECT_HOME: home / "client",
+                PREFECT_LOGGING_TO_API_ENABLED: False,
+            }
+        ):
+            deploy_stand_ins()
+            yield server
+    finally:
+        server.stop()
+
+
 # --------------------------------------------------------------------------- stand-in flow
 
 
@@ -378,14 +405,15 @@ class Tarpit:
     """A hostile image server on 127.0.0.1: it answers every GET slowly, one byte every
     ``interval_s`` — in the response head (``mode="head"``: headers that never end) or in
     the body of a 200 whose Content-Length (9000) would take hours (``mode="body"``) — until the client
-    goes away. It records how many connections it has open at once (``peak``) and in all
-    (``connections``)."""
+    goes away. It records how many connections it has open now (``open``), at once at
+    most (``peak``) and in all (``connections``), and the paths asked (``paths``)."""
 
     def __init__(self, *, mode: str = "body", interval_s: float = 1.0) -> None:
         self.mode, self.interval_s = mode, interval_s
         self.connections = 0
         self.open = 0
         self.peak = 0
+        self.paths: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -417,7 +445,9 @@ class Tarpit:
             self.peak = max(self.peak, self.open)
         try:
             conn.settimeout(5)
-            conn.recv(65536)  # the request (one small GET)
+            request = conn.recv(65536)  # one small GET
+            with self._lock:
+                self.paths.append(request.split(b" ")[1].decode() if b" " in request else "")
             head = b"HTTP/1.1 200 OK\r\ncontent-type: image/png\r\n"
             if self.mode == "body":
                 head += b"content-length: 9000\r\n\r\n"
@@ -452,6 +482,18 @@ def tarpit(*, mode: str = "body", interval_s: float = 1.0) -> Iterator[Tarpit]:
         yield instance
     finally:
         instance.close()
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 0.05) -> float:
+    """Poll until ``check()``; returns the seconds waited (fails the test on timeout)."""
+    import pytest
+
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"condition not met within {timeout_s} s")
+        time.sleep(step_s)
+    return time.monotonic() - started
 
 
 # --------------------------------------------------------------------------- jobs
