@@ -3,10 +3,10 @@
 Dispatch leases only rows whose job has its inputs in storage (``INPUTS_STORED``): inputs
 given as URLs are fetched, validated and stored before, off this pass, by the fetch lane
 (``webapi.relay.fetch_lane``), so a slow input server never delays a dispatch. For each
-leased row the flow run is created with idempotency key ``job-<id>-attempt-<n>`` (a repeat returns the
-same run), and its id is written to the job — still ``queued`` until the run starts —
-together with closing the row, in one transaction conditional on the job being queued
-with no run. While Prefect is unreachable the job stays queued: the first failed call
+leased row the flow run is created with idempotency key ``job-<id>-attempt-<n>`` (a
+repeat returns the same run), and its id is written to the job — still ``queued`` until
+the run starts — together with closing the row, in one transaction conditional on the
+job being queued with no run. While Prefect is unreachable the job stays queued: the first failed call
 defers the row (exponential backoff, jitter, capped) and the rest of the claimed batch
 untried, and dispatch pauses until Prefect's health check answers, which makes the deferred
 rows due at once (``webapi.relay.outage``). A permanent refusal fails the job with
