@@ -34,7 +34,7 @@ from tests.webapi.utils import make_user, outbox_of, source_jpeg
 from webapi import crud
 from webapi.config import Settings
 from webapi.models import JobStatus
-from webapi.relay import dispatch
+from webapi.relay import dispatch, fetch_lane
 from webapi.relay.context import Relay
 from webapi.relay.fetch_lane import FetchLane
 from webapi.relay.runner import RelayRunner, build_relay
@@ -238,3 +238,18 @@ def test_dispatch_never_takes_a_job_whose_input_is_not_fetched(
         assert dispatch.run_once(relay) == 0
         assert time.monotonic() - started < 0.5 and slow.connections == 0
     assert job(relay.engine, job_id).flow_run_id is None
+
+
+def test_one_pass_finishes_every_fetch_it_started(relay: Relay, engine: Engine) -> None:
+    """``reconcile``'s pass waits for its fetches: none is cut because the pass is ending
+    (a fetch thread that had not yet started its deadline when the pass closed the lane
+    used to be cut, its job left queued)."""
+    photo = source_jpeg()
+    owners = [make_user(engine, relay.settings, quota=10) for _ in range(4)]
+    with receiver() as good:
+        good.files["/photo.jpg"] = (200, {"content-type": "image/jpeg"}, photo)
+        jobs = [url_job(relay, owner, f"{good.url}/photo.jpg") for owner in owners]
+        assert fetch_lane.run_once(relay) == 4
+    stored = [job(relay.engine, j) for j in jobs]
+    assert all(s.source_key is not None for s in stored), [s.source_key for s in stored]
+    assert dispatch.run_once(relay) == 4

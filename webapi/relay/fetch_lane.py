@@ -82,7 +82,8 @@ class FetchLane:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="faceflow-fetch")
         self._lock = threading.Lock()
         self._running: dict[uuid.UUID, Deadline | None] = {}  # job id → its fetch's deadline
-        self._stopping = False
+        self._stopping = False  # no more rows are taken
+        self._cutting = False  # fetches in flight, and those about to start, are cut
 
     def in_flight(self) -> int:
         """How many fetches this lane runs now."""
@@ -112,6 +113,7 @@ class FetchLane:
         ``cut`` (their rows are handed back untried)."""
         with self._lock:
             self._stopping = True
+            self._cutting = cut
             deadlines = [d for d in self._running.values() if d is not None] if cut else []
         for deadline in deadlines:
             deadline.cut("the relay is stopping")
@@ -131,8 +133,8 @@ class FetchLane:
     def _track(self, job_id: uuid.UUID, deadline: Deadline) -> None:
         with self._lock:
             self._running[job_id] = deadline
-            stopping = self._stopping
-        if stopping:
+            cutting = self._cutting
+        if cutting:
             deadline.cut("the relay is stopping")
 
     def _cut_unwanted(self, relay: Relay) -> None:
