@@ -1,9 +1,12 @@
-"""The ``reconcile`` flow: one pass of the webapi relay (dispatch, sync, expire, reap, notify).
+"""The ``reconcile`` flow: one pass of the webapi relay (fetch, dispatch, sync, expire, reap,
+notify).
 
 Scheduled every minute in prefect.yaml as a safety net beside the relay loops that run in
 the webapi; an operator can also run it from the UI. It reads the webapi's settings from
 the ``FACEFLOW_*`` environment of the worker that runs it. Every relay step takes leases,
-so a run overlapping a webapi replica's loops is safe.
+so a run overlapping a webapi replica's loops is safe; its input fetches keep the fetch
+lane's limits (per-user bound over every replica, each within ``fetch_deadline_seconds``,
+at most 40 s: well inside the flow's timeout).
 """
 
 from __future__ import annotations

@@ -156,6 +156,36 @@ class Settings(BaseSettings):
         description="With batching on, unfinished flow runs per worker slot before dispatch "
         "holds the next jobs back (they wait, and then leave together in a bigger batch).",
     )
+    fetch_concurrency: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Input URLs one relay replica fetches at once (its fetch lane's threads; "
+        "dispatch never waits for a fetch: it takes only jobs whose inputs are stored).",
+    )
+    fetch_per_user: int = Field(
+        2,
+        ge=1,
+        description="Most input fetches of one user in flight at once, over every relay "
+        "replica (counted on the outbox leases): one user's slow URLs leave the other "
+        "fetch slots to other users.",
+    )
+    fetch_deadline_seconds: float = Field(
+        15.0,
+        gt=0,
+        le=40,
+        description="Wall-clock limit of one whole input fetch: connecting, TLS, the "
+        "response head, every redirect and the body together, however slowly the server "
+        "sends (at most 40: the reconcile flow, which also fetches, stops after 55 s).",
+    )
+    fetch_tries: int = Field(
+        3,
+        ge=1,
+        le=10,
+        description="Tries of an input URL that fails transiently (its deadline passed, the "
+        "connection was refused or dropped, HTTP 5xx/408/425/429) before its job fails "
+        "with input_fetch_timeout (the last try ran out of time) or input_fetch_failed.",
+    )
     public_base_url: str | None = Field(None, description="External URL of the API.")
     default_priority: Literal["normal", "high"] = Field(
         "normal", description="Priority class of new users (faceflow users create)."

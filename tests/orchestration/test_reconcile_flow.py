@@ -31,5 +31,5 @@ def test_reconcile_runs_every_relay_step(prefect_harness: Home, job_store: str) 
     state = reconcile(return_state=True)
     assert state.is_completed(), state.message
     counts = state.result()
-    assert set(counts) == {"dispatch", "sync", "expire", "reap", "notify"}
+    assert set(counts) == {"fetch", "dispatch", "sync", "expire", "reap", "notify"}
     assert all(n == 0 for n in counts.values())

@@ -13,6 +13,7 @@ import contextvars
 import hashlib
 import hmac
 import json
+import select
 import socket
 import sys
 import threading
@@ -415,6 +416,101 @@ def receiver() -> Iterator[Receiver]:
         yield instance
     finally:
         instance.close()
+
+
+class Tarpit:
+    """A hostile image server on 127.0.0.1: it answers every GET slowly, one byte every
+    ``interval_s`` — in the response head (``mode="head"``: headers that never end) or in
+    the body of a 200 whose Content-Length (9000) would take hours (``mode="body"``) — until the client
+    goes away. It records how many connections it has open now (``open``), at once at
+    most (``peak``) and in all (``connections``), and the paths asked (``paths``)."""
+
+    def __init__(self, *, mode: str = "body", interval_s: float = 1.0) -> None:
+        self.mode, self.interval_s = mode, interval_s
+        self.connections = 0
+        self.open = 0
+        self.peak = 0
+        self.paths: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self._threads: list[threading.Thread] = []
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with self._lock:
+            self.connections += 1
+            self.open += 1
+            self.peak = max(self.peak, self.open)
+        try:
+            conn.settimeout(5)
+            request = conn.recv(65536)  # one small GET
+            with self._lock:
+                self.paths.append(request.split(b" ")[1].decode() if b" " in request else "")
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: image/png\r\n"
+            if self.mode == "body":
+                head += b"content-length: 9000\r\n\r\n"
+            else:
+                head += b"x-slow: "
+            conn.sendall(head)
+            while not self._stop.is_set():
+                readable, _, _ = select.select([conn], [], [], self.interval_s)
+                if readable and not conn.recv(1024):
+                    break  # the client gave up: what the tarpit waits for
+                conn.sendall(b"a")
+        except OSError:  # the client went away while a byte was on its way
+            pass
+        finally:
+            with self._lock:
+                self.open -= 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._accepting.join(5)
+        for thread in self._threads:
+            thread.join(5)
+
+
+@contextmanager
+def tarpit(*, mode: str = "body", interval_s: float = 1.0) -> Iterator[Tarpit]:
+    """A running ``Tarpit``, closed on exit."""
+    instance = Tarpit(mode=mode, interval_s=interval_s)
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 0.05) -> float:
+    """Poll until ``check()``; returns the seconds waited (fails the test on timeout)."""
+    import pytest
+
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"condition not met within {timeout_s} s")
+        time.sleep(step_s)
+    return time.monotonic() - started
 
 
 # --------------------------------------------------------------------------- jobs

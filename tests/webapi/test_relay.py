@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -39,6 +39,7 @@ from tests.webapi.relay_harness import (
     job,
     receiver,
     submit,
+    wait_for,
     write_result,
 )
 from tests.webapi.utils import auth, job_body, make_user, outbox_of, source_jpeg, target_jpeg
@@ -47,7 +48,7 @@ from webapi.config import Settings
 from webapi.main import create_app
 from webapi.models import JobStatus, Outbox, utcnow
 from webapi.prefect_api import FlowRun, PrefectAPI, StateType
-from webapi.relay import dispatch, expire, reap, sync
+from webapi.relay import dispatch, expire, fetch_lane, reap, sync
 from webapi.relay.context import Relay
 from webapi.relay.metrics import METRICS
 from webapi.relay.runner import build_relay, reconcile_once, start_relay, stop_relay
@@ -78,16 +79,6 @@ def owner(engine: Engine, settings: Settings) -> crud.NewUser:
 
 def tmp_path_of(settings: Settings) -> Path:
     return Path(settings.home)
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 0.05) -> float:
-    """Poll until ``check()``; returns the seconds waited (fails the test on timeout)."""
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout_s:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        time.sleep(step_s)
-    return time.monotonic() - started
 
 
 def dispatched(relay: Relay, owner: crud.NewUser, **fields: Any) -> uuid.UUID:
@@ -336,7 +327,7 @@ def test_dispatch_rejected_by_the_parameter_schema_fails_the_job(
     strict.close()
 
 
-def test_url_input_is_fetched_through_redirects_then_dispatched(
+def test_url_input_is_fetched_by_the_fetch_lane_then_dispatched(
     relay: Relay, owner: crud.NewUser
 ) -> None:
     photo = source_jpeg()
@@ -351,7 +342,10 @@ def test_url_input_is_fetched_through_redirects_then_dispatched(
         blocked = submit(
             relay.engine, relay.settings, relay.store, owner, source_url=f"{server.url}/meta"
         )
-        dispatch.run_once(relay)
+        assert dispatch.run_once(relay) == 0  # not dispatch's: the fetch lane's
+        assert server.requests == []
+        assert fetch_lane.run_once(relay) == 2
+        assert dispatch.run_once(relay) == 1
         asked = [r.path for r in server.requests]
 
     fetched = job(relay.engine, good.id)
@@ -647,7 +641,7 @@ def test_relay_threads_end_to_end_with_signed_webhook(
 def test_reconcile_once_runs_every_step(relay: Relay, owner: crud.NewUser) -> None:
     new = submit(relay.engine, relay.settings, relay.store, owner)
     counts = reconcile_once(relay=relay)
-    assert set(counts) == {"dispatch", "sync", "expire", "reap", "notify"}
+    assert set(counts) == {"fetch", "dispatch", "sync", "expire", "reap", "notify"}
     assert counts["dispatch"] == 1 and job(relay.engine, new.id).flow_run_id is not None
 
 

@@ -1,15 +1,24 @@
 """URL inputs: ``fetch_url`` against a real loopback server (SSRF guard on every hop,
-redirect and size limits, typed transient/permanent failures)."""
+redirect and size limits, typed transient/permanent failures, one wall-clock deadline for
+the whole fetch however slowly a server trickles bytes)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.webapi.relay_harness import Receiver, free_port, receiver
-from webapi.relay.fetch import FetchRejected, FetchUnavailable, fetch_url
+from tests.webapi.relay_harness import Receiver, free_port, receiver, tarpit
+from webapi.relay.fetch import (
+    Deadline,
+    FetchRejected,
+    FetchTimedOut,
+    FetchUnavailable,
+    fetch_url,
+)
 from webapi.urls import DEVELOPMENT, UrlPolicy
 
 BODY = b"\x89PNG\r\n\x1a\n" + b"x" * 5000
@@ -118,3 +127,50 @@ def test_a_redirect_to_a_port_off_the_allow_list_is_not_followed(client: httpx.C
             fetch(client, f"{allowed.url}/hop", urls=urls)
         assert [r.path for r in allowed.requests] == ["/img", "/hop"]
         assert other.requests == []
+
+
+@pytest.mark.parametrize("mode", ["head", "body"])
+def test_a_tarpit_is_cut_at_the_deadline(client: httpx.Client, mode: str) -> None:
+    """One byte a second never trips a read timeout, in the headers or in the body: the
+    whole-fetch deadline ends it, and the server sees the connection go."""
+    with tarpit(mode=mode, interval_s=1.0) as slow:
+        started = time.monotonic()
+        with pytest.raises(FetchTimedOut, match="within 2 s") as raised:
+            fetch(client, f"{slow.url}/img", timeout_s=2.0)
+        took = time.monotonic() - started
+        assert raised.value.code == "input_fetch_timeout"
+        assert 1.9 <= took < 2.5, took
+        deadline = time.monotonic() + 3
+        while slow.open and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (slow.connections, slow.open) == (1, 0)
+
+
+def test_the_deadline_covers_every_redirect_hop(server: Receiver, client: httpx.Client) -> None:
+    with tarpit(mode="body", interval_s=0.5) as slow:
+        server.files["/hop"] = (302, {"location": f"{slow.url}/img"}, b"")
+        started = time.monotonic()
+        with pytest.raises(FetchTimedOut):
+            fetch(client, f"{server.url}/hop", timeout_s=1.5)
+        assert time.monotonic() - started < 2.0
+        assert [r.path for r in server.requests] == ["/hop"] and slow.connections == 1
+
+
+def test_a_deadline_cut_from_another_thread_ends_the_fetch_at_once(
+    client: httpx.Client,
+) -> None:
+    """What the fetch lane does when the job is cancelled or the relay stops."""
+    with tarpit(mode="head", interval_s=1.0) as slow, Deadline(30.0) as deadline:
+        started = time.monotonic()
+        timer = threading.Timer(0.5, deadline.cut, args=("the job is no longer queued",))
+        timer.start()
+        with pytest.raises(FetchUnavailable, match="no longer queued") as raised:
+            fetch_url(
+                client,
+                f"{slow.url}/img",
+                max_bytes=10_000,
+                urls=DEVELOPMENT,
+                deadline=deadline,
+            )
+        assert not isinstance(raised.value, FetchTimedOut)
+        assert time.monotonic() - started < 1.0

@@ -131,7 +131,7 @@ def free_runs(relay: Relay) -> dict[str, int]:
 
 
 def claim(relay: Relay, lanes: list[str], limit: int) -> list[Outbox]:
-    """Lease up to ``limit`` due dispatch rows of jobs in ``lanes``."""
+    """Lease up to ``limit`` due dispatch rows of jobs in ``lanes`` whose inputs are stored."""
     with relay.session() as session:
         return leases.claim(
             session,
@@ -139,7 +139,7 @@ def claim(relay: Relay, lanes: list[str], limit: int) -> list[Outbox]:
             owner=relay.owner,
             limit=limit,
             lease_s=relay.timings.dispatch_lease_s,
-            job_filter=col(Job.priority).in_(lanes),
+            job_filter=sa.and_(col(Job.priority).in_(lanes), dispatch.INPUTS_STORED),
         )
 
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -55,8 +56,11 @@ class RelayTimings:
     webhook_backoff_cap_s: float = 3600.0
     webhook_max_age_s: float = 24 * 3600.0
     webhook_concurrency: int = 8
-    fetch_timeout_s: float = 10.0
+    # The fetch lane (webapi.relay.fetch_lane); its limits are settings (fetch_*).
+    fetch_interval_s: float = 0.2
     fetch_max_redirects: int = 3
+    # A fetch row's lease outlasts the fetch deadline by this (storing, the job update).
+    fetch_lease_margin_s: float = 10.0
 
 
 @dataclass
@@ -81,8 +85,15 @@ class Relay:
         with session_scope(self.engine) as session:
             yield session
 
-    def claim(self, kind: OutboxKind, *, lease_s: float | None = None) -> list[Outbox]:
-        """Lease up to ``timings.batch`` due outbox rows of ``kind`` for this replica."""
+    def claim(
+        self,
+        kind: OutboxKind,
+        *,
+        lease_s: float | None = None,
+        job_filter: sa.ColumnElement[bool] | None = None,
+    ) -> list[Outbox]:
+        """Lease up to ``timings.batch`` due outbox rows of ``kind`` for this replica (of
+        jobs matching ``job_filter``, when given)."""
         with self.session() as session:
             return leases.claim(
                 session,
@@ -90,6 +101,7 @@ class Relay:
                 owner=self.owner,
                 limit=self.timings.batch,
                 lease_s=lease_s or self.timings.lease_s,
+                job_filter=job_filter,
             )
 
     def expected_cost_s(self) -> float:

@@ -1,10 +1,12 @@
 """dispatch: due ``dispatch`` outbox rows → one Prefect flow run per job attempt.
 
-For each leased row: inputs given as URLs are fetched, validated and stored first; then
-the flow run is created with idempotency key ``job-<id>-attempt-<n>`` (a repeat returns the
-same run), and its id is written to the job — still ``queued`` until the run starts —
-together with closing the row, in one transaction conditional on the job being queued
-with no run. While Prefect is unreachable the job stays queued: the first failed call
+Dispatch leases only rows whose job has its inputs in storage (``INPUTS_STORED``): inputs
+given as URLs are fetched, validated and stored before, off this pass, by the fetch lane
+(``webapi.relay.fetch_lane``), so a slow input server never delays a dispatch. For each
+leased row the flow run is created with idempotency key ``job-<id>-attempt-<n>`` (a
+repeat returns the same run), and its id is written to the job — still ``queued`` until
+the run starts — together with closing the row, in one transaction conditional on the
+job being queued with no run. While Prefect is unreachable the job stays queued: the first failed call
 defers the row (exponential backoff, jitter, capped) and the rest of the claimed batch
 untried, and dispatch pauses until Prefect's health check answers, which makes the deferred
 rows due at once (``webapi.relay.outage``). A permanent refusal fails the job with
@@ -18,10 +20,11 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
 from flows.params import (
@@ -29,23 +32,22 @@ from flows.params import (
     DEFAULT_STORAGE_BLOCK,
     FuseFacesParams,
 )
-from tasks.errors import FaceFlowError
 from tasks.options import FusionOptions
-from webapi import crud
-from webapi.errors import ApiError
-from webapi.inputs import store_image
 from webapi.jobstate import transition
 from webapi.models import Job, JobStatus, Outbox, OutboxOutcome, utcnow
 from webapi.prefect_api import PrefectRejected, PrefectUnavailable
 from webapi.relay import leases, outage
 from webapi.relay.context import Relay
-from webapi.relay.fetch import FetchError, FetchRejected, fetch_url
-from webapi.urls import UrlPolicy
 
 log = logging.getLogger(__name__)
 
 DISPATCH_REJECTED = "dispatch_rejected"
 COUNTER = "faceflow_relay_dispatches_total"
+#: The jobs dispatch takes: both inputs stored (an input URL not fetched yet is the fetch
+#: lane's).
+INPUTS_STORED: sa.ColumnElement[bool] = sa.and_(
+    col(Job.source_key).is_not(None), col(Job.target_key).is_not(None)
+)
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,9 @@ def prefect_back(relay: Relay) -> bool:
 
 
 def claim_due(relay: Relay) -> list[Outbox]:
-    """Lease due dispatch rows for ``timings.dispatch_lease_s`` (short: see RelayTimings)."""
-    return relay.claim("dispatch", lease_s=relay.timings.dispatch_lease_s)
+    """Lease due dispatch rows of jobs whose inputs are stored, for
+    ``timings.dispatch_lease_s`` (short: see RelayTimings)."""
+    return relay.claim("dispatch", lease_s=relay.timings.dispatch_lease_s, job_filter=INPUTS_STORED)
 
 
 def dispatch_row(relay: Relay, row: Outbox) -> bool:
@@ -154,7 +157,7 @@ def dispatch_row(relay: Relay, row: Outbox) -> bool:
 
     Returns False when Prefect was unreachable (the row is deferred and this replica is in
     outage mode: the caller defers the rest of its batch untried), else True."""
-    plan = _plan(relay, row)
+    plan = plan_row(relay, row)
     if plan is None:
         return True
     plan = ready(relay, row, plan)
@@ -164,15 +167,17 @@ def dispatch_row(relay: Relay, row: Outbox) -> bool:
 
 
 def ready(relay: Relay, row: Outbox, plan: Plan) -> Plan | None:
-    """``plan`` with its inputs stored, or None when the row was handled here instead:
-    deferred (too late to start: expire or reap ends the job), failed (an input URL that
-    cannot be used) or backed off (an input fetch to retry)."""
+    """``plan`` if it can be dispatched now, or None when the row was deferred instead:
+    too late to start (expire or reap ends the job), or an input not fetched yet (the
+    fetch lane's; dispatch claims exclude such jobs, so only a row taken otherwise)."""
     now = utcnow()
     if now >= plan.deadline_at or (not plan.started and now >= plan.queue_deadline_at):
         _defer(relay, row, "past the job's deadline", relay.timings.expire_interval_s)
         return None
     if plan.source_key is None or plan.target_key is None:
-        return _fetch_inputs(relay, row, plan)
+        _defer(relay, row, "an input URL is not fetched yet", relay.timings.fetch_interval_s)
+        relay.wake("fetch")
+        return None
     return plan
 
 
@@ -241,7 +246,7 @@ def _attempt_of(row: Outbox, job: Job | None) -> int:
     return int(row.payload.get("attempt") or ((job.attempts + 1) if job else 1))
 
 
-def _plan(relay: Relay, row: Outbox) -> Plan | None:
+def plan_row(relay: Relay, row: Outbox) -> Plan | None:
     """Read the job; close the row (obsolete) when the job no longer wants a run."""
     with relay.session() as session:
         job = session.get(Job, row.job_id)
@@ -256,63 +261,7 @@ def _plan(relay: Relay, row: Outbox) -> Plan | None:
     return plan
 
 
-def _fetch_inputs(relay: Relay, row: Outbox, plan: Plan) -> Plan | None:
-    """Fetch, validate and store URL inputs; write their keys on the job."""
-    fetched_at = utcnow()  # before any input is found already stored
-    try:
-        source_key = plan.source_key or _fetch_and_store(relay, plan.source_url, "source")
-        target_key = plan.target_key or _fetch_and_store(relay, plan.target_url, "target")
-    except FetchRejected as exc:
-        fail(relay, row, plan, exc.code, exc.public_message, str(exc))
-        return None
-    except FaceFlowError as exc:  # the fetched bytes are not an acceptable image
-        fail(relay, row, plan, exc.code, exc.public_message, str(exc))
-        return None
-    except ApiError as exc:  # empty or too large
-        fail(relay, row, plan, exc.code, exc.message, str(exc))
-        return None
-    except FetchError as exc:
-        _back_off(relay, row, str(exc))
-        return None
-    fetched = [
-        key
-        for key, had in ((source_key, plan.source_key), (target_key, plan.target_key))
-        if not had
-    ]
-    with relay.session() as session:
-        # Under the admission lock, like a submit: retention may have deleted an input that
-        # was found already stored; then fetch it again later.
-        crud.serialise_admission(session)
-        purged = crud.inputs_purged_since(session, keys=fetched, since=fetched_at)
-        if crud.missing_inputs(fetched, purged, fetched_at, relay.store):
-            session.rollback()
-            _back_off(relay, row, "an input was deleted by retention while it was stored")
-            return None
-        stored = _update_queued(session, plan, source_key=source_key, target_key=target_key)
-    if not stored:  # cancelled or expired meanwhile
-        close(relay, row, "obsolete")
-        return None
-    return replace(plan, source_key=source_key, target_key=target_key)
-
-
-def _fetch_and_store(relay: Relay, url: str | None, name: str) -> str:
-    if url is None:
-        raise FetchRejected(f"The job has no {name} image.")
-    settings = relay.settings
-    data = fetch_url(
-        relay.http,
-        url,
-        max_bytes=settings.image_limits.max_bytes,
-        urls=UrlPolicy.from_settings(settings),
-        timeout_s=relay.timings.fetch_timeout_s,
-        max_redirects=relay.timings.fetch_max_redirects,
-    )
-    ref = store_image(data, name=name, limits=settings.image_limits, store=relay.store)
-    assert ref.key is not None
-    return ref.key
-
-
-def _update_queued(session: Session, plan: Plan, **fields: Any) -> bool:
+def update_queued(session: Session, plan: Plan, **fields: Any) -> bool:
     """Write ``fields`` on the job if it is still queued without a flow run."""
     return transition(
         session,
@@ -327,7 +276,7 @@ def _update_queued(session: Session, plan: Plan, **fields: Any) -> bool:
 def _record_run(relay: Relay, row: Outbox, plan: Plan, flow_run_id: uuid.UUID) -> None:
     now = utcnow()
     with relay.session() as session:
-        recorded = _update_queued(
+        recorded = update_queued(
             session, plan, flow_run_id=flow_run_id, attempts=plan.attempt, commit=False, now=now
         )
         leases.finish(
@@ -367,7 +316,7 @@ def prefect_down(relay: Relay, row: Outbox, error: str) -> None:
     """Defer ``row`` (marked as an outage deferral) and enter outage mode; one warning per
     outage, not one per row. Used for dispatch and ``cancel_run`` rows alike."""
     marked = outage.mark(error)
-    _reschedule_after_backoff(relay, row, marked)
+    reschedule_after_backoff(relay, row, marked)
     row.last_error = marked
     t = relay.timings
     if relay.outage.begin(probe_s=t.prefect_probe_interval_s, cap_s=t.dispatch_backoff_cap_s):
@@ -395,17 +344,11 @@ def defer_untried(relay: Relay, rows: list[Outbox], error: str) -> None:
     relay.metrics.inc(COUNTER, "deferred", deferred)
 
 
-def _back_off(relay: Relay, row: Outbox, error: str) -> None:
-    delay = _reschedule_after_backoff(relay, row, error)
-    log.warning(
-        "dispatch deferred: %s",
-        error,
-        extra={"job_id": str(row.job_id), "delay_s": round(delay, 2)},
-    )
-
-
-def _reschedule_after_backoff(relay: Relay, row: Outbox, error: str) -> float:
-    """Release ``row`` to be tried again after its exponential backoff; the delay (s)."""
+def reschedule_after_backoff(
+    relay: Relay, row: Outbox, error: str, *, counter: str = COUNTER
+) -> float:
+    """Release ``row`` to be tried again after its exponential backoff, counted as a
+    ``retry`` in ``counter``; the delay (s)."""
     t = relay.timings
     delay = leases.backoff_s(
         row.attempts + 1, base_s=t.dispatch_backoff_base_s, cap_s=t.dispatch_backoff_cap_s
@@ -413,7 +356,7 @@ def _reschedule_after_backoff(relay: Relay, row: Outbox, error: str) -> float:
     with relay.session() as session:
         leases.reschedule(session, row, owner=relay.owner, error=error, delay_s=delay)
         session.commit()
-    relay.metrics.inc(COUNTER, "retry")
+    relay.metrics.inc(counter, "retry")
     return delay
 
 

@@ -160,6 +160,18 @@ def reschedule(
     return _rowcount(session.exec(sa.update(Outbox).where(_held(row, owner)).values(**values))) == 1
 
 
+def release(session: Session, row: Outbox, *, owner: str, now: datetime | None = None) -> bool:
+    """Hand a leased row on, due now and with its attempts reset: one stage of its work is
+    done and the next (another step's) starts afresh. No commit."""
+    values: dict[str, object] = {
+        "next_attempt_at": now or utcnow(),
+        "attempts": 0,
+        "lease_owner": None,
+        "lease_until": None,
+    }
+    return _rowcount(session.exec(sa.update(Outbox).where(_held(row, owner)).values(**values))) == 1
+
+
 def pending_count(session: Session, *, kinds: Sequence[OutboxKind]) -> int:
     """How many rows of ``kinds`` are not done yet (for metrics and tests)."""
     query = (

@@ -19,6 +19,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "faceflow_relay_transitions_total": ("to", "Job transitions written by the relay."),
     "faceflow_relay_reaped_total": ("reason", "Flow runs reaped by reason."),
     "faceflow_relay_loop_errors_total": ("loop", "Unexpected errors in relay loops."),
+    "faceflow_relay_input_fetches_total": ("outcome", "Input URL fetches by outcome."),
 }
 
 

@@ -1,8 +1,9 @@
 """Run the relay: background threads in the webapi process, standalone, or one pass.
 
-- ``start_relay(settings)`` / ``stop_relay()``: one daemon thread per step (dispatch,
-  sync, expire, reap, notify), each with its own short DB sessions; used by the app's
-  lifespan. ``wake_relay()`` makes dispatch run now (call it after a submit commits).
+- ``start_relay(settings)`` / ``stop_relay()``: one daemon thread per step (fetch,
+  dispatch, sync, expire, reap, notify), each with its own short DB sessions, and the
+  fetch lane's threads (``webapi.relay.fetch_lane``); used by the app's lifespan.
+  ``wake_relay()`` makes fetch and dispatch run now (call it after a submit commits).
 - ``run_relay_forever(settings)``: the same loops until SIGINT/SIGTERM (``faceflow relay``).
 - ``reconcile_once(settings)``: one pass of every step, in order (``faceflow relay
   reconcile`` and the Prefect ``reconcile`` flow).
@@ -23,15 +24,17 @@ from webapi.config import Settings, get_settings
 from webapi.db import get_engine
 from webapi.migrations import check_migrated
 from webapi.prefect_api import PrefectAPI
-from webapi.relay import dispatch, expire, notify, reap, sync
+from webapi.relay import dispatch, expire, fetch_lane, notify, reap, sync
 from webapi.relay.context import Relay, RelayTimings
 from webapi.storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
 
 Step = Callable[[Relay], int]
-#: Steps in reconcile order: start what is due, learn what happened, then clean up.
+#: Steps in reconcile order: fetch input URLs, start what is due, learn what happened,
+#: then clean up.
 STEPS: dict[str, Step] = {
+    "fetch": fetch_lane.run_once,
     "dispatch": dispatch.run_once,
     "sync": sync.run_once,
     "expire": expire.run_once,
@@ -75,17 +78,20 @@ class RelayRunner:
         self.relay = relay
         relay.wake = self.wake
         self._stop = threading.Event()
+        self.fetches = fetch_lane.FetchLane(relay.settings.fetch_concurrency)
         t = relay.timings
         intervals = {
+            "fetch": t.fetch_interval_s,
             "dispatch": t.dispatch_interval_s,
             "sync": t.sync_interval_s,
             "expire": t.expire_interval_s,
             "reap": t.reap_interval_s,
             "notify": t.notify_interval_s,
         }
+        steps = {**STEPS, "fetch": self.fetches.run_once}
         self._loops = {
             name: _Loop(name, step, intervals[name], threading.Event())
-            for name, step in STEPS.items()
+            for name, step in steps.items()
         }
 
     @property
@@ -105,18 +111,20 @@ class RelayRunner:
         log.info("relay started", extra={"owner": self.relay.owner})
 
     def wake(self, *names: str) -> None:
-        """Run the named loops (default: dispatch and notify) without waiting."""
-        for name in names or ("dispatch", "notify"):
+        """Run the named loops (default: fetch, dispatch and notify) without waiting."""
+        for name in names or ("fetch", "dispatch", "notify"):
             self._loops[name].wake.set()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Stop the loops (each finishes its current pass) and close the HTTP clients."""
+        """Stop the loops (each finishes its current pass), cut the input fetches in flight
+        (their rows are handed back) and close the HTTP clients."""
         self._stop.set()
         for loop in self._loops.values():
             loop.wake.set()
         for loop in self._loops.values():
             if loop.thread is not None:
                 loop.thread.join(timeout_s)
+        self.fetches.close(cut=True)
         self.relay.close()
         log.info("relay stopped", extra={"owner": self.relay.owner})
 
@@ -182,7 +190,8 @@ def stop_relay(_state: object = None, timeout_s: float = 15.0) -> None:
 
 
 def wake_relay() -> None:
-    """Nudge the process-wide relay's dispatch and notify loops (no-op when not running)."""
+    """Nudge the process-wide relay's fetch, dispatch and notify loops (no-op when not
+    running)."""
     runner = _runner
     if runner is not None:
         runner.wake()
