@@ -32,7 +32,9 @@ Every job keeps what a single run gives it:
 
 The run itself ends ``Completed`` with ``{job id: outcome}``; it fails only for what no job
 could survive (settings or storage block unusable), with the ``[code] message`` of the
-error as ``fuse-faces`` does.
+error as ``fuse-faces`` does, after writing that failure for every job without an outcome.
+A job whose parameters are not bound to it (``flows.binding``) is refused before the run
+loads anything (``run_binding_invalid``); its batch-mates go on.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from flows import faults
 from flows.batch_view import BatchView, JobRow
 from flows.deadline import Deadline, StageGuard
 from flows.fuse import JOB_FLOW_OPTIONS, failed, pipeline_context, retry_cost_s
+from flows.outcome import admit_bound, record_unsettled
 from flows.params import (
     BATCH_FLOW_NAME,
     DEFAULT_SETTINGS_BLOCK,
@@ -225,9 +228,16 @@ def fuse_batch(
     logger.info(
         "Batch of %d jobs: %s", len(jobs), ", ".join(f"{j.job_id}#{j.attempt}" for j in jobs)
     )
+    bound, refused = admit_bound(jobs, storage_block=storage_block, settings_block=settings_block)
+    if not bound:
+        return refused
     try:
-        return _run(jobs, storage_block=storage_block, settings_block=settings_block)
+        return {
+            **refused,
+            **_run(bound, storage_block=storage_block, settings_block=settings_block),
+        }
     except Exception as exc:
+        record_unsettled(bound, storage_block, exc)
         return failed(exc, f"Batch of {len(jobs)} jobs")
 
 

@@ -9,9 +9,10 @@ enhancer. Every stage is a sync task
 called directly on the main thread under ``flows.deadline.StageGuard``: its timeout is
 ``min(stage budget, deadline_at - now)`` on every attempt and retries stop for permanent
 errors or when the time left is below the stage's expected cost. A run started after its
-deadline fails at once, before loading settings or models. Failures end the run in a
-``Failed`` state whose message is the typed error, ``"[code] message"``, which the
-webapi's relay parses.
+deadline, or whose parameters are not bound to its job (``flows.binding``), fails at once,
+before loading settings, models or inputs. A failure writes the attempt's ``JobFailure``
+to storage (``flows.outcome``: the relay takes a failure from there, never from the run's
+state) and ends the run ``Failed`` with the typed error's ``"[code] message"``.
 
 Two pieces of work start early on a worker thread (``tasks.pipeline.stage_workers``), as
 ``fuse_images`` runs them: the quality stage's identity reference beside align →
@@ -41,10 +42,12 @@ from blocks.settings import STAGES, FusionSettings, StageName, load_settings
 from flows import faults
 from flows.artifacts import OperatorView, wait_for_operator_view
 from flows.deadline import Deadline, StageGuard, alarm_timeouts_available
+from flows.outcome import check_binding, record_failure
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     FLOW_NAME,
+    JobAttempt,
     ResultRef,
     result_key,
     run_tags,
@@ -173,24 +176,41 @@ def fuse_faces(
     reference_keys: list[str] | None = None,
     storage_block: str = DEFAULT_STORAGE_BLOCK,
     settings_block: str = DEFAULT_SETTINGS_BLOCK,
+    binding: str | None = None,
 ) -> dict[str, Any] | State[Any]:
     """Fuse the source face into the target photo for one job attempt.
 
-    Returns ``ResultRef.model_dump(mode="json")``; on failure the run ends ``Failed`` with
-    the message ``"[code] message"`` of the typed error.
+    Returns ``ResultRef.model_dump(mode="json")``; on failure the attempt's ``JobFailure``
+    is written to storage and the run ends ``Failed`` with the message ``"[code] message"``
+    of the typed error. Parameters not bound to the job (``binding``, ``flows.binding``)
+    fail it with ``run_binding_invalid`` before any input is read.
     """
     logger = get_run_logger()
-    deadline = Deadline.of(deadline_at)
-    if deadline.passed():
-        late = DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
-        logger.error("%s", late)
-        return Failed(message=str(late), data=late)
-    if not alarm_timeouts_available():
-        logger.warning(
-            "Stage timeouts cannot interrupt blocking calls here (not the main thread, or "
-            "another SIGALRM handler is installed): a stuck stage may overrun the deadline."
-        )
     try:
+        check_binding(
+            JobAttempt(
+                job_id=job_id,
+                owner_id=owner_id,
+                source_key=source_key,
+                target_key=target_key,
+                extra_source_keys=extra_source_keys or [],
+                reference_keys=reference_keys or [],
+                options=options or FusionOptions.model_validate({}),
+                deadline_at=deadline_at,
+                attempt=attempt,
+                binding=binding,
+            ),
+            storage_block=storage_block,
+            settings_block=settings_block,
+        )
+        deadline = Deadline.of(deadline_at)
+        if deadline.passed():
+            raise DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
+        if not alarm_timeouts_available():
+            logger.warning(
+                "Stage timeouts cannot interrupt blocking calls here (not the main thread, or "
+                "another SIGALRM handler is installed): a stuck stage may overrun the deadline."
+            )
         _tag_flow_run(job_id, owner_id)
         return _fuse(
             job_id=job_id,
@@ -205,6 +225,7 @@ def fuse_faces(
             settings_block=settings_block,
         )
     except Exception as exc:
+        record_failure(storage_block, job_id, attempt, exc)
         return failed(exc, f"Job {job_id} attempt {attempt}")
 
 

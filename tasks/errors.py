@@ -104,6 +104,15 @@ class DeadlineExceeded(PermanentError):
     default_message = "The job did not finish before its deadline."
 
 
+class RunBindingInvalid(PermanentError):
+    """The run's parameters do not carry a valid binding to their job (``flows.binding``):
+    they were changed after the relay signed them, or the run was not created by the relay.
+    The flow refuses the job before reading any input."""
+
+    code = "run_binding_invalid"
+    default_message = "The job's run was refused: its parameters were not issued for it."
+
+
 PERMANENT_CODES: frozenset[str] = frozenset(
     cls.code
     for cls in (
@@ -116,6 +125,7 @@ PERMANENT_CODES: frozenset[str] = frozenset(
         ModelUnavailable,
         ContentBlocked,
         DeadlineExceeded,
+        RunBindingInvalid,
     )
 )
 

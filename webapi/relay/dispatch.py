@@ -20,14 +20,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlmodel import Session, col, select
 
+from flows import binding
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     FuseFacesParams,
+    JobAttempt,
 )
 from tasks.errors import FaceFlowError
 from tasks.options import FusionOptions
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 
 DISPATCH_REJECTED = "dispatch_rejected"
 COUNTER = "faceflow_relay_dispatches_total"
+Attempt = TypeVar("Attempt", bound=JobAttempt)
 
 
 @dataclass(frozen=True)
@@ -178,17 +181,10 @@ def ready(relay: Relay, row: Outbox, plan: Plan) -> Plan | None:
 def send_single(relay: Relay, row: Outbox, plan: Plan) -> bool:
     """Create the ``fuse-faces`` run of one job attempt and record it; False when Prefect
     was unreachable (the row is deferred)."""
-    assert plan.source_key is not None and plan.target_key is not None
-    params = FuseFacesParams(
-        job_id=str(plan.job_id),
-        owner_id=str(plan.owner_id),
-        source_key=plan.source_key,
-        target_key=plan.target_key,
-        options=FusionOptions.model_validate(plan.options),
-        deadline_at=plan.deadline_at,
-        attempt=plan.attempt,
-        extra_source_keys=list(plan.extra_source_keys),
-        reference_keys=list(plan.reference_keys),
+    params = bound_attempt(
+        relay,
+        plan,
+        FuseFacesParams,
         storage_block=DEFAULT_STORAGE_BLOCK,
         settings_block=DEFAULT_SETTINGS_BLOCK,
     )
@@ -204,6 +200,32 @@ def send_single(relay: Relay, row: Outbox, plan: Plan) -> bool:
     relay.outage.dispatched()
     _record_run(relay, row, plan, uuid.UUID(run.id))
     return True
+
+
+def bound_attempt(relay: Relay, plan: Plan, model: type[Attempt], **blocks: str) -> Attempt:
+    """The parameters of ``plan``'s job attempt as ``model`` (``FuseFacesParams``, or a
+    ``JobAttempt`` of a batch), signed for the default storage and settings blocks
+    (``flows.binding``): the flow refuses them if anyone changes them."""
+    assert plan.source_key is not None and plan.target_key is not None
+    job = model(
+        job_id=str(plan.job_id),
+        owner_id=str(plan.owner_id),
+        source_key=plan.source_key,
+        target_key=plan.target_key,
+        options=FusionOptions.model_validate(plan.options),
+        deadline_at=plan.deadline_at,
+        attempt=plan.attempt,
+        extra_source_keys=list(plan.extra_source_keys),
+        reference_keys=list(plan.reference_keys),
+        **blocks,
+    )
+    signature = binding.sign(
+        job,
+        relay.settings.run_signing_key.get_secret_value(),
+        storage_block=DEFAULT_STORAGE_BLOCK,
+        settings_block=DEFAULT_SETTINGS_BLOCK,
+    )
+    return job.model_copy(update={"binding": signature})
 
 
 def work_queue(relay: Relay, plan: Plan) -> str | None:
