@@ -22,7 +22,6 @@ from flows.binding import (
 )
 from flows.params import FuseBatchParams, FuseFacesParams, JobAttempt
 from tasks.options import FusionOptions
-from webapi.config import Settings, SettingsError
 from webapi.prefect_api import sent_parameters
 
 KEY = "current-key"
@@ -141,13 +140,7 @@ def test_the_development_key_is_refused_in_production() -> None:
     assert worker_keys({"FACEFLOW_ENVIRONMENT": "production"}) == []
     production = {"FACEFLOW_ENVIRONMENT": "production", SIGNING_KEY_ENV: DEV_RUN_SIGNING_KEY}
     assert worker_keys(production) == []
-    with pytest.raises(ValueError, match="RUN_SIGNING_KEY"):
-        Settings.model_validate({"environment": "production", "api_key_pepper": "pepper"})
-    settings = Settings.model_validate(
-        {"environment": "production", "api_key_pepper": "pepper", "run_signing_key": "k" * 32}
-    )
-    assert settings.run_signing_key.get_secret_value() == "k" * 32
-    assert issubclass(SettingsError, ValueError)
+    # The relay's side: tests/webapi/test_app.py::test_production_refuses_development_secrets.
 
 
 def test_the_local_stack_makes_one_key_kept_private(

@@ -167,10 +167,10 @@ class Settings(BaseSettings):
         if self.environment == "production":
             if self.api_key_pepper.get_secret_value() == DEV_API_KEY_PEPPER:
                 raise SettingsError("set FACEFLOW_API_KEY_PEPPER: the default is for development")
-            if self.run_signing_key.get_secret_value() in ("", DEV_RUN_SIGNING_KEY):
-                raise SettingsError("set FACEFLOW_RUN_SIGNING_KEY: the default is for development")
             if self.allow_private_urls:
                 raise SettingsError("FACEFLOW_ALLOW_PRIVATE_URLS is for development only")
+            if self.run_signing_key.get_secret_value() in ("", DEV_RUN_SIGNING_KEY):
+                raise SettingsError("set FACEFLOW_RUN_SIGNING_KEY: the default is for development")
         return self
 
     @property
