@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from faceflow.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
+from flows.binding import signed_parameters, worker_keys  # noqa: E402
 from flows.params import (  # noqa: E402
     FuseFacesParams,
     idempotency_key,
@@ -108,6 +109,7 @@ def run_job(api: httpx.Client, deployment_id: str, source: str, target: str) -> 
         target_key=target,
         deadline_at=datetime.now(UTC) + timedelta(minutes=5),
     ).model_dump(mode="json")
+    params = signed_parameters(params, worker_keys()[0])  # as the relay binds a job
     created = api.post(
         f"/deployments/{deployment_id}/create_flow_run",
         json={

@@ -53,6 +53,7 @@ from bench.warm_worker import (  # noqa: E402
     server_database,
     start_server,
 )
+from flows.binding import signed_parameters, worker_keys  # noqa: E402
 
 SERVER_VARIANTS: dict[str, dict[str, str]] = {
     "shipped": {},
@@ -100,7 +101,7 @@ Maker = Callable[[], tuple[str, dict[str, Any], str, int]]
 
 
 def _job(keys: tuple[str, str]) -> dict[str, Any]:
-    return {
+    params = {
         "job_id": str(uuid.uuid4()),
         "owner_id": "bench",
         "source_key": keys[0],
@@ -108,6 +109,7 @@ def _job(keys: tuple[str, str]) -> dict[str, Any]:
         "deadline_at": (datetime.now(UTC) + timedelta(minutes=30)).isoformat(),
         "attempt": 1,
     }
+    return signed_parameters(params, worker_keys()[0])  # as the relay binds a job
 
 
 def drain_client_queues() -> None:

@@ -65,6 +65,7 @@ from bench.procstat import (  # noqa: E402
 from faceflow import prefect_server  # noqa: E402
 from faceflow.prefect_server import PrefectMode  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
+from flows.binding import signed_parameters, worker_keys  # noqa: E402
 from flows.params import run_tags  # noqa: E402
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -373,13 +374,16 @@ def in_process_flow_loop(
 
 
 def job_parameters(source_key: str, target_key: str) -> dict[str, Any]:
-    return {
+    """A ``fuse-faces`` job's parameters, bound to the job as the relay binds them (the
+    workers started here hold this process's run-signing key)."""
+    params = {
         "job_id": str(uuid.uuid4()),
         "owner_id": "bench",
         "source_key": source_key,
         "target_key": target_key,
         "deadline_at": (datetime.now(UTC) + timedelta(minutes=30)).isoformat(),
     }
+    return signed_parameters(params, worker_keys()[0])
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:

@@ -13,6 +13,7 @@ each start is counted under ``<home>/services/`` for the API's ``/metrics``.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,7 @@ import httpx
 from faceflow import prefect_server
 from faceflow.prefect_server import PrefectMode
 from faceflow.supervisor import Service, ServiceFailed, Supervisor
+from flows.binding import SIGNING_KEY_ENV
 from webapi import services
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +114,13 @@ class StackConfig:
             )
         return env
 
+    def run_signing_env(self) -> dict[str, str]:
+        """The run-signing key (``flows.binding``) of the parts that sign or check flow runs:
+        the webapi's relay, the control worker (reconcile) and the GPU workers, not the
+        Prefect server. ``FACEFLOW_RUN_SIGNING_KEY`` when set, else the home's own."""
+        key = os.environ.get(SIGNING_KEY_ENV) or home_secret(self.home / "run-signing.key")
+        return {SIGNING_KEY_ENV: key}
+
     def env(self) -> dict[str, str]:
         """Environment shared by every child process (with the Prefect API's credential:
         every child is a Prefect client, the relay included)."""
@@ -128,6 +137,17 @@ class StackConfig:
             "FACEFLOW_WORKER_SLOTS": str(self.workers),
             "PYTHONUNBUFFERED": "1",
         }
+
+
+def home_secret(path: Path) -> str:
+    """A random secret kept in ``path`` (made on first use, mode 0600, never rewritten)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_urlsafe(32))
+    return path.read_text().strip()
 
 
 def _bin(name: str) -> str:
@@ -267,7 +287,10 @@ class Stack:
                         "--limit",
                         "1",
                     ],
-                    {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(index))},
+                    {
+                        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", str(index)),
+                        **cfg.run_signing_env(),
+                    },
                 )
             )
         self.progress(
@@ -289,10 +312,13 @@ class Stack:
                     "--limit",
                     "1",
                 ],
+                cfg.run_signing_env(),
             )
         )
         self.progress(f"webapi: starting on {cfg.api_url}")
-        api = self.supervisor.start(self._service("webapi", webapi_argv(cfg)))
+        api = self.supervisor.start(
+            self._service("webapi", webapi_argv(cfg), cfg.run_signing_env())
+        )
         api.wait_ready(_http_ok(f"{cfg.api_url}/readyz"), cfg.ready_timeout)
         self.supervisor.check_alive()
         self.progress(f"ready: API {cfg.api_url}/docs  Prefect UI {cfg.prefect_ui_url}")

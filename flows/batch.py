@@ -11,7 +11,9 @@ run past its ``deadline_at``, the latest of the jobs', plus grace.
 
 The run itself ends ``Completed`` with ``{job id: outcome}``; it fails only for what no job
 could survive (settings or storage block unusable), with the ``[code] message`` of the
-error as ``fuse-faces`` does.
+error as ``fuse-faces`` does, after writing that failure for every job without an outcome.
+A job whose parameters are not bound to it (``flows.binding``) is refused before the run
+loads anything (``run_binding_invalid``); its batch-mates go on.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from prefect.states import State
 
 from flows.batch_view import BatchView, JobRow
 from flows.fuse import JOB_FLOW_OPTIONS, failed
+from flows.outcome import admit_bound, record_unsettled
 from flows.params import (
     BATCH_FLOW_NAME,
     DEFAULT_SETTINGS_BLOCK,
@@ -46,13 +49,17 @@ def fuse_batch(
     logger.info(
         "Batch of %d jobs: %s", len(jobs), ", ".join(f"{j.job_id}#{j.attempt}" for j in jobs)
     )
+    bound, refused = admit_bound(jobs, storage_block=storage_block, settings_block=settings_block)
+    if not bound:
+        return refused
     try:
         done = run_jobs(
-            jobs,
+            bound,
             storage_block=storage_block,
             settings_block=settings_block,
-            view=lambda stages: BatchView([JobRow(j.job_id, j.attempt) for j in jobs], stages),
+            view=lambda stages: BatchView([JobRow(j.job_id, j.attempt) for j in bound], stages),
         )
     except Exception as exc:
+        record_unsettled(bound, storage_block, exc)
         return failed(exc, f"Batch of {len(jobs)} jobs")
-    return {job.spec.job_id: job.outcome for job in done}
+    return {**refused, **{job.spec.job_id: job.outcome for job in done}}

@@ -8,7 +8,8 @@ under ``flows.deadline.StageGuard`` (timeout ``min(stage budget, deadline_at - n
 every attempt; retries stop for permanent errors or when the time left is below the
 stage's expected cost), the moderation stages are skipped when the settings' policy turns
 them off, enhance when the job chose no enhancer. A run started after its deadline fails at
-once, before loading settings or models. Inputs come from, and the result goes to, the
+once, before loading settings or models, and so does one whose parameters are not bound to
+its job (``flows.binding``: ``run_binding_invalid``). Inputs come from, and the result goes to, the
 storage block named by ``storage_block``; the flow returns the small ``ResultRef`` dict
 (never image bytes). A failure is written as the job's ``JobFailure`` record and ends the
 run ``Failed`` with the typed error's ``"[code] message"``.
@@ -28,6 +29,7 @@ from prefect.states import Failed, State
 
 from flows.artifacts import OperatorView, wait_for_operator_view
 from flows.deadline import Deadline, alarm_timeouts_available
+from flows.outcome import check_binding, record_failure
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
@@ -95,23 +97,16 @@ def fuse_faces(
     reference_keys: list[str] | None = None,
     storage_block: str = DEFAULT_STORAGE_BLOCK,
     settings_block: str = DEFAULT_SETTINGS_BLOCK,
+    binding: str | None = None,
 ) -> dict[str, Any] | State[Any]:
     """Fuse the source face into the target photo for one job attempt.
 
-    Returns ``ResultRef.model_dump(mode="json")``; on failure the run ends ``Failed`` with
-    the message ``"[code] message"`` of the typed error.
+    Returns ``ResultRef.model_dump(mode="json")``; on failure the attempt's ``JobFailure``
+    is written to storage and the run ends ``Failed`` with the message ``"[code] message"``
+    of the typed error. Parameters not bound to the job (``binding``, ``flows.binding``)
+    fail it with ``run_binding_invalid`` before any input is read.
     """
     logger = get_run_logger()
-    deadline = Deadline.of(deadline_at)
-    if deadline.passed():
-        late = DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
-        logger.error("%s", late)
-        return Failed(message=str(late), data=late)
-    if not alarm_timeouts_available():
-        logger.warning(
-            "Stage timeouts cannot interrupt blocking calls here (not the main thread, or "
-            "another SIGALRM handler is installed): a stuck stage may overrun the deadline."
-        )
     spec = JobAttempt(
         job_id=job_id,
         owner_id=owner_id,
@@ -122,8 +117,18 @@ def fuse_faces(
         options=options or FusionOptions.model_validate({}),
         deadline_at=deadline_at,
         attempt=attempt,
+        binding=binding,
     )
     try:
+        check_binding(spec, storage_block=storage_block, settings_block=settings_block)
+        deadline = Deadline.of(deadline_at)
+        if deadline.passed():
+            raise DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
+        if not alarm_timeouts_available():
+            logger.warning(
+                "Stage timeouts cannot interrupt blocking calls here (not the main thread, or "
+                "another SIGALRM handler is installed): a stuck stage may overrun the deadline."
+            )
         tag_flow_run(job_id, owner_id)
         (job,) = run_jobs(
             [spec],
@@ -132,6 +137,7 @@ def fuse_faces(
             view=lambda stages: OperatorView(job_id, attempt, stages),
         )
     except Exception as exc:
+        record_failure(storage_block, job_id, attempt, exc)
         return failed(exc, f"Job {job_id} attempt {attempt}")
     if job.ref is None or job.outcome != "succeeded":
         error = job.work.error or FaceFlowError(detail=f"ended {job.outcome}")

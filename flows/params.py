@@ -51,6 +51,11 @@ class JobAttempt(BaseModel):
     options: FusionOptions = Field(default_factory=FusionOptions, description="Fusion options.")
     deadline_at: datetime = Field(description="This job's absolute UTC deadline.")
     attempt: int = Field(1, ge=1, description="Flow-run attempt number for this job (1-based).")
+    binding: str | None = Field(
+        None,
+        description="The relay's signature over this job's parameters (flows.binding): the "
+        "flow refuses the job when it does not match them.",
+    )
 
 
 class FuseFacesParams(JobAttempt):
@@ -76,14 +81,20 @@ class FuseBatchParams(BaseModel):
 
 
 class JobFailure(BaseModel):
-    """Why one job attempt failed, written as ``result_error_key`` by the flows (a
-    ``fuse-faces`` run also ends ``Failed`` with its message). ``retryable``: a transient failure the relay may
-    re-dispatch while attempts and time remain."""
+    """Why one job attempt failed, written as ``result_error_key`` by the flow (``fuse-faces``
+    and ``fuse-batch`` alike): the relay fails a job only on this record, never on a run's
+    state. ``retryable``: a transient failure the relay may re-dispatch while attempts and
+    time remain."""
 
     code: str = Field(description="Stable error code (tasks.errors codes, deadline_exceeded).")
     message: str = Field(description="Safe public message.")
     retryable: bool = Field(False, description="Whether another attempt may succeed.")
     stage: str | None = Field(None, description="The stage the job failed in.")
+    flow_run_id: str | None = Field(
+        None,
+        description="The flow run that wrote it: the relay takes it only from the run the "
+        "job holds (a record without one is taken as from that run).",
+    )
 
 
 class ResultRef(BaseModel):

@@ -30,11 +30,11 @@ from blocks.settings import FusionSettings, StagePolicy, load_settings
 from blocks.storage import ByteStore, exists, load_storage, location_of, read_from, write_to
 from flows import faults
 from flows.deadline import Deadline, StageGuard
+from flows.outcome import write_failure
 from flows.params import (
     JobAttempt,
     JobFailure,
     ResultRef,
-    result_error_key,
     result_key,
     result_meta_key,
     stop_marker_key,
@@ -247,22 +247,6 @@ class FlowRunner:
         job.failure = write_failure(
             self.store, job.spec.job_id, job.spec.attempt, error, stage.name
         )
-
-
-def write_failure(
-    store: ByteStore, job_id: str, attempt: int, error: FaceFlowError, stage: str
-) -> JobFailure:
-    """Log a job attempt's failure at ``stage`` and write its ``JobFailure`` record (the
-    relay reads it; if it cannot be written the relay finds no outcome: result_missing)."""
-    failure = JobFailure(
-        code=error.code, message=error.public_message, retryable=not error.permanent, stage=stage
-    )
-    get_run_logger().warning("Job %s attempt %d failed at %s: %s", job_id, attempt, stage, error)
-    try:
-        write_to(store, result_error_key(job_id, attempt), failure.model_dump_json().encode())
-    except FaceFlowError as exc:
-        get_run_logger().error("Job %s: outcome not stored: %s", job_id, exc)
-    return failure
 
 
 def run_jobs(

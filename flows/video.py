@@ -43,6 +43,7 @@ from blocks.storage import (
 )
 from flows.deadline import Deadline, StageGuard
 from flows.fuse import failed, tag_flow_run
+from flows.outcome import write_failure
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
@@ -52,7 +53,7 @@ from flows.params import (
     result_meta_key,
     video_chunk_key,
 )
-from flows.run import pipeline_context, write_failure
+from flows.run import pipeline_context
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext

@@ -154,6 +154,15 @@ class VideoAssemblyFailed(TransientError):
     default_message = "The video result could not be assembled."
 
 
+class RunBindingInvalid(PermanentError):
+    """The run's parameters do not carry a valid binding to their job (``flows.binding``):
+    they were changed after the relay signed them, or the run was not created by the relay.
+    The flow refuses the job before reading any input."""
+
+    code = "run_binding_invalid"
+    default_message = "The job's run was refused: its parameters were not issued for it."
+
+
 PERMANENT_CODES: frozenset[str] = frozenset(
     cls.code
     for cls in (
@@ -172,6 +181,7 @@ PERMANENT_CODES: frozenset[str] = frozenset(
         ModelUnavailable,
         ContentBlocked,
         DeadlineExceeded,
+        RunBindingInvalid,
     )
 )
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from flows.binding import DEV_RUN_SIGNING_KEY
 from tasks.options import ImageLimits
 
 DEV_API_KEY_PEPPER = "faceflow-development-pepper"
@@ -53,6 +54,12 @@ class Settings(BaseSettings):
     )
     api_key_pepper: SecretStr = Field(
         SecretStr(DEV_API_KEY_PEPPER), description="HMAC key under which API keys are hashed."
+    )
+    run_signing_key: SecretStr = Field(
+        SecretStr(DEV_RUN_SIGNING_KEY),
+        description="HMAC key under which the relay binds each flow run's parameters to its "
+        "job (flows.binding); the workers hold it too (FACEFLOW_RUN_SIGNING_KEY), with the "
+        "keys still accepted during a rotation in FACEFLOW_RUN_SIGNING_PREVIOUS_KEYS.",
     )
     allow_private_urls: bool = Field(
         False,
@@ -240,6 +247,8 @@ class Settings(BaseSettings):
                 raise SettingsError("set FACEFLOW_API_KEY_PEPPER: the default is for development")
             if self.allow_private_urls:
                 raise SettingsError("FACEFLOW_ALLOW_PRIVATE_URLS is for development only")
+            if self.run_signing_key.get_secret_value() in ("", DEV_RUN_SIGNING_KEY):
+                raise SettingsError("set FACEFLOW_RUN_SIGNING_KEY: the default is for development")
         return self
 
     @property

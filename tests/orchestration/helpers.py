@@ -20,14 +20,16 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import TaskRun
 
+from flows.binding import signed_parameters, worker_keys
 from tests.orchestration.conftest import BIN, REPO_ROOT, PrefectServer
 
 
 def job_params(
     source_key: str, target_key: str, *, seconds: float = 120.0, **extra: Any
 ) -> dict[str, Any]:
-    """Parameters of one job, as ``FuseFacesParams`` fields, deadline ``seconds`` from now."""
-    return {
+    """Parameters of one job, as ``FuseFacesParams`` fields, deadline ``seconds`` from now,
+    bound to the job as the relay binds them (``flows.binding``, this process's key)."""
+    params = {
         "job_id": str(uuid.uuid4()),
         "owner_id": "user-1",
         "source_key": source_key,
@@ -35,6 +37,7 @@ def job_params(
         "deadline_at": datetime.now(UTC) + timedelta(seconds=seconds),
         **extra,
     }
+    return signed_parameters(params, worker_keys()[0])
 
 
 def task_runs(flow_run_id: UUID | None) -> dict[str, TaskRun]:

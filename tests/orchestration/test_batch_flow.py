@@ -19,7 +19,9 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from blocks.settings import FusionSettings
 from blocks.storage import read_bytes, write_bytes
 from flows.batch import fuse_batch
+from flows.binding import signed_parameters, worker_keys
 from flows.params import (
+    DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     FuseBatchParams,
     JobFailure,
@@ -41,10 +43,16 @@ from tests.samples import (
 )
 
 
-def _batch(*jobs: dict[str, Any]) -> dict[str, Any]:
+def _batch(*jobs: dict[str, Any], settings_block: str = DEFAULT_SETTINGS_BLOCK) -> dict[str, Any]:
+    """A ``fuse-batch`` run's parameters, each job bound to the run's blocks."""
     for job in jobs:
         job.setdefault("attempt", 1)
-    params = {"jobs": list(jobs), "deadline_at": max(j["deadline_at"] for j in jobs)}
+        job.update(signed_parameters(job, worker_keys()[0], settings_block=settings_block))
+    params = {
+        "jobs": list(jobs),
+        "deadline_at": max(j["deadline_at"] for j in jobs),
+        "settings_block": settings_block,
+    }
     FuseBatchParams.model_validate(params)  # what the test sends is what the relay sends
     return params
 
@@ -176,8 +184,8 @@ def test_a_batch_whose_every_job_fails_still_completes(prefect_harness: Home) ->
 
 def test_a_batch_that_cannot_load_its_settings_fails_as_a_whole(prefect_harness: Home) -> None:
     grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
-    params = _batch(job_params(grace, grace))
-    state = fuse_batch(**params, settings_block="fusion-settings/absent", return_state=True)
+    params = _batch(job_params(grace, grace), settings_block="fusion-settings/absent")
+    state = fuse_batch(**params, return_state=True)
     assert state.is_failed()
     assert state.message is not None and state.message.startswith("[")
 
@@ -207,7 +215,7 @@ def test_only_the_jobs_that_chose_an_enhancer_are_enhanced(
     grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
     plain = job_params(astronaut, grace)
     enhanced = job_params(astronaut, grace, options={"enhancer": "gfpgan", "enhancer_blend": 1.0})
-    params = {**_batch(plain, enhanced), "settings_block": "fusion-settings/test-batch-enhancer"}
+    params = _batch(plain, enhanced, settings_block="fusion-settings/test-batch-enhancer")
 
     state = fuse_batch(**params, return_state=True)
 
@@ -226,7 +234,7 @@ def test_only_the_jobs_that_chose_an_enhancer_are_enhanced(
         for job_id, ref in refs.items()
     }
     alone = fuse_batch(
-        **{**_batch(job_params(astronaut, grace)), "settings_block": params["settings_block"]},
+        **_batch(job_params(astronaut, grace), settings_block=params["settings_block"]),
         return_state=True,
     )
     (alone_id,) = alone.result()
@@ -296,7 +304,7 @@ def test_on_the_cpu_two_jobs_are_moderated_and_checked_at_once(
             barrier = threading.Barrier(2, timeout=wait_s)
             monkeypatch.setattr(pipeline, name, meeting(name, stage, barrier))
         first, second = job_params(astronaut, grace), job_params(grace, astronaut)
-        params = {**_batch(first, second), "settings_block": f"fusion-settings/{block}"}
+        params = _batch(first, second, settings_block=f"fusion-settings/{block}")
 
         state = fuse_batch(**params, return_state=True)
 

@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from faceflow.supervisor import Service
+from flows.binding import sign, worker_keys
 from flows.params import (
     BATCH_DEPLOYMENT_NAME,
     BATCH_FLOW_NAME,
@@ -82,6 +83,8 @@ def webapi_parameters(job_id: str, source_key: str, target_key: str) -> dict[str
         deadline_at=datetime.now(UTC) + timedelta(minutes=5),
         attempt=1,
     )
+    # Bound to the job as the relay binds it (flows.binding).
+    params = params.model_copy(update={"binding": sign(params, worker_keys()[0])})
     dumped = params.model_dump(mode="json")
     dumped["options"] = params.options.model_dump(mode="json", exclude_unset=True)
     return dumped

@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from webapi.config import Settings
 from webapi.db import dispose_engines, get_engine
 from webapi.main import create_app
 from webapi.migrations import upgrade
+from webapi.relay.context import Relay
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 TABLES_CHILD_FIRST = ("webhook_deliveries", "outbox", "jobs", "api_keys", "users")
@@ -189,3 +190,55 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
     settings point at it while the session lasts."""
     with stand_in_server(tmp_path_factory.mktemp("prefect-home")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def batch_blocks(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default blocks on the test server (storage under a session home) and the real
+    ``fuse-batch`` deployment; the storage directory the flows run in-process and the relay
+    share (one per session: the storage block is saved once)."""
+    from blocks import init_default_blocks
+    from flows.batch import fuse_batch
+    from flows.params import BATCH_DEPLOYMENT_NAME
+
+    home = tmp_path_factory.mktemp("batch-home")
+    saved = init_default_blocks(home)
+    fuse_batch.to_deployment(name=BATCH_DEPLOYMENT_NAME).apply()
+    return saved.storage_path
+
+
+@pytest.fixture
+def flow_relays(
+    engine: Engine,
+    database_url: str,
+    tmp_path: Path,
+    prefect_server: PrefectServer,
+    batch_blocks: Path,
+) -> Iterator[Callable[..., Relay]]:
+    """Make relays on the test Prefect server whose store is the flows' own storage
+    (``batch_blocks``), for tests that run the real flows in-process; keyword arguments are
+    settings. Every relay made is closed after the test."""
+    from dataclasses import replace
+
+    from tests.webapi.relay_harness import FAST, SCRIPT
+    from webapi.relay.runner import build_relay
+    from webapi.storage import LocalObjectStore
+
+    made: list[Relay] = []
+
+    def make(**overrides: Any) -> Relay:
+        settings = make_settings(
+            database_url, tmp_path, prefect_api_url=prefect_server.api_url, **overrides
+        )
+        store = LocalObjectStore(batch_blocks)
+        SCRIPT.storage_dir = store.basepath  # the stand-in fuse-faces flow writes there too
+        made.append(
+            build_relay(
+                settings, engine=engine, store=store, timings=replace(FAST, running_grace_s=30.0)
+            )
+        )
+        return made[-1]
+
+    yield make
+    for relay in made:
+        relay.close()

@@ -32,7 +32,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from faceflow.supervisor import Service
-from flows.params import ResultRef, result_key, result_meta_key
+from flows.params import JobFailure, ResultRef, result_error_key, result_key, result_meta_key
+from tasks.errors import FaceFlowError
 from tasks.report import FaceQuality, FuserSettings, PoseAngles, QualityReport
 from tests.webapi.utils import image_bytes, new_job, source_jpeg, target_jpeg
 from webapi import crud
@@ -238,14 +239,40 @@ def fuse_faces_body(
     attempt: int = 1,
     storage_block: str = "local-file-system/faceflow-storage",
     settings_block: str = "fusion-settings/default",
+    binding: str | None = None,
 ) -> dict[str, Any]:
-    """The stand-in flow's body: FuseFacesParams fields in, a ResultRef out."""
+    """The stand-in flow's body: FuseFacesParams fields in, a ResultRef out; a failure is
+    recorded in storage as the real flow records it (``JobFailure``), then raised."""
+    from prefect.runtime import flow_run
+
     from tasks.errors import NoFaceFound
 
     behaviour = SCRIPT.behaviours.get(job_id, "succeed")
     if behaviour == "fail":
-        raise NoFaceFound(detail="stand-in flow told to fail")
+        error = NoFaceFound(detail="stand-in flow told to fail")
+        write_failure(SCRIPT.storage(), job_id, attempt, error, flow_run.get_id())
+        raise error
     return write_result(SCRIPT.storage(), job_id, attempt).model_dump()
+
+
+def write_failure(
+    storage_dir: Path,
+    job_id: str,
+    attempt: int,
+    error: FaceFlowError,
+    flow_run_id: str | None,
+) -> JobFailure:
+    """What the real flow leaves in storage on failure: the attempt's ``JobFailure``."""
+    failure = JobFailure(
+        code=error.code,
+        message=error.public_message,
+        retryable=not error.permanent,
+        flow_run_id=flow_run_id,
+    )
+    path = storage_dir / result_error_key(job_id, attempt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(failure.model_dump_json().encode())
+    return failure
 
 
 _FLOWS: dict[str, Any] = {}
@@ -308,15 +335,16 @@ def stand_in_server(home: Path, auth_string: str | None = None) -> Iterator[Pref
         server.stop()
 
 
-def execute_run(flow_run_id: str) -> str:
-    """Run an existing flow run in this process, as a worker would; returns its final state
-    type. Must run where the Prefect settings context points at the test server."""
+def execute_run(flow_run_id: str, flow: Any = None) -> str:
+    """Run an existing flow run in this process, as a worker would (with ``flow``, default
+    the stand-in); returns its final state type. Must run where the Prefect settings
+    context points at the test server."""
     from prefect.client.orchestration import get_client
     from prefect.flow_engine import run_flow
 
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(uuid.UUID(flow_run_id))
-    state = run_flow(stand_in_flow(), flow_run=flow_run, return_type="state")
+    state = run_flow(flow or stand_in_flow(), flow_run=flow_run, return_type="state")
     return str(state.type.value)  # type: ignore[union-attr]
 
 

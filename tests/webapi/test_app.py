@@ -59,8 +59,15 @@ def test_production_refuses_development_secrets(tmp_path: Path) -> None:
                 "allow_private_urls": True,
             }
         )
+    with pytest.raises(ValueError, match="RUN_SIGNING_KEY"):
+        Settings.model_validate({"environment": "production", "api_key_pepper": "s3cret-pepper"})
     ok = Settings.model_validate(
-        {"environment": "production", "api_key_pepper": "s3cret-pepper", "home": tmp_path}
+        {
+            "environment": "production",
+            "api_key_pepper": "s3cret-pepper",
+            "run_signing_key": "s3cret-run-key",
+            "home": tmp_path,
+        }
     )
     assert ok.database_url == f"sqlite:///{(tmp_path / 'webapi.db').resolve()}"
     assert ok.storage_url == (tmp_path / "storage").resolve().as_uri()

@@ -386,7 +386,12 @@ def test_sync_maps_completed_failed_cancelled_and_running(
     failed = job(relay.engine, bad)
     assert failed.status is JobStatus.failed and failed.error_code == "no_face_found"
     assert failed.error_message == "No face was found in the image."
-    assert job(relay.engine, stopped).status is JobStatus.cancelled
+    # Cancelled without a cancel request and with no outcome of its own: a lost run.
+    lost = job(relay.engine, stopped)
+    assert lost.status is JobStatus.queued and lost.flow_run_id is None
+    assert ("dispatch", 2) in [
+        (r.kind, r.payload.get("attempt")) for r in outbox_of(relay.engine, stopped)
+    ]
     running = job(relay.engine, busy)
     assert running.status is JobStatus.running and running.stage == "detect"
     assert job(relay.engine, staged).stage == "fuse"

@@ -19,6 +19,7 @@ import pytest
 
 from bench.warm_worker import FINAL, PrefectRest
 from faceflow.supervisor import Service
+from flows.binding import signed_parameters, worker_keys
 from tests.orchestration.conftest import Home, PrefectServer, free_port, prefect_server
 
 __all__ = ["prefect_server"]  # the orchestration tests' server fixture, shared here
@@ -76,9 +77,11 @@ def prefect_api(prefect_server: PrefectServer) -> Api:
 
 
 def fuse_params(source_key: str, target_key: str, **extra: Any) -> dict[str, Any]:
-    """``fuse-faces`` parameters of a fresh job (deadline ten minutes away: 2 busy cores)."""
+    """``fuse-faces`` parameters of a fresh job (deadline ten minutes away: 2 busy cores),
+    bound to the job as the relay binds them (``flows.binding``: the workers started here
+    hold this process's key)."""
     deadline = datetime.now(UTC) + timedelta(minutes=10)
-    return {
+    params = {
         "job_id": str(uuid.uuid4()),
         "owner_id": "owner-1",
         "source_key": source_key,
@@ -86,6 +89,7 @@ def fuse_params(source_key: str, target_key: str, **extra: Any) -> dict[str, Any
         "deadline_at": deadline.isoformat(),
         **extra,
     }
+    return signed_parameters(params, worker_keys()[0])
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,6 @@ import sqlalchemy as sa
 from sqlmodel import col, select
 
 from flows.params import FuseBatchParams, JobAttempt, stop_marker_key
-from tasks.options import FusionOptions
 from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, Priority, utcnow
 from webapi.prefect_api import PrefectRejected, PrefectUnavailable
@@ -215,7 +214,7 @@ def send(relay: Relay, chunk: Chunk) -> bool:
         return True
     latest = max(plan.deadline_at for plan in members)
     params = FuseBatchParams(
-        jobs=[_attempt(plan) for plan in members],
+        jobs=[dispatch.bound_attempt(relay, plan, JobAttempt) for plan in members],
         deadline_at=latest,
         storage_block=dispatch.DEFAULT_STORAGE_BLOCK,
         settings_block=dispatch.DEFAULT_SETTINGS_BLOCK,
@@ -244,19 +243,6 @@ def send(relay: Relay, chunk: Chunk) -> bool:
     relay.outage.dispatched()
     record(relay, chunk, members, uuid.UUID(run.id), params)
     return True
-
-
-def _attempt(plan: Plan) -> JobAttempt:
-    assert plan.source_key is not None and plan.target_key is not None
-    return JobAttempt(
-        job_id=str(plan.job_id),
-        owner_id=str(plan.owner_id),
-        source_key=plan.source_key,
-        target_key=plan.target_key,
-        options=FusionOptions.model_validate(plan.options),
-        deadline_at=plan.deadline_at,
-        attempt=plan.attempt,
-    )
 
 
 def _members(relay: Relay, chunk: Chunk, key: str) -> list[Plan]:

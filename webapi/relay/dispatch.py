@@ -22,15 +22,17 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlmodel import Session, col, select
 
+from flows import binding
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     FuseFacesParams,
+    JobAttempt,
 )
 from tasks.options import FusionOptions
 from webapi.jobstate import transition
@@ -48,6 +50,8 @@ COUNTER = "faceflow_relay_dispatches_total"
 INPUTS_STORED: sa.ColumnElement[bool] = sa.and_(
     col(Job.source_key).is_not(None), col(Job.target_key).is_not(None)
 )
+
+Attempt = TypeVar("Attempt", bound=JobAttempt)
 
 
 @dataclass(frozen=True)
@@ -184,17 +188,10 @@ def ready(relay: Relay, row: Outbox, plan: Plan) -> Plan | None:
 def send_single(relay: Relay, row: Outbox, plan: Plan) -> bool:
     """Create the ``fuse-faces`` run of one job attempt and record it; False when Prefect
     was unreachable (the row is deferred)."""
-    assert plan.source_key is not None and plan.target_key is not None
-    params = FuseFacesParams(
-        job_id=str(plan.job_id),
-        owner_id=str(plan.owner_id),
-        source_key=plan.source_key,
-        target_key=plan.target_key,
-        options=FusionOptions.model_validate(plan.options),
-        deadline_at=plan.deadline_at,
-        attempt=plan.attempt,
-        extra_source_keys=list(plan.extra_source_keys),
-        reference_keys=list(plan.reference_keys),
+    params = bound_attempt(
+        relay,
+        plan,
+        FuseFacesParams,
         storage_block=DEFAULT_STORAGE_BLOCK,
         settings_block=DEFAULT_SETTINGS_BLOCK,
     )
@@ -210,6 +207,32 @@ def send_single(relay: Relay, row: Outbox, plan: Plan) -> bool:
     relay.outage.dispatched()
     _record_run(relay, row, plan, uuid.UUID(run.id))
     return True
+
+
+def bound_attempt(relay: Relay, plan: Plan, model: type[Attempt], **blocks: str) -> Attempt:
+    """The parameters of ``plan``'s job attempt as ``model`` (``FuseFacesParams``, or a
+    ``JobAttempt`` of a batch), signed for the default storage and settings blocks
+    (``flows.binding``): the flow refuses them if anyone changes them."""
+    assert plan.source_key is not None and plan.target_key is not None
+    job = model(
+        job_id=str(plan.job_id),
+        owner_id=str(plan.owner_id),
+        source_key=plan.source_key,
+        target_key=plan.target_key,
+        options=FusionOptions.model_validate(plan.options),
+        deadline_at=plan.deadline_at,
+        attempt=plan.attempt,
+        extra_source_keys=list(plan.extra_source_keys),
+        reference_keys=list(plan.reference_keys),
+        **blocks,
+    )
+    signature = binding.sign(
+        job,
+        relay.settings.run_signing_key.get_secret_value(),
+        storage_block=DEFAULT_STORAGE_BLOCK,
+        settings_block=DEFAULT_SETTINGS_BLOCK,
+    )
+    return job.model_copy(update={"binding": signature})
 
 
 def work_queue(relay: Relay, plan: Plan) -> str | None:

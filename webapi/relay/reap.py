@@ -6,6 +6,9 @@ The old run is cancelled (a ``cancel_run`` outbox row, written in the same trans
 and the job either goes back to ``queued`` with a new ``dispatch`` row for attempt n+1 —
 when attempts remain and the time left exceeds the expected cost of an attempt — or fails
 with ``worker_lost`` / ``deadline_exceeded``. Clearing ``flow_run_id`` fences the old run.
+A run that ended (``Failed``, ``Cancelled``, ``Completed``) without storing an outcome for
+the job was ended by someone else: ``sync`` takes it as lost the same way
+(``retry_or_fail``, reason ``no_outcome``).
 
 Cancellation: ``cancel_run`` outbox rows set the run CANCELLED (not started) or
 CANCELLING (running); a ``cancel_requested`` job becomes ``cancelled`` when its run is

@@ -6,13 +6,15 @@ pass, every ``sync_interval_s``). Mapping:
 - PENDING / RUNNING → ``running`` (``started_at``; ``stage`` from the run's progress
   artifact ``Stage i/n: <name> ...``, as fuse-faces writes it, or a state message
   ``stage: <name>``; one batched artifact query per pass);
-- COMPLETED → the ``ResultRef`` sidecar (``flows.params.result_meta_key``) is read from
-  storage → ``succeeded`` with the result and ``stage`` = the flow's last stage (the
-  progress artifact is written lazily and may lag behind a run that finished); a job of a
-  ``fuse-batch`` run without one has a ``JobFailure`` (``result_error_key``) instead →
-  ``failed`` with its code, or re-dispatched when it is retryable (``settle``);
-- FAILED → ``failed`` with the code of the flow's ``[code] message`` (``tasks.errors``);
-- CANCELLED → ``cancelled``;
+- COMPLETED, FAILED, CANCELLED → the outcome the flow stored for the job's attempt, and
+  nothing else (``settle``): its ``ResultRef`` sidecar (``flows.params.result_meta_key``)
+  → ``succeeded`` with the result and ``stage`` = the flow's last stage (the progress
+  artifact is written lazily and may lag behind a run that finished); its ``JobFailure``
+  (``result_error_key``, from the run the job holds) → ``failed`` with its code, or
+  re-dispatched when it is retryable. A final run that stored neither was ended by someone
+  else (another client of the Prefect API, an operator): a cancel-requested job is then
+  ``cancelled``, any other is a lost run, re-dispatched or failed ``worker_lost`` as the
+  reaper does (``reap.retry_or_fail``). A state's message never decides an outcome;
 - CRASHED, lost runs and overdue runs are the reaper's (``webapi.relay.reap``).
 
 Every write is conditional on the job's current ``flow_run_id``: a stale run never writes.
@@ -49,7 +51,6 @@ log = logging.getLogger(__name__)
 
 WATCH_LIMIT = 5000
 COUNTER = "faceflow_relay_transitions_total"
-_CODE = re.compile(r"\[([a-z][a-z0-9_]{1,63})\]")
 _STAGE = re.compile(r"^\s*stage\s*[:=]\s*([A-Za-z][\w-]{0,31})")
 _PROGRESS = re.compile(r"^\s*Stage \d+/\d+:\s*([A-Za-z][\w-]{0,31})")
 ENDED_FROM = frozenset({JobStatus.queued, JobStatus.running, JobStatus.cancel_requested})
@@ -136,13 +137,8 @@ def apply_run_state(relay: Relay, job: Watched, run: FlowRun, progress: str | No
     state = run.state_type
     if state in (StateType.PENDING, StateType.RUNNING):
         return _started(relay, job, stage_of(run, progress))
-    if state is StateType.COMPLETED:
-        return _completed(relay, job, run)
-    if state is StateType.FAILED:
-        code, message = failure_of(run)
-        return _end(relay, job, JobStatus.failed, error_code=code, error_message=message)
-    if state is StateType.CANCELLED:
-        return _end(relay, job, JobStatus.cancelled)
+    if state in (StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED):
+        return _ended(relay, job, run)
     return False  # SCHEDULED, PAUSED, CANCELLING: wait; CRASHED: the reaper's
 
 
@@ -151,19 +147,6 @@ def stage_of(run: FlowRun, progress: str | None = None) -> str | None:
     progress artifact (``Stage 2/6: detect (attempt 1).``)."""
     match = _STAGE.match(run.state_message or "") or _PROGRESS.match(progress or "")
     return match.group(1).lower() if match else None
-
-
-def failure_of(run: FlowRun) -> tuple[str, str]:
-    """``(error_code, public message)`` of a FAILED run, from its ``[code] ...`` message."""
-    message = run.state_message or ""
-    if run.state_name == "TimedOut":
-        return (
-            pipeline_errors.DeadlineExceeded.code,
-            pipeline_errors.DeadlineExceeded.default_message,
-        )
-    match = _CODE.search(message)
-    code = match.group(1) if match else pipeline_errors.FaceFlowError.code
-    return code, PUBLIC_MESSAGES.get(code, pipeline_errors.FaceFlowError.default_message)
 
 
 def _error_classes(base: type[pipeline_errors.FaceFlowError]) -> list[type[Any]]:
@@ -190,30 +173,32 @@ def _started(relay: Relay, job: Watched, stage: str | None) -> bool:
     return False
 
 
-def _completed(relay: Relay, job: Watched, run: FlowRun) -> bool:
+def _ended(relay: Relay, job: Watched, run: FlowRun) -> bool:
+    """A final run: the outcome its flow stored, else cancelled (asked for) or lost."""
     settled = settle(relay, job, run)
     if settled is not None:
         return settled
-    log.error("completed run without result", extra={"job_id": str(job.job_id)})
-    return _end(
-        relay,
-        job,
-        JobStatus.failed,
-        error_code="result_missing",
-        error_message="The job finished but its result could not be found.",
+    if job.status is JobStatus.cancel_requested:
+        return _end(relay, job, JobStatus.cancelled)
+    log.warning(
+        "run ended without an outcome: taken as lost",
+        extra={"job_id": str(job.job_id), "state": run.state_type.value},
     )
+    from webapi.relay.reap import retry_or_fail  # reap builds on sync
+
+    return retry_or_fail(relay, job, run, reason="no_outcome", now=utcnow())
 
 
 def settle(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
     """Apply the outcome the flow stored for ``job``'s current attempt: its ``ResultRef``
-    (succeeded) or, from a batch, its ``JobFailure`` (failed; a retryable failure is
-    re-dispatched while attempts and time remain). Returns whether the job changed, or
-    None when the attempt stored neither (False, to try again, when storage is down)."""
+    (succeeded) or its ``JobFailure`` (failed; a retryable failure is re-dispatched while
+    attempts and time remain). Returns whether the job changed, or None when the attempt
+    stored neither (False, to try again, when storage is down)."""
     key = result_meta_key(str(job.job_id), job.attempts)
     try:
         ref = ResultRef.model_validate_json(relay.store.get(key))
     except ObjectNotFound:
-        return _failed_in_batch(relay, job, run)
+        return _failed(relay, job, run)
     except ValidationError:
         return _end(
             relay,
@@ -243,7 +228,7 @@ def settle(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
     )
 
 
-def _failed_in_batch(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
+def _failed(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
     key = result_error_key(str(job.job_id), job.attempts)
     try:
         failure = JobFailure.model_validate_json(relay.store.get(key))
@@ -252,6 +237,11 @@ def _failed_in_batch(relay: Relay, job: Watched, run: FlowRun | None) -> bool | 
     except StorageError as exc:
         log.warning("outcome not readable yet", extra={"job_id": str(job.job_id), "e": str(exc)})
         return False
+    if failure.flow_run_id is not None and failure.flow_run_id != str(job.flow_run_id):
+        # Written by a run the job does not hold (one created over the Prefect API with this
+        # job's id): not this job's outcome.
+        log.warning("failure from another run ignored", extra={"job_id": str(job.job_id)})
+        return None
     code = failure.code
     message = PUBLIC_MESSAGES.get(code, pipeline_errors.FaceFlowError.default_message)
     if failure.retryable:
