@@ -49,7 +49,7 @@ from flows.params import (
     result_key,
     run_tags,
 )
-from flows.storage_tasks import load_more_task, load_task, store_task
+from flows.storage_tasks import load_task, store_task
 from tasks import pipeline
 from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.gpu import gpu_stats
@@ -235,9 +235,8 @@ def _fuse(
     try:
         ctx = pipeline_context(settings)
         with run.stage("load") as guard:
-            source, target = guard.run(load_task, storage_block, source_key, target_key, ctx)
-            more_keys = [*extra_source_keys, *reference_keys]
-            more = guard.run(load_more_task, storage_block, more_keys, ctx) if more_keys else []
+            keys = [source_key, target_key, *extra_source_keys, *reference_keys]
+            source, target, *more = guard.run(load_task, storage_block, keys, ctx)
         extra_sources, references = more[: len(extra_source_keys)], more[len(extra_source_keys) :]
         flags: list[str] = []
         if ctx.moderation.checks_inputs:
