@@ -156,3 +156,19 @@ def test_a_child_skips_the_rename_only_when_the_run_has_the_name_already() -> No
     assert child.named_already(fuse_faces, other) is fuse_faces
     missing = SimpleNamespace(parameters={}, name="job-1")
     assert child.named_already(fuse_faces, missing) is fuse_faces
+
+
+def test_release_memory_returns_freed_heap_pages_to_the_os() -> None:
+    from faceflow.worker.child import rss_mb
+    from faceflow.worker.memory import release_memory
+
+    release_memory()
+    blocks = [bytes(10_000) for _ in range(20_000)]  # 200 MB of heap blocks
+    pin = bytes(10_000)  # allocated after them: free() alone cannot shrink the heap
+    peak = rss_mb()
+    del blocks
+    assert rss_mb() > peak - 50  # freed, but kept by the allocator
+    assert release_memory() is True  # glibc here: pages were returned
+    assert rss_mb() < peak - 150
+    assert release_memory() in (True, False)  # nothing left to return: still no error
+    del pin
