@@ -18,7 +18,6 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
-
 _PINNED: list[bytes] = []
 
 
