@@ -89,3 +89,12 @@ def t1_jpeg_bytes() -> bytes:
 
 def no_face_jpeg_bytes() -> bytes:
     return encode(no_face_rgb(), "JPEG", quality=90)
+
+
+@cache
+def flat_png(width: int, height: int, level: int = 128) -> bytes:
+    """A PNG of one grey level: a few dozen KB that decode to ``width x height`` RGB pixels
+    (8000 x 5000: 40 MP, 120 MB decoded, from ≈ 40 KB; the memory amplification of issue 22)."""
+    buf = io.BytesIO()
+    Image.new("L", (width, height), level).save(buf, format="PNG")
+    return buf.getvalue()

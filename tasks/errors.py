@@ -62,6 +62,21 @@ class ImageTooLarge(InvalidInput):
     default_message = "The image exceeds the size limits."
 
 
+class JobTooLarge(ImageTooLarge):
+    """The job's images together decode to more pixels than a job may hold."""
+
+    code = "job_too_large"
+    default_message = "The job's images together exceed the pixel budget of a job."
+
+
+class OverBatchBudget(TransientError):
+    """The job's images did not fit in the pixel budget of the batch run it was sent in
+    (the relay plans batches within it: it is sent again in another run)."""
+
+    code = "over_batch_budget"
+    default_message = "The job did not fit in the memory budget of the batch it was sent in."
+
+
 class ImageTooSmall(InvalidInput):
     """The image is too small to hold a face."""
 
@@ -169,6 +184,7 @@ PERMANENT_CODES: frozenset[str] = frozenset(
         InvalidInput,
         UnsupportedFormat,
         ImageTooLarge,
+        JobTooLarge,
         ImageTooSmall,
         InvalidVideo,
         UnsupportedVideo,

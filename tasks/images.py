@@ -42,6 +42,11 @@ class ImageInfo:
     width: int
     height: int
 
+    @property
+    def pixels(self) -> int:
+        """Width x height: what the image decodes to (3 bytes each as RGB)."""
+        return self.width * self.height
+
 
 def sniff_format(data: bytes) -> InputFormat:
     """The format named by the magic bytes; anything but JPEG, PNG or WebP is refused."""

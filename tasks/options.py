@@ -16,6 +16,8 @@ from pydantic import (
     model_validator,
 )
 
+from tasks.errors import JobTooLarge
+
 DetectorName = Literal["mtcnn", "scrfd"]
 FuserName = Literal["classic", "inswapper"]
 OutputFormat = Literal["png", "jpeg", "webp"]
@@ -35,7 +37,9 @@ CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp
 
 
 class ImageLimits(BaseModel):
-    """Bounds on every input image, checked before a full decode."""
+    """Bounds on every input image, and on a job's and a batch's images together (their
+    decoded pixels bound a worker's memory: 3 bytes each as RGB, a few times that in the
+    pipeline's copies), checked from the headers before any pixel is decoded."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -46,6 +50,32 @@ class ImageLimits(BaseModel):
         int, Field(gt=0, description="Largest accepted width x height (decompression bombs).")
     ] = 40_000_000
     min_side: Annotated[int, Field(gt=0, description="Smallest accepted width or height.")] = 16
+    max_job_pixels: Annotated[
+        int,
+        Field(
+            gt=0,
+            description="Most decoded pixels of one job's images together (sources, references "
+            "and target): what a worker holds for the job. Three images at max_pixels.",
+        ),
+    ] = 120_000_000
+    max_batch_pixels: Annotated[
+        int,
+        Field(
+            gt=0,
+            description="Most decoded pixels of the jobs that share one fuse-batch run: the "
+            "relay closes a batch before it, the flow sends a job past it back to the relay.",
+        ),
+    ] = 240_000_000
+
+    def check_job_pixels(self, pixels: int) -> None:
+        """Refuse a job whose images decode to more than ``max_job_pixels`` together
+        (``JobTooLarge``, permanent)."""
+        if pixels > self.max_job_pixels:
+            raise JobTooLarge(
+                f"The job's images decode to {pixels / 1e6:.1f} megapixels together, over "
+                f"the budget of {self.max_job_pixels / 1e6:.1f} per job.",
+                detail=f"{pixels} pixels > {self.max_job_pixels}",
+            )
 
 
 class VideoLimits(BaseModel):

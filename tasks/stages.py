@@ -23,7 +23,8 @@ from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from tasks import pipeline
 from tasks.batch import Each, as_error, each, shared
-from tasks.errors import FaceFlowError
+from tasks.errors import FaceFlowError, OverBatchBudget
+from tasks.images import probe_image
 from tasks.options import FusionOptions
 from tasks.pipeline import Aligned, Beside, Detections, Fused, PipelineContext, stage_workers
 from tasks.report import QualityReport
@@ -156,14 +157,28 @@ class Stage:
 
 
 def load_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
-    """Read and decode each job's inputs (bounded by ``ctx.limits``), on ``cpu_threads``."""
+    """Read each job's inputs and decode them (bounded by ``ctx.limits``), on
+    ``cpu_threads``. Before any pixel is decoded, from the headers: a job's images together
+    must fit ``max_job_pixels`` (``JobTooLarge``), and the run decodes at most
+    ``max_batch_pixels`` in the jobs' order (the first always fits): the relay plans batches
+    within it, so a job past it (a relay with a larger budget than this worker's) ends with
+    ``OverBatchBudget``, transient: the relay sends it again in another run."""
+    read = each(lambda work: _read_job(work, ctx), works, threads=ctx.cpu_threads)
+    fits = within_budget(
+        [r.value[1] if r.value is not None else None for r in read], ctx.limits.max_batch_pixels
+    )
+    admitted = [
+        (work, r.value[0])
+        for work, r, ok in zip(works, read, fits, strict=True)
+        if ok and r.value is not None
+    ]
 
-    def load(work: Work) -> None:
-        data = work.io.read()
-        decode = pipeline.decode_stage
-        source, target = decode(data.source, ctx), decode(data.target, ctx)
-        extra = [decode(d, ctx) for d in data.extra_sources]
-        references = [decode(d, ctx) for d in data.references]
+    def decode(item: tuple[Work, InputBytes]) -> None:
+        work, data = item
+        decode_one = pipeline.decode_stage
+        source, target = decode_one(data.source, ctx), decode_one(data.target, ctx)
+        extra = [decode_one(d, ctx) for d in data.extra_sources]
+        references = [decode_one(d, ctx) for d in data.references]
         work.source, work.target, work.extra_sources, work.references = (
             source,
             target,
@@ -171,7 +186,40 @@ def load_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
             references,
         )
 
-    return each(load, works, threads=ctx.cpu_threads)
+    decoded = iter(each(decode, admitted, threads=ctx.cpu_threads))
+    outcomes: list[Each[None]] = []
+    for r, ok in zip(read, fits, strict=True):
+        if r.value is None:
+            outcomes.append(Each(None, r.error, r.ms))
+        elif not ok:
+            detail = f"{r.value[1]} pixels past {ctx.limits.max_batch_pixels} in the run"
+            outcomes.append(Each(None, OverBatchBudget(detail=detail), r.ms))
+        else:
+            done = next(decoded)
+            outcomes.append(Each(None, done.error, r.ms + done.ms))
+    return outcomes
+
+
+def _read_job(work: Work, ctx: PipelineContext) -> tuple[InputBytes, int]:
+    """A job's encoded inputs and the pixels they decode to together, checked against
+    ``max_job_pixels`` from the headers."""
+    data = work.io.read()
+    encoded = [data.source, data.target, *data.extra_sources, *data.references]
+    pixels = sum(probe_image(one, ctx.limits).pixels for one in encoded)
+    ctx.limits.check_job_pixels(pixels)
+    return data, pixels
+
+
+def within_budget(pixels: Sequence[int | None], budget: int) -> list[bool]:
+    """Which jobs (their pixels; None for a job already ended) a run may decode, in order,
+    without passing ``budget`` together: each job that still fits (the first always does)."""
+    fits: list[bool] = []
+    total = 0
+    for count in pixels:
+        ok = count is not None and (total == 0 or total + count <= budget)
+        total += count if ok and count is not None else 0
+        fits.append(ok)
+    return fits
 
 
 def moderate_inputs_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:

@@ -40,7 +40,7 @@ from webapi.errors import (
     QuotaExceeded,
     Unauthorized,
 )
-from webapi.inputs import InputRef
+from webapi.inputs import InputRef, job_pixels
 from webapi.jobstate import transition
 from webapi.models import (
     ACTIVE_STATUSES,
@@ -334,10 +334,14 @@ class Submission:
     """When the inputs were stored (before the existence check that may skip the upload):
     a retention pass that deleted one of them since then forces a new upload."""
 
+    @property
+    def inputs(self) -> tuple[InputRef, ...]:
+        """Every input: source, target, a mapping's other sources and references."""
+        return (self.source, self.target, *self.extra_sources, *self.references)
+
     def input_keys(self) -> list[str]:
         """Storage keys of every stored input (URL inputs have none yet)."""
-        refs = (self.source, self.target, *self.extra_sources, *self.references)
-        return [ref.key for ref in refs if ref.key]
+        return [ref.key for ref in self.inputs if ref.key]
 
 
 @dataclass(frozen=True)
@@ -632,6 +636,7 @@ def _new_job(
             if submission.extra_sources or submission.references
             else None
         ),
+        input_pixels=job_pixels(submission.inputs, settings.image_limits),
         options=create.options.as_sent(),
         priority=lane,
         input_retention_s=_or(owner.input_retention_s, settings.input_retention_seconds),

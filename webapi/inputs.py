@@ -18,6 +18,7 @@ import hashlib
 import io
 import struct
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flows.params import input_key
@@ -43,6 +44,18 @@ class InputRef:
     url: str | None = None
     width: int | None = None
     height: int | None = None
+
+    @property
+    def pixels(self) -> int | None:
+        """What the image decodes to (width x height); None until its header was read."""
+        return self.width * self.height if self.width and self.height else None
+
+
+def job_pixels(refs: Iterable[InputRef], limits: ImageLimits) -> int:
+    """The pixels a job's inputs decode to together: each image's width x height, and the
+    per-image limit for one whose size is not known yet (a URL the relay fetches later),
+    so the sum bounds what a worker decodes for the job."""
+    return sum(limits.max_pixels if ref.pixels is None else ref.pixels for ref in refs)
 
 
 def decode_data_uri(uri: str, *, name: str, max_bytes: int) -> bytes:

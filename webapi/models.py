@@ -255,6 +255,14 @@ class Job(JobBase, table=True):
         description="Storage keys of a per-face mapping's other images: 'sources' (after "
         "the first) and 'references'.",
     )
+    input_pixels: int | None = Field(
+        default=None,
+        ge=0,
+        sa_type=sa.BigInteger,
+        description="Pixels the job's images decode to together (webapi.inputs.job_pixels); "
+        "the batch planner's measure. NULL on jobs from before it: counted as the per-job "
+        "budget.",
+    )
 
     options: dict[str, Any] = Field(
         default_factory=dict, sa_type=JSON, description="FusionOptions.model_dump(mode='json')."

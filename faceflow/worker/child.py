@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from faceflow.worker.memory import release_memory
 from faceflow.worker.protocol import (
     ChildSpec,
     Ready,
@@ -205,6 +206,7 @@ class WarmChild:
             error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
         self.runs_done += 1
+        release_memory()  # a large job's freed images go back to the OS, not to the heap
         return RunFinished(
             flow_run_id=request.flow_run_id,
             state_type=state_type,

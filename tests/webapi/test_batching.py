@@ -161,6 +161,22 @@ def test_runs_in_flight_hold_jobs_back_until_a_run_ends(
     assert sorted(j.job_id for j in batch.jobs) == sorted(str(j.id) for j in waiting)
 
 
+def test_a_batch_run_holds_at_most_the_batch_pixel_budget(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """Four jobs of 0.57 MP each (512 x 600 source, 512 x 512 target) under a batch budget
+    of 1.2 MP leave in one pass as two runs of two (``jobs.input_pixels``)."""
+    limits = relay.settings.image_limits.model_copy(update={"max_batch_pixels": 1_200_000})
+    budgeted = replace(relay, settings=relay.settings.model_copy(update={"image_limits": limits}))
+    jobs = [_submit(relay, owner) for _ in range(4)]
+    assert {job(relay.engine, j.id).input_pixels for j in jobs} == {512 * 600 + 512 * 512}
+    assert dispatch.run_once(budgeted) == 4
+    runs = [job(relay.engine, j.id).flow_run_id for j in jobs]
+    assert None not in runs and len(set(runs)) == 2
+    for run_id in set(runs):
+        assert len(_batch_of(prefect_server, run_id).jobs) == 2
+
+
 def test_a_lane_never_has_more_runs_in_flight_than_it_may(
     relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
 ) -> None:

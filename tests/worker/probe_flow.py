@@ -18,6 +18,21 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
+_PINNED: list[bytes] = []
+
+
+def _hold_heap(mb: int) -> float:
+    """Allocate ``mb`` MB in 10 KB blocks (malloc's heap, not mmap) and free them all
+    but one allocated after them, which stays (pinning the top of the heap, as a large
+    job's long-lived objects do, so ``free`` alone gives nothing back); the RSS (MiB) then."""
+    from faceflow.worker.child import rss_mb
+
+    blocks = [bytes(10_000) for _ in range(mb * 100)]
+    _PINNED.append(bytes(10_000))
+    peak = rss_mb()
+    del blocks
+    return peak
+
 
 @flow(name="warm-probe", persist_result=False)
 def warm_probe(
@@ -26,9 +41,11 @@ def warm_probe(
     c_sleep_s: float = 0.0,
     block_sigterm: bool = False,
     fuse: bool = True,
+    heap_mb: int = 0,
 ) -> str:
     """Fuse the sample photos (unless ``fuse`` is false), optionally blocking in C first
-    (with SIGTERM blocked when ``block_sigterm``, so only SIGKILL can stop it)."""
+    (with SIGTERM blocked when ``block_sigterm``, so only SIGKILL can stop it); with
+    ``heap_mb``, hold that much heap and free it (``_hold_heap``) before returning."""
     first_line = time.time()
     run_id = str(flow_run.id)
     out = Path(out_dir)
@@ -53,6 +70,8 @@ def warm_probe(
         (out / f"{run_id}.png").write_bytes(result.data)
         report["model_loads"] = {k[0]: n for k, n in MODEL_CACHE.loads.items()}
         report["pipeline_ms"] = sum(result.timings_ms.values())
+    if heap_mb > 0:
+        report["heap_peak_rss_mb"] = _hold_heap(heap_mb)
     report["last_line"] = time.time()
     (out / f"{run_id}.json").write_text(json.dumps(report))
     return run_id

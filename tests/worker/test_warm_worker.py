@@ -42,6 +42,17 @@ def test_a_run_completes_in_the_warm_child(warm_worker: WarmWorker) -> None:
     assert after["children"][0]["runs_done"] == before["children"][0]["runs_done"] + 1
 
 
+def test_a_child_gives_the_memory_a_run_freed_back_to_the_os(warm_worker: WarmWorker) -> None:
+    """A run that held 300 MB of heap and freed it under a pinned top: glibc keeps it for
+    reuse unless the child trims after the run (``faceflow.worker.memory``)."""
+    run_id = warm_worker.submit(fuse=False, heap_mb=300)
+    run = warm_worker.api.wait_final(run_id, timeout=60)
+    assert run["state_type"] == "COMPLETED", run["state"]
+    peak = warm_worker.report(run_id)["heap_peak_rss_mb"]
+    after = warm_worker.wait_idle()["children"][0]["rss_mb"]
+    assert after < peak - 250, (peak, after)
+
+
 @pytest.mark.slow
 def test_twenty_fuse_faces_runs_load_each_model_once(
     warm_worker: WarmWorker, inputs: tuple[str, str]

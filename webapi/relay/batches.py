@@ -12,8 +12,10 @@ With ``batch_max_jobs`` > 1 (``webapi.config``) a dispatch pass
    is busy (the run would only queue behind those: a burst then leaves in fewer, larger
    runs, while a job on an idle lane still leaves at once);
 3. groups the jobs by what a run must share (lane, detector and fuser as the client set
-   them), earliest deadline first, into chunks of at most ``batch_max_jobs``, and sends at
-   most the lane's free runs of them (the other jobs are due again at once);
+   them), earliest deadline first, into chunks of at most ``batch_max_jobs`` and of at most
+   ``image_limits.max_batch_pixels`` decoded pixels (``jobs.input_pixels``: what the run
+   holds in memory at once), and sends at most the lane's free runs of them (the other
+   jobs are due again at once);
 4. dispatches a chunk of one as today (a ``fuse-faces`` run, key ``job-<id>-attempt-<n>``),
    and a larger chunk as one ``fuse-batch`` run: its Prefect idempotency key
    (``batch-<uuid>``) is first written to the jobs (``jobs.dispatch_key``, conditional on
@@ -39,6 +41,7 @@ import sqlalchemy as sa
 from sqlmodel import col, select
 
 from flows.params import FuseBatchParams, JobAttempt, stop_marker_key
+from tasks.options import FusionOptions, ImageLimits
 from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, Priority, utcnow
 from webapi.prefect_api import PrefectRejected, PrefectUnavailable
@@ -88,7 +91,8 @@ def run_once(relay: Relay) -> int:
 def _dispatch(relay: Relay, rows: list[Outbox], *, runs: int) -> bool:
     """Send one lane's rows as at most ``runs`` runs (jobs that cannot share a run beyond
     those wait for the next pass); False when Prefect was unreachable."""
-    chunks = group(dispatch.plans(relay, rows), relay.settings.batch_max_jobs)
+    settings = relay.settings
+    chunks = group(dispatch.plans(relay, rows), settings.batch_max_jobs, settings.image_limits)
     for index, chunk in enumerate(chunks):
         if index >= runs:
             hold_back(relay, [row for later in chunks[index:] for row in later.rows.values()])
@@ -172,13 +176,17 @@ def _linger(
     return claim(relay, lanes, limit - len(rows))
 
 
-def group(planned: Iterable[tuple[Outbox, Plan]], size: int) -> list[Chunk]:
+def group(
+    planned: Iterable[tuple[Outbox, Plan]], size: int, limits: ImageLimits = ImageLimits()
+) -> list[Chunk]:
     """Chunks of at most ``size`` jobs that can share a run, oldest job's chunk first.
 
     Jobs already planned into a batch (``dispatch_key``) keep it; the others are grouped by
     lane, detector and fuser (as the client set them: the flow fills the operator's
-    defaults, the same for every job), earliest deadline first; a job with a per-face
-    mapping goes alone (fuse-faces loads its extra images)."""
+    defaults, the same for every job), earliest deadline first, and a chunk closes before
+    the job that would take its decoded pixels past ``limits.max_batch_pixels`` (a job of
+    unknown size counts as ``max_job_pixels``; one past the budget alone leaves alone); a
+    job with a per-face mapping goes alone (fuse-faces loads its extra images)."""
     planned_keys: dict[str, Chunk] = {}
     open_groups: dict[tuple[str, object, object], list[tuple[Outbox, Plan]]] = {}
     chunks_alone: list[Chunk] = []
@@ -196,11 +204,28 @@ def group(planned: Iterable[tuple[Outbox, Plan]], size: int) -> list[Chunk]:
     chunks = [*planned_keys.values(), *chunks_alone]
     for members in open_groups.values():
         members.sort(key=lambda member: member[1].deadline_at)
-        for start in range(0, len(members), size):
-            part = members[start : start + size]
+        for part in _within_budget(members, size, limits):
             chunks.append(Chunk([p for _r, p in part], {p.job_id: r for r, p in part}))
     chunks.sort(key=lambda chunk: min(plan.created_at for plan in chunk.plans))
     return chunks
+
+
+def _within_budget(
+    members: list[tuple[Outbox, Plan]], size: int, limits: ImageLimits
+) -> list[list[tuple[Outbox, Plan]]]:
+    """``members`` cut in order into parts of at most ``size`` jobs and
+    ``limits.max_batch_pixels`` decoded pixels (a part of one job may pass it)."""
+    parts: list[list[tuple[Outbox, Plan]]] = []
+    pixels = 0
+    for member in members:
+        plan = member[1]
+        count = limits.max_job_pixels if plan.pixels is None else plan.pixels
+        if not parts or len(parts[-1]) >= size or pixels + count > limits.max_batch_pixels:
+            parts.append([])
+            pixels = 0
+        parts[-1].append(member)
+        pixels += count
+    return parts
 
 
 def send(relay: Relay, chunk: Chunk) -> bool:

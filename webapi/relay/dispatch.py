@@ -74,6 +74,7 @@ class Plan:
     dispatch_key: str | None = None
     extra_source_keys: tuple[str, ...] = ()
     reference_keys: tuple[str, ...] = ()
+    pixels: int | None = None  # jobs.input_pixels (None on jobs from before it)
 
     @property
     def mapped(self) -> bool:
@@ -100,6 +101,7 @@ def plan_of(job: Job, attempt: int) -> Plan:
         dispatch_key=job.dispatch_key,
         extra_source_keys=tuple((job.extra_inputs or {}).get("sources", [])),
         reference_keys=tuple((job.extra_inputs or {}).get("references", [])),
+        pixels=job.input_pixels,
     )
 
 

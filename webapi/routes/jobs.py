@@ -37,7 +37,7 @@ from webapi.errors import (
     ResultExpired,
     UnsupportedMediaType,
 )
-from webapi.inputs import InputRef, accept_input
+from webapi.inputs import InputRef, accept_input, job_pixels
 from webapi.logs import log_context
 from webapi.metrics import ApiMetrics
 from webapi.models import (
@@ -72,7 +72,10 @@ SUBMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _ERRORS[401],
     403: {"description": "priority 'high' asked by a key of the normal priority class."},
     409: {"description": "Idempotency-Key reused with a different request."},
-    413: {"description": "A body or image too large."},
+    413: {
+        "description": "A body or image too large, or images that decode to more pixels "
+        "together than a job may hold (job_too_large)."
+    },
     415: {"description": "Unsupported content type or image format."},
     422: {"description": "Invalid fields, image, or a blocked URL."},
     429: {"description": "Over the quota of unfinished jobs (Retry-After)."},
@@ -195,7 +198,9 @@ def _prepare(
     raw_extra_sources: Sequence[str | bytes] = (),
     raw_references: Sequence[str | bytes] = (),
 ) -> crud.Submission:
-    """Check the callback URL, validate and store the inputs: a submission to admit.
+    """Check the callback URL, validate and store the inputs: a submission to admit, whose
+    images decode to at most the per-job pixel budget together (an input given as a URL
+    counts at the per-image limit until the relay has fetched it).
 
     A per-face mapping's extra sources and references must be given inline (data: URIs or
     files): only the first source and the target may be URLs the relay fetches."""
@@ -217,7 +222,7 @@ def _prepare(
         _inline(accept_input(raw, name=f"references[{i}]", **common))  # type: ignore[arg-type]
         for i, raw in enumerate(raw_references)
     ]
-    return crud.Submission(
+    submission = crud.Submission(
         user,
         create,
         source,
@@ -227,6 +232,9 @@ def _prepare(
         references=tuple(references),
         prepared_at=prepared_at,
     )
+    limits = settings.image_limits
+    limits.check_job_pixels(job_pixels(submission.inputs, limits))  # 413 job_too_large
+    return submission
 
 
 def _inline(ref: InputRef) -> InputRef:
