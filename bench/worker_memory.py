@@ -147,7 +147,7 @@ def main() -> None:
             os.environ.update(env)
             from blocks import init_default_blocks
 
-            saved = init_default_blocks(home / "faceflow", webhook_secret="whsec_bench")
+            saved = init_default_blocks(home / "faceflow")
             data = flat_png(8000, 5000)
             key = input_key(hashlib.sha256(data).hexdigest(), "png")
             (saved.storage_path / key).parent.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ import sqlalchemy as sa
 from sqlmodel import col, select
 
 from flows.params import FuseBatchParams, JobAttempt, stop_marker_key
-from tasks.options import FusionOptions, ImageLimits
+from tasks.options import ImageLimits
 from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, Priority, utcnow
 from webapi.prefect_api import PrefectRejected, PrefectUnavailable
