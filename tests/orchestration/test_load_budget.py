@@ -115,15 +115,22 @@ def test_a_job_past_the_batch_budget_is_retryable_in_its_failure_record(
     from blocks.settings import FusionSettings
     from blocks.storage import read_bytes
     from flows.batch import fuse_batch
+    from flows.binding import signed_parameters, worker_keys
     from flows.params import JobAttempt
 
     FusionSettings(image_limits=LIMITS).save("fusion-settings-budget", overwrite=True)
     four = prefect_harness.put_input(flat_png(2000, 2000), "png")
-    specs = [JobAttempt.model_validate(job_params(four, four)) for _ in range(2)]
+    budget = "fusion-settings/fusion-settings-budget"
+    specs = [
+        JobAttempt.model_validate(
+            signed_parameters(job_params(four, four), worker_keys()[0], settings_block=budget)
+        )
+        for _ in range(2)
+    ]
     state = fuse_batch(
         jobs=specs,
         deadline_at=max(spec.deadline_at for spec in specs),
-        settings_block="fusion-settings/fusion-settings-budget",
+        settings_block=budget,
         return_state=True,
     )
     assert state.is_completed(), state.message
