@@ -48,7 +48,13 @@ def as_job_error(exc: BaseException) -> FaceFlowError:
     return exc if isinstance(exc, FaceFlowError) else FaceFlowError(detail=type(exc).__name__)
 
 
-def record_failure(store: ByteStore | str, job_id: str, attempt: int, exc: BaseException) -> None:
+def record_failure(
+    store: ByteStore | str,
+    job_id: str,
+    attempt: int,
+    exc: BaseException,
+    stage: str | None = None,
+) -> None:
     """Write the ``JobFailure`` of ``exc`` for a job attempt (``store``: a storage block or
     its name); a failed write is logged (the relay then takes the run as lost)."""
     try:
@@ -56,7 +62,7 @@ def record_failure(store: ByteStore | str, job_id: str, attempt: int, exc: BaseE
     except Exception as read_error:
         get_run_logger().error("Job %s: failure not recorded: %r", job_id, read_error)
         return
-    write_failure(target, job_id, attempt, as_job_error(exc))
+    write_failure(target, job_id, attempt, as_job_error(exc), stage)
 
 
 def write_failure(

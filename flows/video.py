@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 
 from prefect import Task, flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.states import Failed, State
+from prefect.states import State
 
 from blocks.settings import StagePolicy, load_settings
 from blocks.storage import (
@@ -43,18 +43,19 @@ from blocks.storage import (
 )
 from flows.deadline import Deadline, StageGuard
 from flows.fuse import failed, tag_flow_run
-from flows.outcome import write_failure
+from flows.outcome import check_binding, record_failure
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     VIDEO_FLOW_NAME,
+    JobAttempt,
     VideoResultRef,
     result_key,
     result_meta_key,
     video_chunk_key,
 )
 from flows.run import pipeline_context
-from tasks.errors import DeadlineExceeded, FaceFlowError
+from tasks.errors import DeadlineExceeded
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
 from tasks.video import (
@@ -214,20 +215,32 @@ def fuse_video_flow(
     storage_block: str = DEFAULT_STORAGE_BLOCK,
     settings_block: str = DEFAULT_SETTINGS_BLOCK,
     chunk_s: float = CHUNK_S,
+    binding: str | None = None,
 ) -> dict[str, Any] | State[Any]:
     """Fuse the source face into every frame of the target video for one job attempt.
 
     Returns ``VideoResultRef.model_dump(mode="json")``; on failure the run ends ``Failed``
-    with ``"[code] message"`` and the attempt's ``JobFailure`` is in storage."""
-    logger = get_run_logger()
-    deadline = Deadline.of(deadline_at)
-    if deadline.passed():
-        late = DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
-        logger.error("%s", late)
-        return Failed(message=str(late), data=late)
+    with ``"[code] message"`` and the attempt's ``JobFailure`` is in storage. Parameters
+    not bound to the job (``binding``, ``flows.binding``) fail it with
+    ``run_binding_invalid`` before anything is read."""
     stage = "load"
     store: ByteStore | None = None
+    spec = JobAttempt(
+        job_id=job_id,
+        owner_id=owner_id,
+        source_key=source_key,
+        target_key=target_key,
+        extra_source_keys=extra_source_keys or [],
+        options=options or FusionOptions.model_validate({}),
+        deadline_at=deadline_at,
+        attempt=attempt,
+        binding=binding,
+    )
+    deadline = Deadline.of(deadline_at)
     try:
+        check_binding(spec, storage_block=storage_block, settings_block=settings_block)
+        if deadline.passed():
+            raise DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
         tag_flow_run(job_id, owner_id)
         settings = load_settings(settings_block)
         store = load_storage(storage_block)
@@ -277,8 +290,9 @@ def fuse_video_flow(
             )
             step("store", store_task, job, ref, result_meta_key(job_id, attempt))
     except Exception as exc:
-        if isinstance(exc, FaceFlowError) and store is not None:
-            write_failure(store, job_id, attempt, exc, stage)
+        record_failure(store if store is not None else storage_block, job_id, attempt, exc, stage)
         return failed(exc, f"Video job {job_id} attempt {attempt}")
-    logger.info("Video job %s: %d chunk(s), %d rendered", job_id, ref.chunks, ref.chunks_rendered)
+    get_run_logger().info(
+        "Video job %s: %d chunk(s), %d rendered", job_id, ref.chunks, ref.chunks_rendered
+    )
     return ref.model_dump(mode="json")

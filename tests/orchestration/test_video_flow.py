@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from blocks.storage import fetch_to, load_storage
+from flows.binding import signed_parameters, worker_keys
 from flows.params import (
     DEFAULT_STORAGE_BLOCK,
     FuseFacesParams,
@@ -92,7 +93,8 @@ def test_a_second_attempt_renders_only_the_missing_chunk(
     before = chunk_files(prefect_harness)
     lost = sorted(before)[1]
     (prefect_harness.storage / "video-chunks" / lost).unlink()
-    again = run_video({**first.params, "attempt": 2})
+    unsigned = {k: v for k, v in first.params.items() if k != "binding"}
+    again = run_video(signed_parameters({**unsigned, "attempt": 2}, worker_keys()[0]))
 
     assert again.ref.chunks == CHUNKS and again.ref.chunks_rendered == 1
     assert len(render_runs(again)) == CHUNKS  # every chunk is a task run; one did work
