@@ -349,7 +349,9 @@ def test_production_policy_is_https_on_the_allowed_ports(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
     policy = UrlPolicy.from_settings(
-        Settings.model_validate({"environment": "production", "api_key_pepper": "p3pper"})
+        Settings.model_validate(
+            {"environment": "production", "api_key_pepper": "p3pper", "run_signing_key": "k3y"}
+        )
     )
     assert policy == UrlPolicy(schemes=("https",), ports=frozenset({443, 8443}))
     for url in (
