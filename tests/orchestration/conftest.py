@@ -73,11 +73,13 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
     from prefect.testing.utilities import prefect_test_harness
 
     from blocks import init_default_blocks
+    from tests.webapi.relay_harness import drain_events
 
     home = tmp_path_factory.mktemp("faceflow-home")
     with prefect_test_harness(server_startup_timeout=90):
         init_default_blocks(home)
         yield Home(home)
+        drain_events()  # bounded: the harness's own drain waits for ever on a stuck worker
 
 
 @dataclass(frozen=True)

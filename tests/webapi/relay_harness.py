@@ -331,8 +331,23 @@ def stand_in_server(home: Path, auth_string: str | None = None) -> Iterator[Pref
         ):
             deploy_stand_ins()
             yield server
+            drain_events()
     finally:
         server.stop()
+
+
+def drain_events(timeout_s: float = 15.0) -> None:
+    """Flush and stop this process's Prefect event and log workers, waiting at most
+    ``timeout_s``, while the server they talk to still runs.
+
+    Flows run in-process leave event workers bound to the server they ran against; left
+    for ``prefect_test_harness``, which drains every worker at the end of the session
+    without a timeout, one bound to a server already gone hung the suite's teardown."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    EventsWorker.drain_all(timeout=timeout_s)
+    APILogWorker.drain_all(timeout=timeout_s)
 
 
 def execute_run(flow_run_id: str, flow: Any = None) -> str:
