@@ -42,6 +42,17 @@ from tasks.errors import DeadlineExceeded, FaceFlowError
 from tasks.options import FusionOptions
 
 
+def start_attempt(spec: JobAttempt, *, storage_block: str, settings_block: str) -> None:
+    """What a single-job flow (``fuse-faces``, ``fuse-video``) does first: refuse parameters
+    not bound to the job (``run_binding_invalid``) and a start after the deadline
+    (``deadline_exceeded``), then tag the run with its job and owner."""
+    check_binding(spec, storage_block=storage_block, settings_block=settings_block)
+    deadline = Deadline.of(spec.deadline_at)
+    if deadline.passed():
+        raise DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
+    tag_flow_run(spec.job_id, spec.owner_id)
+
+
 def tag_flow_run(job_id: str, owner_id: str) -> None:
     """Add job and owner tags to this flow run unless it has them already.
 
@@ -120,16 +131,12 @@ def fuse_faces(
         binding=binding,
     )
     try:
-        check_binding(spec, storage_block=storage_block, settings_block=settings_block)
-        deadline = Deadline.of(deadline_at)
-        if deadline.passed():
-            raise DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
+        start_attempt(spec, storage_block=storage_block, settings_block=settings_block)
         if not alarm_timeouts_available():
             logger.warning(
                 "Stage timeouts cannot interrupt blocking calls here (not the main thread, or "
                 "another SIGALRM handler is installed): a stuck stage may overrun the deadline."
             )
-        tag_flow_run(job_id, owner_id)
         (job,) = run_jobs(
             [spec],
             storage_block=storage_block,

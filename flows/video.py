@@ -42,8 +42,8 @@ from blocks.storage import (
     write_to,
 )
 from flows.deadline import Deadline, StageGuard
-from flows.fuse import failed, tag_flow_run
-from flows.outcome import check_binding, record_failure
+from flows.fuse import failed, start_attempt
+from flows.outcome import record_failure
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
@@ -55,7 +55,6 @@ from flows.params import (
     video_chunk_key,
 )
 from flows.run import pipeline_context
-from tasks.errors import DeadlineExceeded
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
 from tasks.video import (
@@ -238,10 +237,7 @@ def fuse_video_flow(
     )
     deadline = Deadline.of(deadline_at)
     try:
-        check_binding(spec, storage_block=storage_block, settings_block=settings_block)
-        if deadline.passed():
-            raise DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
-        tag_flow_run(job_id, owner_id)
+        start_attempt(spec, storage_block=storage_block, settings_block=settings_block)
         settings = load_settings(settings_block)
         store = load_storage(storage_block)
         ctx = pipeline_context(settings)
