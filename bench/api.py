@@ -24,25 +24,22 @@ import io
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
-import sqlalchemy as sa
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.procstat import process_tree_cpu_s  # noqa: E402
-
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+from faceflow.testing.databases import job_store  # noqa: E402
+from faceflow.testing.net import free_port, wait_http  # noqa: E402
+from faceflow.testing.procstat import process_tree_cpu_s  # noqa: E402
 
 
 def jpeg_near(target_bytes: int, seed_image: Any) -> bytes:
@@ -62,31 +59,11 @@ def jpeg_near(target_bytes: int, seed_image: Any) -> bytes:
     return data
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def wait_healthy(base_url: str, server: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    """Wait until the API at ``base_url`` answers /healthz (``SystemExit`` if it exits)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{base_url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("the API did not start")
-        time.sleep(0.1)
 
 
 Request = Any  # awaitable factory: (client) -> (status code, body bytes)
@@ -202,24 +179,6 @@ def summary(
     }
 
 
-def prepare_database(kind: str, workdir: Path) -> tuple[str, str | None]:
-    """A migrated, empty job store: (url, PostgreSQL schema to drop or None)."""
-    from webapi.migrations import upgrade
-
-    if kind == "sqlite":
-        url = f"sqlite:///{workdir / 'bench.db'}"
-        upgrade(url)
-        return url, None
-    schema = f"bench_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(PG_URL)
-    with admin.begin() as connection:
-        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    admin.dispose()
-    url = f"{PG_URL}?options=-csearch_path%3D{schema}"
-    upgrade(url)
-    return url, schema
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--database", choices=["sqlite", "postgresql"], default="sqlite")
@@ -230,7 +189,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     parser.add_argument("--client", choices=["raw", "httpx"], default="raw")
     args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="faceflow-bench-"))
+    with job_store(args.database, workdir) as url:
+        run(args, url, workdir)
 
+
+def run(args: argparse.Namespace, url: str, workdir: Path) -> None:
+    """Start the API on the job store at ``url``, hammer it, print the figures."""
     from sqlmodel import Session
 
     from faceflow.samples import astronaut_rgb, grace_hopper_rgb
@@ -238,8 +203,6 @@ def main() -> None:
     from webapi.config import Settings
     from webapi.db import create_engine
 
-    workdir = Path(tempfile.mkdtemp(prefix="faceflow-bench-"))
-    url, schema = prepare_database(args.database, workdir)
     env = {
         **os.environ,
         "FACEFLOW_HOME": str(workdir),
@@ -276,7 +239,7 @@ def main() -> None:
     base_url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {user.api_key}"}
     try:
-        wait_healthy(base_url, server)
+        wait_http(f"{base_url}/healthz", 30, step_s=0.1, alive=lambda: server.poll() is None)
         submit_headers = {"Content-Type": "application/json"}
 
         async def post(client: RawClient | HttpxClient) -> tuple[int, bytes]:
@@ -325,11 +288,6 @@ def main() -> None:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
             server.kill()
-        if schema is not None:
-            admin = sa.create_engine(PG_URL)
-            with admin.begin() as connection:
-                connection.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-            admin.dispose()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ load as it starts, are reported apart):
 - burst: ``--jobs`` tasks submitted at once → throughput (jobs/min, first submit → last
   result), the gap between a task's end and the next one's start, and CPU ms per job of
   the worker's process tree, redis-server, this process and the rest of the machine
-  (/proc, ``bench/procstat.py``), with Redis commands per job.
+  (/proc, ``faceflow/testing/procstat.py``), with Redis commands per job.
 
 Mode ``gpu`` runs ``fuse_images`` GPU-shaped (``bench/gpu_shaped.py``: each compute stage
 a sleep of its share of ``--sleep-ms``, decode and encode real), the same compute as
@@ -48,8 +48,8 @@ from typing import Any, Literal
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.procstat import machine_busy_s, process_tree_cpu_s  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
+from faceflow.testing.procstat import CpuMeter  # noqa: E402
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/15"
 RESULT_TIMEOUT_S = 600.0
@@ -57,30 +57,13 @@ RESULT_TIMEOUT_S = 600.0
 Figures = dict[str, float | int | str]
 
 
-class _CpuMeter:
-    """CPU seconds of the worker tree, redis-server and this process over one phase, and
-    of the whole machine."""
-
-    def __init__(self, worker_pid: int | None, redis_pid: int | None) -> None:
-        self.pids = {"worker": worker_pid, "redis": redis_pid}
-        self.start = self._read()
-
-    def _read(self) -> dict[str, float]:
-        out = {name: process_tree_cpu_s(pid) for name, pid in self.pids.items()}
-        out["bench"] = sum(os.times()[:2])
-        out["machine_busy"], out["machine_total"] = machine_busy_s()
-        return out
-
-    def per_job(self, jobs: int) -> Figures:
-        """``cpu_<component>_ms_per_job``, ``cpu_other_ms_per_job`` and the machine's busy
-        share of all cores."""
-        end = self._read()
-        delta = {k: end[k] - self.start[k] for k in end}
-        total, busy = delta.pop("machine_total"), delta.pop("machine_busy")
-        out: Figures = {f"cpu_{k}_ms_per_job": round(v * 1e3 / jobs, 1) for k, v in delta.items()}
-        out["cpu_other_ms_per_job"] = round((busy - sum(delta.values())) * 1e3 / jobs, 1)
-        out["machine_busy_share"] = round(busy / total, 3) if total else 0.0
-        return out
+def _cpu_figures(per_job_ms: dict[str, float]) -> Figures:
+    """``cpu_<component>_ms_per_job`` (``worker``, ``redis``, ``bench``, ``other``: the
+    rest of the machine) and the machine's busy share of all cores."""
+    share = per_job_ms.pop("machine_busy_share")
+    out: Figures = {f"cpu_{k}_ms_per_job": v for k, v in per_job_ms.items()}
+    out["machine_busy_share"] = share
+    return out
 
 
 def _median(values: list[float]) -> float:
@@ -207,10 +190,10 @@ def run_celery(
                 result_lag.append((seen - r["ended"]) * 1e3)
 
             calls_before = _command_calls(store)
-            meter = _CpuMeter(worker.pid, redis_pid)
+            meter = CpuMeter({"worker": worker.pid, "redis": redis_pid}, postgres=False)
             sent_burst = [submit() for _ in range(jobs)]
             burst = [result_of(pending) for _, pending in sent_burst]
-            cpu = meter.per_job(jobs)
+            cpu = _cpu_figures(meter.per_job_ms(jobs))
             calls_after = _command_calls(store)
         finally:
             worker.stop(grace=30)

@@ -3,7 +3,7 @@
 Everything on loopback: a real Prefect server (``prefect server start``), the real relay
 (its threads, production timings, a SQLite job store), a stand-in worker that executes
 each flow run in-process as soon as the relay has created it (the stand-in
-``fuse-faces`` flow of ``tests/webapi/relay_harness.py``: it writes a small result), and
+``fuse-faces`` flow of ``faceflow/testing/relay.py``: it writes a small result), and
 a tarpit that answers every GET with a 200 and then one body byte a second.
 
 User B's job (inputs stored at submit) is timed from submit (as the API does it, then
@@ -36,14 +36,14 @@ from pathlib import Path
 
 from sqlmodel import Session, col, select
 
-from tests.webapi.relay_harness import (
+from faceflow.testing.jobs import make_user
+from faceflow.testing.relay import (
     SCRIPT,
     execute_run,
     stand_in_server,
     submit,
     tarpit,
 )
-from tests.webapi.utils import make_user
 from webapi import crud
 from webapi.config import Settings
 from webapi.db import get_engine, read_only

@@ -26,32 +26,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.api import free_port, prepare_database, wait_healthy  # noqa: E402
-
-
-def many_keys(size: int) -> bytes:
-    """A JSON object of short unknown keys, ``size`` bytes long (≈ 12 bytes a key)."""
-    parts, total, i = [], 2, 0
-    while total < size:
-        item = f'"k{i}":0'
-        parts.append(item)
-        total += len(item) + 1
-        i += 1
-    return ("{" + ",".join(parts) + "}").encode()
-
-
-def deep(size: int) -> bytes:
-    """``options`` nested ``size / 2`` arrays deep."""
-    depth = (size - 20) // 2
-    return b'{"options":' + b"[" * depth + b"]" * depth + b"}"
-
-
-def rss_kb(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak) of ``pid`` in KiB."""
-    fields = dict(
-        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-    )
-    return {k: int(fields[k].split()[0]) for k in ("VmRSS", "VmHWM")}
+from faceflow.testing.bodies import deep, many_keys  # noqa: E402
+from faceflow.testing.databases import job_store  # noqa: E402
+from faceflow.testing.net import free_port, wait_http  # noqa: E402
+from faceflow.testing.procstat import memory_kb  # noqa: E402
 
 
 def probe(base_url: str, stop: threading.Event, out: list[float]) -> None:
@@ -92,7 +70,7 @@ def attack(base_url: str, headers: dict[str, str], body: bytes, pid: int) -> dic
         "healthz_median_ms": round(1000 * statistics.median(latencies), 1),
         "healthz_max_ms": round(1000 * max(latencies), 1),
         "healthz_probes": len(latencies),
-        **rss_kb(pid),
+        **memory_kb(pid),
     }
 
 
@@ -104,43 +82,43 @@ def main() -> None:
     from webapi.db import create_engine
 
     workdir = Path(tempfile.mkdtemp(prefix="faceflow-hostile-"))
-    url, _ = prepare_database("sqlite", workdir)
-    settings = Settings.model_validate({"database_url": url})
-    engine = create_engine(url)
-    with Session(engine, expire_on_commit=False) as session:
-        user = crud.create_user(
-            session, name="bench", quota=100, pepper=settings.api_key_pepper.get_secret_value()
-        )
-    engine.dispose()
-    env = {
-        **os.environ,
-        "FACEFLOW_HOME": str(workdir),
-        "FACEFLOW_DATABASE_URL": url,
-        "FACEFLOW_RUN_RELAY": "false",
-    }
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "webapi.main:app", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning", "--no-access-log"],
-        cwd=REPO, env=env, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    base_url = f"http://127.0.0.1:{port}"
-    bodies: dict[str, Callable[[], bytes]] = {
-        "keys_25MB_2M": lambda: many_keys(25_000_000),
-        "keys_7MB": lambda: many_keys(7_000_000),
-        "nested_25MB": lambda: deep(25_000_000),
-        "nested_7MB": lambda: deep(7_000_000),
-    }
-    try:
-        wait_healthy(base_url, server)
-        results: dict[str, object] = {"idle": rss_kb(server.pid)}
-        headers = {"Authorization": f"Bearer {user.api_key}"}
-        for name, make in bodies.items():
-            results[name] = attack(base_url, headers, make(), server.pid)
-        print(json.dumps(results, indent=1))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with job_store("sqlite", workdir) as url:
+        settings = Settings.model_validate({"database_url": url})
+        engine = create_engine(url)
+        with Session(engine, expire_on_commit=False) as session:
+            user = crud.create_user(
+                session, name="bench", quota=100, pepper=settings.api_key_pepper.get_secret_value()
+            )
+        engine.dispose()
+        env = {
+            **os.environ,
+            "FACEFLOW_HOME": str(workdir),
+            "FACEFLOW_DATABASE_URL": url,
+            "FACEFLOW_RUN_RELAY": "false",
+        }
+        port = free_port()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "webapi.main:app", "--host", "127.0.0.1",
+             "--port", str(port), "--log-level", "warning", "--no-access-log"],
+            cwd=REPO, env=env, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        base_url = f"http://127.0.0.1:{port}"
+        bodies: dict[str, Callable[[], bytes]] = {
+            "keys_25MB_2M": lambda: many_keys(25_000_000),
+            "keys_7MB": lambda: many_keys(7_000_000),
+            "nested_25MB": lambda: deep(25_000_000),
+            "nested_7MB": lambda: deep(7_000_000),
+        }
+        try:
+            wait_http(f"{base_url}/healthz", 30, step_s=0.1, alive=lambda: server.poll() is None)
+            results: dict[str, object] = {"idle": memory_kb(server.pid)}
+            headers = {"Authorization": f"Bearer {user.api_key}"}
+            for name, make in bodies.items():
+                results[name] = attack(base_url, headers, make(), server.pid)
+            print(json.dumps(results, indent=1))
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
 
 
 if __name__ == "__main__":

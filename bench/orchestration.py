@@ -3,8 +3,8 @@
 Starts a Prefect server (SQLite, temporary PREFECT_HOME; or uses ``--api-url``), creates
 the ``gpu`` pool from work_pools/gpu-process.json, deploys fuse-faces from prefect.yaml,
 saves the default blocks, starts one process worker (``PREFECT_WORKER_QUERY_SECONDS``),
-then runs ``--jobs`` sequential jobs astronaut → grace_hopper, each created over REST and
-waited for. Reports, as JSON, the median flow-run creation → flow start (the run's
+then runs ``--jobs`` sequential jobs astronaut → grace_hopper, each created over REST (a
+503 from the busy SQLite server is retried with the same idempotency key) and waited for. Reports, as JSON, the median flow-run creation → flow start (the run's
 RUNNING time, just before the flow's first line), the median end-to-end (creation →
 COMPLETED), the same fusions through ``tasks.stages.fuse_images`` in one process, and
 the ratio end-to-end / bare. Every process it starts is stopped by PID.
@@ -15,10 +15,7 @@ the ratio end-to-end / bare. Every process it starts is stopped by PID.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,29 +26,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from faceflow.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
+from faceflow.testing.inputs import put_input  # noqa: E402
+from faceflow.testing.prefect import PREFECT, PrefectRest, PrefectServer, client_env  # noqa: E402
 from flows.binding import signed_parameters, worker_keys  # noqa: E402
-from flows.params import (  # noqa: E402
-    FuseFacesParams,
-    idempotency_key,
-    input_key,
-    run_tags,
-)
-
-BIN = Path(sys.executable).parent
-TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from flows.params import FuseFacesParams, idempotency_key, run_tags  # noqa: E402
 
 
 def parse_time(value: str) -> datetime:
@@ -59,9 +42,7 @@ def parse_time(value: str) -> datetime:
 
 
 def run_cli(env: dict[str, str], *args: str) -> None:
-    subprocess.run(
-        [str(BIN / "prefect"), *args], cwd=REPO, env=env, check=True, capture_output=True
-    )
+    subprocess.run([PREFECT, *args], cwd=REPO, env=env, check=True, capture_output=True)
 
 
 def setup(env: dict[str, str], home: Path) -> None:
@@ -89,17 +70,11 @@ def setup(env: dict[str, str], home: Path) -> None:
 
 
 def store_inputs(home: Path) -> tuple[str, str]:
-    keys = []
-    for data in (astronaut_jpeg_bytes(), grace_hopper_jpeg_bytes()):
-        key = input_key(hashlib.sha256(data).hexdigest(), "jpg")
-        path = home / "storage" / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        keys.append(key)
-    return keys[0], keys[1]
+    source, target = astronaut_jpeg_bytes(), grace_hopper_jpeg_bytes()
+    return put_input(home / "storage", source), put_input(home / "storage", target)
 
 
-def run_job(api: httpx.Client, deployment_id: str, source: str, target: str) -> dict[str, float]:
+def run_job(api: PrefectRest, deployment_id: str, source: str, target: str) -> dict[str, float]:
     """Create one flow run, wait until it is final; its timings in seconds."""
     job_id = str(uuid.uuid4())
     params = FuseFacesParams(
@@ -110,22 +85,14 @@ def run_job(api: httpx.Client, deployment_id: str, source: str, target: str) -> 
         deadline_at=datetime.now(UTC) + timedelta(minutes=5),
     ).model_dump(mode="json")
     params = signed_parameters(params, worker_keys()[0])  # as the relay binds a job
-    created = api.post(
-        f"/deployments/{deployment_id}/create_flow_run",
-        json={
-            "parameters": params,
-            "idempotency_key": idempotency_key(job_id, 1),
-            "name": job_id,
-            "tags": run_tags(job_id, "bench"),  # as the relay creates runs
-        },
-    )
-    created.raise_for_status()
-    run_id = created.json()["id"]
-    while True:
-        run = api.get(f"/flow_runs/{run_id}").json()
-        if run["state"]["type"] in TERMINAL:
-            break
-        time.sleep(0.1)
+    body = {
+        "parameters": params,
+        "idempotency_key": idempotency_key(job_id, 1),  # a retried create makes one run
+        "name": job_id,
+        "tags": run_tags(job_id, "bench"),  # as the relay creates runs
+    }
+    run_id = api.call("POST", f"/deployments/{deployment_id}/create_flow_run", body)["id"]
+    run = api.wait_final(run_id)
     if run["state"]["type"] != "COMPLETED":
         raise RuntimeError(f"job {job_id} ended {run['state']['type']}: {run['state']['message']}")
     created_at = parse_time(run["created"])
@@ -159,66 +126,33 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="faceflow-bench-"))
     home = root / "faceflow"
-    port = free_port()
-    api_url = args.api_url or f"http://127.0.0.1:{port}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(root / "prefect"),
-        "PREFECT_API_URL": api_url,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    workers = {
         "PREFECT_WORKER_QUERY_SECONDS": str(args.query_seconds),
         "PREFECT_WORKER_PREFETCH_SECONDS": "1",
-        "FACEFLOW_HOME": str(home),
     }
-    services: list[Service] = []
+    server = None if args.api_url else PrefectServer(root, client_extra=workers)
+    env = server.env if server else client_env(root, args.api_url, extra=workers)
+    worker = Service(
+        "worker",
+        [PREFECT, "worker", "start", "--pool", "gpu", "--type", "process", "--limit", "1"],
+        log=root / "worker.log",
+        env=env,
+        cwd=REPO,
+    )
     try:
-        if not args.api_url:
-            server = Service(
-                "prefect-server",
-                [
-                    str(BIN / "prefect"),
-                    "server",
-                    "start",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                ],
-                log=root / "server.log",
-                env={k: v for k, v in env.items() if k != "PREFECT_API_URL"},
-            )
-            services.append(server)
+        if server is not None:
             server.start()
-            server.wait_ready(
-                lambda: httpx.get(f"{api_url}/health", timeout=2).status_code == 200, 120
-            )
         setup(env, home)
         source, target = store_inputs(home)
-        worker = Service(
-            "worker",
-            [
-                str(BIN / "prefect"),
-                "worker",
-                "start",
-                "--pool",
-                "gpu",
-                "--type",
-                "process",
-                "--limit",
-                "1",
-            ],
-            log=root / "worker.log",
-            env=env,
-            cwd=REPO,
-        )
-        services.append(worker)
         worker.start()
-        with httpx.Client(base_url=api_url, timeout=30) as api:
-            deployment_id = api.get("/deployments/name/fuse-faces/fuse-faces").json()["id"]
-            runs = [run_job(api, deployment_id, source, target) for _ in range(args.jobs)]
+        api = PrefectRest(env["PREFECT_API_URL"])
+        deployment_id = api.call("GET", "/deployments/name/fuse-faces/fuse-faces")["id"]
+        runs = [run_job(api, deployment_id, source, target) for _ in range(args.jobs)]
+        api.close()
     finally:
-        for service in reversed(services):
-            service.stop(grace=10)
+        worker.stop(grace=10)
+        if server is not None:
+            server.stop(grace=10)
     bare = bare_pipeline(args.jobs)
     e2e = statistics.median(r["end_to_end_s"] for r in runs)
     report: dict[str, Any] = {

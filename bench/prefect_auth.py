@@ -34,8 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.warm_worker import PrefectRest, server_database, start_server  # noqa: E402
 from faceflow import prefect_server  # noqa: E402
+from faceflow.testing.prefect import PrefectRest, server_database, start_server  # noqa: E402
 from webapi.prefect_api import auth_headers  # noqa: E402
 
 Request = Callable[[], None]
@@ -136,12 +136,12 @@ def main() -> None:
             servers[name] = start_server(home, database, extra_env=extra)
         try:
             clients = {
-                "no auth": PrefectRest(servers["no auth"][1]),
+                "no auth": PrefectRest(servers["no auth"].api_url),
                 "basic auth": PrefectRest(
-                    servers["basic auth"][1], headers=auth_headers(auth_string=credential)
+                    servers["basic auth"].api_url, headers=auth_headers(auth_string=credential)
                 ),
             }
-            bare = PrefectRest(servers["basic auth"][1])
+            bare = PrefectRest(servers["basic auth"].api_url)
             refused = bare.http.post("/flow_runs/filter", json={}).status_code
             assert refused == 401, f"the server with auth answered {refused} without it"
             calls = {name: requests_of(rest) for name, rest in clients.items()}
@@ -159,7 +159,7 @@ def main() -> None:
             for kind in ("read", "write"):
                 report({name: samples[(name, kind)] for name in calls}, kind)
         finally:
-            for server, _url, _env in servers.values():
+            for server in servers.values():
                 server.stop()
     in_process(args.in_process_requests, credential)
 

@@ -44,14 +44,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.procstat import postgres_cpu_s, process_tree_cpu_s, wait_until_quiet  # noqa: E402
-from bench.warm_worker import (  # noqa: E402
-    PrefectRest,
-    pool_template,
-    prepare_inputs,
-    requests_per_job,
-    server_database,
-    start_server,
+from bench.warm_worker import pool_template, prepare_inputs, requests_per_job  # noqa: E402
+from faceflow.testing.prefect import PrefectRest, server_database, start_server  # noqa: E402
+from faceflow.testing.procstat import (  # noqa: E402
+    postgres_cpu_s,
+    process_tree_cpu_s,
+    wait_until_quiet,
 )
 from flows.binding import signed_parameters, worker_keys  # noqa: E402
 
@@ -221,9 +219,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="faceflow-costs-") as tmp:
             home = Path(tmp)
             with server_database("postgresql") as database_env:
-                server, url, _env = start_server(
+                server = start_server(
                     home, database_env, SERVER_VARIANTS[variant], count_requests=True
                 )
+                url = server.api_url
                 try:
                     api = PrefectRest(url)
                     keys = prepare_inputs(url, home / "faceflow", gpu_shaped=True)[:2]

@@ -8,7 +8,12 @@ upscaled crop (the face about 200 px wide, as a separate photo). Every face is a
 (the in-place t1 faces only through their crops) and every face a target; pairs of one
 person are skipped. Each pair runs align → fuse → postprocess → quality on detections
 made once per photo. Prints median and worst source similarity, median target
-similarity, faces lost, pose mismatches and the median ms per stage; asserts nothing.
+similarity, faces lost, pose mismatches (after mirroring) and the sources mirrored, the
+lighting error (``tasks.quality.lighting_error``: the result's low-pass against the
+target's inside the face, in levels), the faces a second, independent detector (dlib's HOG,
+the report's ``confirmed``) finds in the target but no longer in the result (before the
+retry ``checked_stage`` makes for them: the bench runs one attempt), and the median ms per
+stage; asserts nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +29,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cv2
-import numpy as np
-
 from faceflow import samples
 from tasks.detect import detect_faces
 from tasks.options import FusionOptions
@@ -40,13 +42,9 @@ from tasks.pipeline import (
     reference_stage,
     warm_up,
 )
+from tasks.quality import lighting_error
 from tasks.report import QualityReport
 from tasks.types import Face, RGBImage
-
-CROP_FACE_WIDTH = 200
-"""Width in pixels of the face in an upscaled crop."""
-CROP_MARGIN = 0.8
-"""A crop is the face box grown by this fraction of its size on every side."""
 
 
 @dataclass(frozen=True)
@@ -59,18 +57,6 @@ class Sample:
     faces: list[Face]
     index: int
     source: bool  # usable as a source (the photo's largest face is this person)
-
-
-def _crop(image: RGBImage, face: Face) -> RGBImage:
-    box = face.box
-    grow_x, grow_y = box.width * CROP_MARGIN, box.height * CROP_MARGIN
-    height, width = image.shape[:2]
-    x0, y0 = max(0, int(box.x1 - grow_x)), max(0, int(box.y1 - grow_y))
-    x1, y1 = min(width, int(box.x2 + grow_x)), min(height, int(box.y2 + grow_y))
-    region = image[y0:y1, x0:x1]
-    scale = CROP_FACE_WIDTH / max(box.width, 1.0)
-    size = (round(region.shape[1] * scale), round(region.shape[0] * scale))
-    return np.asarray(cv2.resize(region, size, interpolation=cv2.INTER_CUBIC), dtype=np.uint8)
 
 
 def sample_faces(ctx: PipelineContext) -> list[Sample]:
@@ -91,7 +77,7 @@ def sample_faces(ctx: PipelineContext) -> list[Sample]:
     for k, i in enumerate(by_x):  # people named in reading order, left to right
         person = f"t1-{k}"
         out.append(Sample(f"{person}@photo", person, group, group_faces, i, False))
-        crop = _crop(group, group_faces[i])
+        crop = samples.face_crop(group, group_faces[i])
         out.append(Sample(f"{person}@crop", person, crop, detect(crop), 0, True))
     return out
 
@@ -134,6 +120,10 @@ def run(options: FusionOptions, ctx: PipelineContext, limit: int | None) -> dict
                 "source_similarity": face.source_similarity,
                 "target_similarity": face.target_similarity,
                 "pose_mismatch": face.pose_mismatch,
+                "mirrored": face.mirrored,
+                "lighting_error": lighting_error(image, aligned.targets[0]),
+                "hog_target": face.confirmed is not None,
+                "hog_lost": face.confirmed is False,
             }
         )
     src = [r.source_similarity for r in reports if r.source_similarity is not None]
@@ -156,6 +146,11 @@ def run(options: FusionOptions, ctx: PipelineContext, limit: int | None) -> dict
         "closer_to_source": closer,
         "faces_lost": sum(r.faces_lost for r in reports),
         "pose_mismatches": sum(1 for r in reports if r.pose_mismatch),
+        "mirrored": sum(1 for r in rows if r["mirrored"]),
+        "lighting_error_median": _median([float(r["lighting_error"]) for r in rows]),  # type: ignore[arg-type]
+        "lighting_error_worst": max((float(r["lighting_error"]) for r in rows), default=None),  # type: ignore[arg-type]
+        "hog_faces_in_targets": sum(1 for r in rows if r["hog_target"]),
+        "hog_faces_lost": [f"{r['source']} -> {r['target']}" for r in rows if r["hog_lost"]],
         "stage_ms_median": {k: round(statistics.median(v), 1) for k, v in stage_ms.items() if v},
         "rows": rows,
     }

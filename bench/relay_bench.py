@@ -34,8 +34,8 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from bench.procstat import wait_until_quiet
 from faceflow.supervisor import Service
+from faceflow.testing.procstat import CpuMeter, wait_until_quiet
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = frozenset({"succeeded", "failed", "expired", "cancelled"})
@@ -235,7 +235,7 @@ def relay_mode(
     server_log: Path | None,
 ) -> dict[str, Any]:
     """One relay mode: sequential and burst jobs through a fresh webapi."""
-    from bench.warm_worker import CpuMeter, requests_per_job
+    from bench.warm_worker import requests_per_job
 
     with webapi(home, name, port, env, storage, prefect_url, batch_max_jobs) as (
         service,

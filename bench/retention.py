@@ -30,28 +30,13 @@ from sqlmodel import Session, col, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.api import PG_URL, prepare_database
+from faceflow.testing.databases import job_store
 from flows.params import input_key, result_key, result_meta_key
 from webapi.config import Settings
 from webapi.db import get_engine
 from webapi.models import Job, JobStatus, User, utcnow
 from webapi.retention import run_pass
 from webapi.storage import ObjectStore, open_store
-
-
-@contextmanager
-def job_store(kind: str, tmp: Path) -> Iterator[str]:
-    """A migrated, empty job store (``bench.api.prepare_database``), dropped afterwards."""
-    url, schema = prepare_database(kind, tmp)
-    try:
-        yield url
-    finally:
-        get_engine(url).dispose()
-        if schema is not None:
-            admin = sa.create_engine(PG_URL)
-            with admin.begin() as connection:
-                connection.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-            admin.dispose()
 
 
 @contextmanager

@@ -8,10 +8,14 @@ process (so peak RSS is its own):
 - ``bare``: the bare per-frame loop: decode each frame, detect its faces, fuse the
   largest with the table's frame stages, encode it (no planning, no chunks, no audio);
 - ``job``: ``tasks.video.fuse_video`` (probe, sampled moderation, analysis, plan, chunked
-  render, join with audio, sampled result moderation, identity report).
+  render, join with audio, sampled result moderation, identity report);
+- ``records``: the analysis pass and the face plan alone, and the bytes per frame of what
+  they keep for the whole video (the Python objects' sizes, arrays included).
 
-Prints frames per second, wall, peak RSS and the job's step timings; then the job's fps as
-a share of the bare loop's. Run it for two lengths to see whether memory grows with the
+Prints frames per second, wall, peak RSS, the job's step timings and its time to first
+progress (``first_progress_s``: start → first frame rendered, the moment ``fuse-video``
+writes its first progress record with ``frames_done`` > 0; a real job adds its dispatch);
+then the job's fps as a share of the bare loop's. Run it for two lengths to see whether memory grows with the
 video (it must not: it is bounded by a render group and a chunk). Asserts nothing.
 """
 
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -60,7 +65,7 @@ def write_clip(path: Path, seconds: float, width: int, height: int, fps: int) ->
     return path
 
 
-def bare(clip: Path, out: Path) -> dict[str, float]:
+def bare(clip: Path, out: Path) -> dict[str, float | None]:
     """Decode → detect → the table's frame stages on the largest face → encode, per frame."""
     from faceflow import samples
     from tasks.detect import detect_faces
@@ -93,16 +98,30 @@ def bare(clip: Path, out: Path) -> dict[str, float]:
     return {"frames": len(pts), "wall_s": wall, "fps": len(pts) / wall}
 
 
-def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float]:
-    """``fuse_video`` on the clip."""
+def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
+    """``fuse_video`` on the clip; ``first_progress_s``: from the start to the first
+    rendered frame, when the flow writes its first progress record with frames done."""
     from faceflow import samples
     from tasks.pipeline import PipelineContext, warm_up
     from tasks.video import fuse_video
 
     ctx = PipelineContext.for_this_machine()
     warm_up(ctx)
+    first: list[float] = []
+
+    def rendered_frame(index: int) -> None:
+        if not first:
+            first.append(time.perf_counter() - start)
+
     start = time.perf_counter()
-    result = fuse_video([samples.grace_hopper_jpeg_bytes()], clip, out, ctx=ctx, chunk_s=chunk_s)
+    result = fuse_video(
+        [samples.grace_hopper_jpeg_bytes()],
+        clip,
+        out,
+        ctx=ctx,
+        chunk_s=chunk_s,
+        rendered_frame=rendered_frame,
+    )
     wall = time.perf_counter() - start
     frames = result.info.frame_count
     return {
@@ -110,7 +129,49 @@ def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float]:
         "wall_s": wall,
         "fps": frames / wall,
         "chunks": result.chunks,
+        "first_progress_s": round(first[0], 2) if first else None,
         **{f"{k}_ms": round(v) for k, v in result.timings_ms.items()},
+    }
+
+
+def object_bytes(root: object) -> int:
+    """Bytes of ``root`` and every object it reaches (numpy arrays with their data)."""
+    import gc
+
+    seen: set[int] = set()
+    total, stack = 0, [root]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or isinstance(item, type):
+            continue
+        seen.add(id(item))
+        total += sys.getsizeof(item)
+        stack.extend(gc.get_referents(item))
+    return total
+
+
+def records(clip: Path) -> dict[str, float | None]:
+    """Analysis and plan of the clip: bytes per frame they keep."""
+    from tasks.options import FusionOptions
+    from tasks.pipeline import PipelineContext, warm_up
+    from tasks.video import Analysis, analyse
+    from tasks.video_io import frame_timestamps, read_frames
+    from tasks.video_plan import plan_faces, scene_cuts
+
+    ctx = PipelineContext.for_this_machine()
+    warm_up(ctx)
+    options = FusionOptions()
+    pts = frame_timestamps(clip)
+    frames = (f.image for f in read_frames(clip, 0, len(pts), timestamps=pts))
+    analysis = analyse(frames, options, ctx, Analysis())
+    plan = plan_faces(analysis.faces, scene_cuts(analysis.signatures), options.face)
+    n = len(pts)
+    return {
+        "frames": n,
+        "faces_per_frame": round(sum(len(f) for f in analysis.faces) / n, 2),
+        "analysis_bytes_per_frame": round(object_bytes(analysis) / n),
+        "plan_bytes_per_frame": round(object_bytes(plan) / n),
+        "both_bytes_per_frame": round(object_bytes((analysis, plan)) / n),
     }
 
 
@@ -118,7 +179,12 @@ def child(mode: str, clip: Path, chunk_s: float) -> None:
     """One mode in this process; prints its figures as JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.mp4"
-        figures = bare(clip, out) if mode == "bare" else job(clip, out, chunk_s)
+        runs: dict[str, Callable[[], dict[str, float | None]]] = {
+            "bare": lambda: bare(clip, out),
+            "job": lambda: job(clip, out, chunk_s),
+            "records": lambda: records(clip),
+        }
+        figures = runs[mode]()
     figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(figures))
 

@@ -32,21 +32,17 @@ asserts nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import logging
 import os
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -56,205 +52,26 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.procstat import (  # noqa: E402
-    machine_busy_s,
-    postgres_cpu_s,
-    process_tree_cpu_s,
-    wait_until_quiet,
-)
-from faceflow import prefect_server  # noqa: E402
-from faceflow.prefect_server import PrefectMode  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
+from faceflow.testing.inputs import put_input  # noqa: E402
+from faceflow.testing.net import free_port, http_ok  # noqa: E402
+from faceflow.testing.prefect import (  # noqa: E402
+    PREFECT,
+    PrefectRest,
+    server_database,
+    start_server,
+)
+from faceflow.testing.procstat import CpuMeter, wait_until_quiet  # noqa: E402
+from faceflow.testing.wait import wait_for  # noqa: E402
 from flows.binding import signed_parameters, worker_keys  # noqa: E402
-from flows.params import run_tags  # noqa: E402
 
-PREFECT = str(Path(sys.executable).with_name("prefect"))
-SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"
-FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 TEMPLATES = {"process": "gpu-process.json", "warm": "faceflow-gpu.json"}
 TYPES = {"process": "process", "warm": "faceflow-gpu"}
 TARGETS = {"dispatch_s": 0.5, "overhead_ms": 300.0, "throughput_share": 0.8}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def ts(value: str) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-class PrefectRest:
-    """A Prefect server's REST API over httpx; 503s and dropped connections (SQLite under
-    load) are retried with backoff. Shared by this bench and ``tests/worker``."""
-
-    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
-        self.url = url
-        self.http = httpx.Client(base_url=url, headers=headers, timeout=30)
-
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        for attempt in range(8):
-            try:
-                response = self.http.request(method, path, json=body)
-                if response.status_code != 503:
-                    response.raise_for_status()
-                    return response.json() if response.content else None
-            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError):
-                if attempt == 7:
-                    raise
-            time.sleep(0.05 * 2**attempt)
-        raise RuntimeError(f"{method} {path}: still 503")
-
-    def create_pool(self, name: str, worker_type: str, template: dict[str, Any]) -> None:
-        body = {"name": name, "type": worker_type, "base_job_template": template}
-        self.call("POST", "/work_pools/", body)
-
-    def deploy(self, flow_name: str, entrypoint: str, pool: str, name: str | None = None) -> str:
-        """A deployment of ``entrypoint`` in ``pool`` whose runs start in this checkout."""
-        flow = self.call("POST", "/flows/", {"name": flow_name})
-        body = {
-            "name": name or f"{flow_name}-{pool}",
-            "flow_id": flow["id"],
-            "entrypoint": entrypoint,
-            "work_pool_name": pool,
-            "pull_steps": [{SET_WORKING_DIRECTORY: {"directory": str(REPO)}}],
-            "enforce_parameter_schema": False,
-        }
-        return str(self.call("POST", "/deployments/", body)["id"])
-
-    def create_run(
-        self,
-        deployment_id: str,
-        parameters: dict[str, Any],
-        job_variables: dict[str, Any] | None = None,
-    ) -> str:
-        """A run of ``deployment_id``; a ``fuse-faces`` job gets the name and tags the relay
-        gives it (``webapi.prefect_api``), so the flow does what it does for real jobs."""
-        body: dict[str, Any] = {"parameters": parameters, "job_variables": job_variables or {}}
-        if "job_id" in parameters and "owner_id" in parameters:
-            body["name"] = parameters["job_id"]
-            body["tags"] = run_tags(parameters["job_id"], parameters["owner_id"])
-        return str(self.call("POST", f"/deployments/{deployment_id}/create_flow_run", body)["id"])
-
-    def run(self, run_id: str) -> dict[str, Any]:
-        return dict(self.call("GET", f"/flow_runs/{run_id}"))
-
-    def wait_final(self, run_id: str, timeout: float = 600) -> dict[str, Any]:
-        end = time.monotonic() + timeout
-        while True:
-            run = self.run(run_id)
-            if run["state_type"] in FINAL:
-                return run
-            if time.monotonic() > end:
-                raise AssertionError(f"run {run_id} still {run['state_type']} after {timeout} s")
-            time.sleep(0.25)  # latencies come from server timestamps, not from this poll
-
-
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-
-
-@contextlib.contextmanager
-def server_database(kind: str) -> Iterator[dict[str, str]]:
-    """Environment for the Prefect server's database: its default SQLite file, or a fresh
-    PostgreSQL database on 127.0.0.1:5432 (dropped afterwards), as in production."""
-    if kind == "sqlite":
-        yield {}
-        return
-    import sqlalchemy as sa
-
-    name = f"prefect_bench_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield {
-            "PREFECT_SERVER_DATABASE_CONNECTION_URL": (
-                f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-            )
-        }
-    finally:
-        with admin.connect() as connection:
-            connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
-@dataclass
-class PrefectServer:
-    """The Prefect server's processes: the API (its log is ``server.log``) and, in the
-    scale-out layout, the background services apart."""
-
-    api: Service
-    services: Service | None = None
-
-    @property
-    def pids(self) -> tuple[int, ...]:
-        """Every server process (for CPU figures: ``bench.procstat`` takes several)."""
-        return tuple(p.pid for p in (self.api, self.services) if p is not None and p.pid)
-
-    def stop(self, grace: float = 10.0) -> None:
-        """Stop the API processes, then the services."""
-        self.api.stop(grace=grace)
-        if self.services is not None:
-            self.services.stop(grace=grace)
-
-
-BENCH_REDIS_URL = "redis://127.0.0.1:6379/9"
-"""The scale-out layout's Redis database (flushed before each server start)."""
-
-
-def start_server(
-    home: Path,
-    database_env: dict[str, str] | None = None,
-    extra_env: dict[str, str] | None = None,
-    count_requests: bool = False,
-    layout: PrefectMode = "embedded",
-) -> tuple[PrefectServer, str, dict[str, str]]:
-    """A Prefect server on 127.0.0.1: embedded (the services in the API process, as the
-    local stack's default) or scale-out (``faceflow.prefect_server``: one API process
-    without services, the services in a process of their own, messaging in Redis)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {
-        **(database_env or {}),
-        "PREFECT_HOME": str(home / "prefect"),
-        "PREFECT_API_URL": url,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
-        "PREFECT_SERVER_LOGGING_LEVEL": "INFO" if count_requests else "WARNING",
-        "FACEFLOW_HOME": str(home / "faceflow"),
-        "PYTHONUNBUFFERED": "1",
-    }
-    server_env = {**env, **prefect_server.SERVICE_WRITE_BATCHING, **(extra_env or {})}
-    services = None
-    if layout == "scale-out":
-        database_url = server_env.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
-        if not database_url:
-            raise SystemExit("--server-layout scale-out needs --server-db postgresql")
-        import redis
-
-        redis.Redis.from_url(BENCH_REDIS_URL).flushdb()
-        server_env.update(prefect_server.scale_out_env(database_url, BENCH_REDIS_URL))
-        subprocess.run(
-            prefect_server.migrate_argv(PREFECT),
-            env={**os.environ, **server_env},
-            check=True,
-            capture_output=True,
-        )
-        services = Service(
-            "prefect-services",
-            prefect_server.services_argv(PREFECT),
-            log=home / "services.log",
-            env=server_env,
-        )
-        services.start()
-    argv = prefect_server.api_argv(PREFECT, port, layout, api_workers=1)
-    server = Service("prefect-server", argv, log=home / "server.log", env=server_env)
-    server.start()
-    server.wait_ready(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 180)
-    env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)  # clients need only the API URL
-    return PrefectServer(server, services), url, env
 
 
 def prepare_inputs(
@@ -263,28 +80,19 @@ def prepare_inputs(
     """Default blocks saved; the sample photos stored as the webapi would. ``gpu_shaped``:
     the settings a GPU host gets (one model call in flight: ``tasks.batch.model_threads``),
     although the shaped worker's device is the CPU."""
-    import hashlib
-
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from blocks import init_default_blocks
     from blocks.defaults import SETTINGS_NAME
     from blocks.settings import FusionSettings
     from faceflow import samples
-    from flows.params import input_key
 
     with temporary_settings(updates={PREFECT_API_URL: url}):
         saved = init_default_blocks(home)
         if gpu_shaped:
             FusionSettings(model_threads=1).save(SETTINGS_NAME, overwrite=True)
-    keys = []
     source, target = samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes()
-    for data in (source, target):
-        key = input_key(hashlib.sha256(data).hexdigest(), "jpg")
-        path = saved.storage_path / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        keys.append(key)
+    keys = [put_input(saved.storage_path, data) for data in (source, target)]
     return keys[0], keys[1], source, target
 
 
@@ -386,18 +194,6 @@ def job_parameters(source_key: str, target_key: str) -> dict[str, Any]:
     return signed_parameters(params, worker_keys()[0])
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if check():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(what)
-
-
 def stage_timings(storage: Path, run: dict[str, Any]) -> dict[str, float]:
     """The run's stage timings in ms (load … store) from its ``ResultRef`` sidecar."""
     from flows.params import result_meta_key
@@ -428,33 +224,6 @@ def requests_per_job(log: Path, start: int, jobs: int) -> dict[str, float]:
     out = {key: round(n / jobs, 2) for key, n in ordered}
     out["total"] = round(sum(counts.values()) / jobs, 2)
     return out
-
-
-class CpuMeter:
-    """CPU seconds per component over one phase (server, worker + children, postgres,
-    this process) and how busy the whole machine was."""
-
-    def __init__(self, pids: dict[str, int | Sequence[int] | None]) -> None:
-        self.pids = pids
-        self.start = self._read()
-
-    def _read(self) -> dict[str, float]:
-        out = {name: process_tree_cpu_s(pid) for name, pid in self.pids.items()}
-        out["postgres"] = postgres_cpu_s()
-        out["bench"] = sum(os.times()[:2])
-        out["machine_busy"], out["machine_total"] = machine_busy_s()
-        return out
-
-    def per_job_ms(self, jobs: int) -> dict[str, float]:
-        """CPU ms per job by component, and the machine's busy share of all cores."""
-        end = self._read()
-        delta = {k: end[k] - self.start[k] for k in end}
-        total = delta.pop("machine_total")
-        busy = delta.pop("machine_busy")
-        out = {name: round(v * 1e3 / jobs, 1) for name, v in delta.items()}
-        out["other"] = round((busy - sum(delta.values())) * 1e3 / jobs, 1)
-        out["machine_busy_share"] = round(busy / total, 3) if total else 0.0
-        return out
 
 
 def pool_template(mode: str) -> dict[str, Any]:
@@ -494,11 +263,17 @@ def start_worker(
     worker.start()
     try:
         if mode == "warm":
-            ready = f"http://127.0.0.1:{health_port}/ready"
-            wait_until(lambda: httpx.get(ready, timeout=2).status_code == 200, 300, "warm worker")
+            ready = http_ok(f"http://127.0.0.1:{health_port}/ready")
+            wait_for(ready, 300, step_s=0.2, what="warm worker", ignore=(httpx.HTTPError,))
         else:
             workers = f"/work_pools/{pool}/workers/filter"
-            wait_until(lambda: bool(api.call("POST", workers, {})), 120, "process worker")
+            wait_for(
+                lambda: bool(api.call("POST", workers, {})),
+                120,
+                step_s=0.2,
+                what="process worker",
+                ignore=(httpx.HTTPError,),
+            )
     except BaseException:
         worker.stop(grace=10)
         raise
@@ -878,9 +653,10 @@ def main() -> None:
         home = Path(os.environ.get("BENCH_KEEP_DIR") or tmp)
         home.mkdir(parents=True, exist_ok=True)
         with server_database(args.server_db) as database_env:
-            server, url, env = start_server(
+            server = start_server(
                 home, database_env, server_env, args.count_requests, args.server_layout
             )
+            url, env = server.api_url, server.env
             try:
                 api = PrefectRest(url)
                 inputs = prepare_inputs(url, home / "faceflow", gpu_shaped=bool(args.gpu_ms))

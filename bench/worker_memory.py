@@ -11,7 +11,8 @@ child's own telemetry) and the run's outcome. Jobs:
 - ``amplification``: 8 sources, 8 references and the target, all the 40 MP PNG
   (680 MP together; the finding's job);
 - ``large``: source and target of 40 MP (80 MP: within every budget; the flat image has
-  no face, so it ends at detection after decoding and moderating both).
+  no face, so it fails at detection after decoding and moderating both: what a job that
+  fails leaves behind).
 
 Run it on a checkout to measure that checkout (copy it into an older one to compare):
 
@@ -22,7 +23,6 @@ Run it on a checkout to measure that checkout (copy it into an older one to comp
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import socket
@@ -39,8 +39,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.warm_worker import PrefectRest, start_server  # noqa: E402
 from faceflow.samples import flat_png  # noqa: E402
+from faceflow.testing.inputs import put_input  # noqa: E402
+from faceflow.testing.prefect import PrefectRest, start_server  # noqa: E402
+from faceflow.testing.procstat import peak_rss_mb  # noqa: E402
 from faceflow.worker.protocol import (  # noqa: E402
     ChildSpec,
     Ready,
@@ -48,14 +50,16 @@ from faceflow.worker.protocol import (  # noqa: E402
     RunRequest,
     Shutdown,
 )
-from flows.params import input_key, run_tags  # noqa: E402
+from flows.binding import signed_parameters, worker_keys  # noqa: E402
+from flows.params import run_tags  # noqa: E402
 
 ENTRYPOINT = "flows/fuse.py:fuse_faces"
 JOBS = ("amplification", "large")
 
 
 def parameters(job: str, key: str) -> dict[str, Any]:
-    """``fuse-faces`` parameters of ``job`` (every image is ``key``)."""
+    """``fuse-faces`` parameters of ``job`` (every image is ``key``), bound to the job as
+    the relay binds them (``flows.binding``)."""
     params: dict[str, Any] = {
         "job_id": str(uuid.uuid4()),
         "owner_id": "bench",
@@ -67,7 +71,7 @@ def parameters(job: str, key: str) -> dict[str, Any]:
         params["extra_source_keys"] = [key] * 7
         params["reference_keys"] = [key] * 8
         params["options"] = {"mapping": [{"source": i, "reference": i} for i in range(8)]}
-    return params
+    return signed_parameters(params, worker_keys()[0])
 
 
 def create_run(api: PrefectRest, flow_id: str, params: dict[str, Any]) -> str:
@@ -80,14 +84,6 @@ def create_run(api: PrefectRest, flow_id: str, params: dict[str, Any]) -> str:
         "state": {"type": "SCHEDULED"},
     }
     return str(api.call("POST", "/flow_runs/", body)["id"])
-
-
-def peak_rss_mb(pid: int) -> float:
-    """The process's peak resident set size so far (``VmHWM``), MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024.0
-    raise RuntimeError("no VmHWM")
 
 
 def run_in_fresh_child(run_id: str, env: dict[str, str], log: Path) -> dict[str, Any]:
@@ -142,16 +138,15 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         home = Path(tmp)
-        server, url, env = start_server(home)
+        server = start_server(home)
+        url, env = server.api_url, server.env
         try:
             os.environ.update(env)
             from blocks import init_default_blocks
 
             saved = init_default_blocks(home / "faceflow")
             data = flat_png(8000, 5000)
-            key = input_key(hashlib.sha256(data).hexdigest(), "png")
-            (saved.storage_path / key).parent.mkdir(parents=True, exist_ok=True)
-            (saved.storage_path / key).write_bytes(data)
+            key = put_input(saved.storage_path, data, "png")
             api = PrefectRest(url)
             flow_id = str(api.call("POST", "/flows/", {"name": "fuse-faces"})["id"])
             for job in args.jobs:

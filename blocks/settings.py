@@ -44,7 +44,8 @@ class FusionSettings(Block):
     _description = (
         "Operator settings of the FaceFlow fuse-faces flow: default detector and fuser, "
         "identity weight, per-stage time budgets, expected costs and retries, input limits, "
-        "NSFW moderation policy, model directory and model pins."
+        "NSFW moderation policy, result marking (C2PA and watermark), model directory and "
+        "model pins."
     )
 
     detector: DetectorName = Field(
@@ -77,6 +78,13 @@ class FusionSettings(Block):
     retry_delay_s: float = Field(
         default=0.5, ge=0.0, description="Pause before a stage retry, in seconds."
     )
+    video_chunk_s: float = Field(
+        10.0,
+        gt=0,
+        description="Length of a video's render chunks in seconds (moved to a scene cut "
+        "within a quarter of it): the unit of retry and resume, and of progress between "
+        "chunks; a kill redoes at most one chunk.",
+    )
     image_limits: ImageLimits = Field(
         default_factory=ImageLimits, description="Bounds on every input image."
     )
@@ -102,6 +110,15 @@ class FusionSettings(Block):
         "more cores, one on a GPU (whose calls take the whole batch). Each call gets the "
         "CPU cores divided among the calls as intra-op threads (torch's unless "
         "OMP_NUM_THREADS is set, and the moderation detector's).",
+    )
+    marking: Literal["required", "off"] = Field(
+        default="required",
+        description="Marking of every result (docs/provenance.md): required embeds an "
+        "invisible watermark and a signed C2PA manifest (Content Credentials) from the "
+        "signing block, and fails a job whose result cannot be signed (marking_failed); off "
+        "returns results unmarked. The EU AI Act (Art. 50(2)) asks providers of systems that "
+        "generate or manipulate images or video to mark their outputs in a machine-readable, "
+        "detectable way: turn it off only where the operator marks results otherwise.",
     )
     model_dir: str | None = Field(
         default=None,

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from tasks.error_codes import JobErrorCode
+
 if TYPE_CHECKING:
-    from faceflow.client import FaceFlowClient
+    from faceflow.client import FaceFlowClient, Job
 
 app = typer.Typer(
     name="faceflow",
@@ -52,6 +56,25 @@ def _mount_operations() -> None:
 
 
 _mount_operations()
+
+
+AlsoOption = Annotated[
+    list[Path] | None,
+    typer.Option("--source", help="Another source image (repeatable; source 1, 2, ...)."),
+]
+ReferenceOption = Annotated[
+    list[Path] | None,
+    typer.Option(help="A reference image for --map S:rR (repeatable; reference 0, 1, ...)."),
+]
+FaceMapOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--map",
+        help="Per-face mapping (repeatable): S:T puts source S onto target face T "
+        "(reading order), S:rR onto the target face most like reference R.",
+    ),
+]
+"""The options naming the extra sources, references and per-face mapping (fuse, submit)."""
 
 
 def _fail(code: str, message: str, exit_code: int = 1) -> typer.Exit:
@@ -112,22 +135,9 @@ def fuse(
     moderation: Annotated[
         str, typer.Option(help="NSFW check of inputs and result: enforce, report or off.")
     ] = "enforce",
-    also: Annotated[
-        list[Path] | None,
-        typer.Option("--source", help="Another source image (repeatable; source 1, 2, ...)."),
-    ] = None,
-    reference: Annotated[
-        list[Path] | None,
-        typer.Option(help="A reference image for --map S:rR (repeatable; reference 0, 1, ...)."),
-    ] = None,
-    face_map: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--map",
-            help="Per-face mapping (repeatable): S:T puts source S onto target face T "
-            "(reading order), S:rR onto the target face most like reference R.",
-        ),
-    ] = None,
+    also: AlsoOption = None,
+    reference: ReferenceOption = None,
+    face_map: FaceMapOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
     """Fuse the face of SOURCE into TARGET in this process and print per-stage timings."""
@@ -161,7 +171,9 @@ def fuse(
         extra_bytes = [path.read_bytes() for path in also or []]
         reference_bytes = [path.read_bytes() for path in reference or []]
     except OSError as exc:
-        raise _fail("invalid_input", f"cannot read input: {exc.strerror}: {exc.filename}") from None
+        raise _fail(
+            JobErrorCode.invalid_input, f"cannot read input: {exc.strerror}: {exc.filename}"
+        ) from None
 
     from tasks.pipeline import PipelineContext
     from tasks.stages import fuse_images
@@ -178,7 +190,7 @@ def fuse(
             references=reference_bytes,
         )
     except FaceFlowError as exc:
-        raise _fail(exc.code, str(exc).split("] ", 1)[-1]) from None
+        raise _fail(exc.code, exc.message) from None
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_bytes(result.data)
     summary = {
@@ -294,11 +306,18 @@ def prefect_auth(
 def blocks_init(
     home: Annotated[Path | None, typer.Option(help="FaceFlow home (default .faceflow).")] = None,
 ) -> None:
-    """Save the default storage and FusionSettings blocks (overwrite)."""
+    """Save the default storage, FusionSettings and C2PA signing blocks (overwrite); the
+    signing block holds a development certificate chain, made at first use."""
     from blocks.defaults import init_default_blocks
 
     saved = init_default_blocks(home)
-    typer.echo(f"saved {saved.storage} ({saved.storage_path}), {saved.settings}")
+    typer.echo(f"saved {saved.storage} ({saved.storage_path}), {saved.settings}, {saved.signing}")
+    if saved.signing_created:
+        typer.echo(
+            f"created a development C2PA signing chain (root: {saved.trust_anchor}): results "
+            "are signed with it; no C2PA reader trusts it: give production a certificate "
+            "from a CA on the C2PA trust list (docs/provenance.md)"
+        )
 
 
 @relay_app.callback(invoke_without_command=True)
@@ -384,27 +403,16 @@ def _client() -> FaceFlowClient:
 @app.command()
 def submit(
     source: Annotated[str, typer.Argument(help="Source face: a path or an https:// URL.")],
-    target: Annotated[str, typer.Argument(help="Target photo: a path or an https:// URL.")],
+    target: Annotated[
+        str, typer.Argument(help="Target photo or video: a path or an https:// URL.")
+    ],
     wait: Annotated[bool, typer.Option(help="Wait for the job to end.")] = False,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Save the result.")] = None,
     identity_weight: Annotated[float | None, typer.Option(help="0..1.")] = None,
     deadline: Annotated[int | None, typer.Option(help="Deadline in whole seconds.")] = None,
-    also: Annotated[
-        list[Path] | None,
-        typer.Option("--source", help="Another source image (repeatable; source 1, 2, ...)."),
-    ] = None,
-    reference: Annotated[
-        list[Path] | None,
-        typer.Option(help="A reference image for --map S:rR (repeatable; reference 0, 1, ...)."),
-    ] = None,
-    face_map: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--map",
-            help="Per-face mapping (repeatable): S:T puts source S onto target face T "
-            "(reading order), S:rR onto the target face most like reference R.",
-        ),
-    ] = None,
+    also: AlsoOption = None,
+    reference: ReferenceOption = None,
+    face_map: FaceMapOption = None,
 ) -> None:
     """Submit a job to the API (FACEFLOW_API_URL, FACEFLOW_API_KEY)."""
     from faceflow.client import FaceFlowAPIError, wait_with_progress
@@ -428,10 +436,10 @@ def submit(
             )
             typer.echo(f"job {job['id']} {job['status']}")
             if wait or output:
-                job = wait_with_progress(client, job["id"])
+                job = wait_with_progress(client, job["id"], timeout=_time_left(job) + 30)
                 typer.echo(json.dumps(job, indent=2, default=str))
                 if output and job["status"] == "succeeded":
-                    output.write_bytes(client.result(job["id"]))
+                    client.download(job["id"], output)  # streamed: a video may be large
                     typer.echo(f"wrote {output}")
                 if job["status"] != "succeeded":
                     raise typer.Exit(1)
@@ -439,32 +447,99 @@ def submit(
             raise _fail(exc.code, exc.message) from None
         except OSError as exc:
             raise _fail(
-                "invalid_input", f"cannot read input: {exc.strerror}: {exc.filename}"
+                JobErrorCode.invalid_input, f"cannot read input: {exc.strerror}: {exc.filename}"
             ) from None
+
+
+def _time_left(job: dict[str, object]) -> float:
+    """Seconds until the job's deadline (at least 1)."""
+    deadline = datetime.fromisoformat(str(job["deadline_at"]))
+    return max(1.0, (deadline - datetime.now(UTC)).total_seconds())
+
+
+def _print_job(call: Callable[[FaceFlowClient], Job]) -> None:
+    """Print the job object ``call`` gets from the API (or the API's error, exit 1)."""
+    from faceflow.client import FaceFlowAPIError
+
+    with _client() as client:
+        try:
+            typer.echo(json.dumps(call(client), indent=2, default=str))
+        except FaceFlowAPIError as exc:
+            raise _fail(exc.code, exc.message) from None
 
 
 @app.command()
 def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     """Print a job."""
-    from faceflow.client import FaceFlowAPIError
-
-    with _client() as client:
-        try:
-            typer.echo(json.dumps(client.status(job_id), indent=2, default=str))
-        except FaceFlowAPIError as exc:
-            raise _fail(exc.code, exc.message) from None
+    _print_job(lambda client: client.status(job_id))
 
 
 @app.command()
 def cancel(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     """Cancel a queued or running job."""
+    _print_job(lambda client: client.cancel(job_id))
+
+
+@app.command()
+def verify(
+    file: Annotated[Path, typer.Argument(help="An image or MP4 to check.")],
+    api: Annotated[
+        bool,
+        typer.Option(help="Ask the API (FACEFLOW_API_URL, FACEFLOW_API_KEY): it names your job."),
+    ] = False,
+    trust: Annotated[
+        Path | None,
+        typer.Option(help="PEM of trusted roots (default: the local stack's development root)."),
+    ] = None,
+    home: Annotated[Path | None, typer.Option(help="FaceFlow home (default .faceflow).")] = None,
+) -> None:
+    """Check a file's Content Credentials and invisible watermark. Exit 0 when either says
+    this service made it, 1 when neither does."""
     from faceflow.client import FaceFlowAPIError
 
-    with _client() as client:
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise _fail("invalid_input", f"cannot read {file}: {exc.strerror}") from None
+    if api:
+        with _client() as client:
+            try:
+                found = client.verify(data)
+            except FaceFlowAPIError as exc:
+                raise _fail(exc.code, exc.message) from None
+    else:
+        from tasks.errors import FaceFlowError
+
         try:
-            typer.echo(json.dumps(client.cancel(job_id), indent=2, default=str))
-        except FaceFlowAPIError as exc:
-            raise _fail(exc.code, exc.message) from None
+            found = _verify_here(data, trust, home)
+        except FaceFlowError as exc:
+            raise _fail(exc.code, exc.public_message) from None
+    typer.echo(json.dumps(found, indent=2))
+    if not found["made_by_this_service"]:
+        raise typer.Exit(1)
+
+
+def _verify_here(data: bytes, trust: Path | None, home: Path | None) -> dict[str, object]:
+    """``faceflow verify`` without the API: the marks read in this process (the
+    watermark's job tag in hex, as the job id's first 8 hex digits)."""
+    from dataclasses import asdict
+
+    from blocks.storage import faceflow_home
+    from tasks.provenance import dev_root_path, inspect_file
+
+    anchors = trust or dev_root_path(faceflow_home(home))
+    found = inspect_file(data, anchors.read_text() if anchors.is_file() else None)
+    mark = found.watermark
+    return {
+        "media_type": found.media_type,
+        "made_by_this_service": found.made_here,
+        "manifest": {**asdict(found.manifest), "ours": found.manifest.ours},
+        "watermark": {
+            "checked": found.watermark_checked,
+            "present": mark is not None,
+            "job_tag": f"{mark.tag:08x}" if mark is not None else None,
+        },
+    }
 
 
 def main() -> None:

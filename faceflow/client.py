@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypedDict, Unpack
 
 import httpx
 
@@ -47,8 +47,12 @@ class _Request:
     path: str
     json: Mapping[str, Any] | None = None
     headers: Mapping[str, str] | None = None
-    files: list[tuple[str, tuple[str, bytes, str]]] | None = None
+    files: list[tuple[str, tuple[str, bytes | IO[bytes], str]]] | None = None
     data: Mapping[str, str] | None = None
+
+    def content(self) -> dict[str, Any]:
+        """httpx's keyword arguments for the request's body and headers."""
+        return {"json": self.json, "headers": self.headers, "files": self.files, "data": self.data}
 
 
 def _is_ref(image: ImageInput) -> bool:
@@ -62,6 +66,18 @@ def _load(image: ImageInput) -> tuple[bytes, str]:
     path = Path(image)
     data = path.read_bytes()
     return data, _sniff_mime(data) or mimetypes.guess_type(path.name)[0] or "image/jpeg"
+
+
+def _part(image: ImageInput) -> tuple[bytes | IO[bytes], str]:
+    """A multipart file's content and MIME type: a video file stays an open file, which
+    httpx streams (the caller closes it), anything else is read."""
+    if not isinstance(image, bytes):
+        path = Path(image)
+        with path.open("rb") as head:
+            mime = _sniff_mime(head.read(12))
+        if mime is not None and mime.startswith("video/"):
+            return path.open("rb"), mime  # closed by _close_files after the request
+    return _load(image)
 
 
 def as_image_ref(image: ImageInput) -> str:
@@ -79,31 +95,68 @@ def _sniff_mime(data: bytes) -> str | None:
         return "image/png"
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "image/webp"
+    if data[4:8] == b"ftyp":
+        return "video/quicktime" if data[8:10] == b"qt" else "video/mp4"
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return "video/x-matroska"
     return None
 
 
-def _submit_request(
-    source: ImageInput,
-    target: ImageInput,
-    *,
-    options: Mapping[str, Any] | None,
-    callback_url: str | None,
-    callback_events: list[str] | None,
-    deadline_seconds: int | None,
-    queue_timeout_seconds: int | None,
-    priority: str | None,
-    idempotency_key: str | None,
-    wait: int | None,
-    extra_sources: Sequence[ImageInput] = (),
-    references: Sequence[ImageInput] = (),
-) -> _Request:
+class SubmitOptions(TypedDict, total=False):
+    """The keyword options of ``submit`` (each may be left out)."""
+
+    options: Mapping[str, Any] | None
+    callback_url: str | None
+    callback_events: list[str] | None
+    deadline_seconds: int | None
+    queue_timeout_seconds: int | None
+    priority: str | None
+    idempotency_key: str | None
+    wait: int | None
+    extra_sources: Sequence[ImageInput]
+    references: Sequence[ImageInput]
+
+
+class WaitOptions(TypedDict, total=False):
+    """The keyword options of ``wait``: ``timeout`` (s, default 300), ``interval`` (s
+    between polls, default 0.5), ``on_update`` (called with each job object polled)."""
+
+    timeout: float
+    interval: float
+    on_update: Callable[[Job], None] | None
+
+
+class _Waiting:
+    """One ``wait``'s polling rule, the same for both clients."""
+
+    def __init__(self, options: WaitOptions) -> None:
+        self.deadline = time.monotonic() + options.get("timeout", 300.0)
+        self.interval = options.get("interval", 0.5)
+        self.on_update = options.get("on_update")
+
+    def over(self, job: Job) -> bool:
+        """Whether polling ends with ``job``: it is terminal or the time is up."""
+        if self.on_update:
+            self.on_update(job)
+        return job["status"] in TERMINAL_STATUSES or time.monotonic() >= self.deadline
+
+
+_PARAMS = (
+    "callback_url",
+    "callback_events",
+    "deadline_seconds",
+    "queue_timeout_seconds",
+    "priority",
+)
+"""The submit options that travel as body fields (besides ``options``)."""
+
+
+def _submit_request(source: ImageInput, target: ImageInput, kw: SubmitOptions) -> _Request:
+    options, idempotency_key, wait = kw.get("options"), kw.get("idempotency_key"), kw.get("wait")
+    extra_sources, references = kw.get("extra_sources", ()), kw.get("references", ())
     optional = {
         "options": dict(options) if options else None,
-        "callback_url": callback_url,
-        "callback_events": callback_events,
-        "deadline_seconds": deadline_seconds,
-        "queue_timeout_seconds": queue_timeout_seconds,
-        "priority": priority,
+        **{k: kw.get(k) for k in _PARAMS},
     }
     params = {k: v for k, v in optional.items() if v is not None}
     headers = {}
@@ -116,7 +169,7 @@ def _submit_request(
         # Files go as multipart: no base64, and the API's JSON body limit is much smaller.
         parts = [("source", image) for image in sources] + [("target", target)]
         parts += [("reference", image) for image in references]
-        files = [(name, (name, *_load(image))) for name, image in parts]
+        files = [(name, (name, *_part(image))) for name, image in parts]
         form = {"params": json.dumps(params)}
         return _Request("POST", "/v1/jobs", None, headers, files=files, data=form)
     body: dict[str, Any] = {"target": as_image_ref(target), **params}
@@ -127,6 +180,12 @@ def _submit_request(
     if references:
         body["references"] = [as_image_ref(image) for image in references]
     return _Request("POST", "/v1/jobs", body, headers)
+
+
+def _close_files(req: _Request) -> None:
+    for _name, (_filename, content, _mime) in req.files or []:
+        if not isinstance(content, bytes):
+            content.close()
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -159,46 +218,21 @@ class FaceFlowClient:
         self._http.close()
 
     def _send(self, req: _Request) -> httpx.Response:
-        response = self._http.request(
-            req.method, req.path, json=req.json, headers=req.headers, files=req.files, data=req.data
-        )
+        try:
+            response = self._http.request(req.method, req.path, **req.content())
+        finally:
+            _close_files(req)
         _raise_for(response)
         return response
 
     def submit(
-        self,
-        source: ImageInput,
-        target: ImageInput,
-        *,
-        options: Mapping[str, Any] | None = None,
-        callback_url: str | None = None,
-        callback_events: list[str] | None = None,
-        deadline_seconds: int | None = None,
-        queue_timeout_seconds: int | None = None,
-        priority: str | None = None,
-        idempotency_key: str | None = None,
-        wait: int | None = None,
-        extra_sources: Sequence[ImageInput] = (),
-        references: Sequence[ImageInput] = (),
+        self, source: ImageInput, target: ImageInput, **kwargs: Unpack[SubmitOptions]
     ) -> Job:
         """Submit a job; returns the job object (202, or 200 for an idempotent repeat).
 
         ``extra_sources`` (sources after ``source``) and ``references`` go with a per-face
         mapping in ``options["mapping"]``, e.g. ``[{"source": 1, "target": 2}]``."""
-        req = _submit_request(
-            source,
-            target,
-            options=options,
-            callback_url=callback_url,
-            callback_events=callback_events,
-            deadline_seconds=deadline_seconds,
-            queue_timeout_seconds=queue_timeout_seconds,
-            priority=priority,
-            idempotency_key=idempotency_key,
-            wait=wait,
-            extra_sources=extra_sources,
-            references=references,
-        )
+        req = _submit_request(source, target, kwargs)
         return self._send(req).json()  # type: ignore[no-any-return]
 
     def status(self, job_id: str) -> Job:
@@ -209,27 +243,36 @@ class FaceFlowClient:
         """Cancel a queued or running job."""
         return self._send(_Request("POST", f"/v1/jobs/{job_id}/cancel")).json()  # type: ignore[no-any-return]
 
+    def verify(self, data: bytes) -> dict[str, Any]:
+        """What ``POST /v1/verify`` finds in a file's bytes (its marks; the job id when the
+        caller owns the job)."""
+        headers = {"Content-Type": "application/octet-stream"}
+        response = self._http.post("/v1/verify", content=data, headers=headers)
+        _raise_for(response)
+        return response.json()  # type: ignore[no-any-return]
+
     def result(self, job_id: str) -> bytes:
         """The result image's bytes (after success)."""
         return self._send(_Request("GET", f"/v1/jobs/{job_id}/result")).content
 
-    def wait(
-        self,
-        job_id: str,
-        *,
-        timeout: float = 300.0,
-        interval: float = 0.5,
-        on_update: Callable[[Job], None] | None = None,
-    ) -> Job:
+    def download(self, job_id: str, path: Path) -> int:
+        """Stream the result (an image or a video) into ``path``; its size in bytes."""
+        with self._http.stream("GET", f"/v1/jobs/{job_id}/result") as response:
+            if not response.is_success:
+                response.read()
+                _raise_for(response)
+            size = 0
+            with path.open("wb") as out:
+                for piece in response.iter_bytes(1 << 20):
+                    size += out.write(piece)
+        return size
+
+    def wait(self, job_id: str, **options: Unpack[WaitOptions]) -> Job:
         """Poll until the job is terminal or ``timeout`` passes; returns the last job object."""
-        deadline = time.monotonic() + timeout
-        while True:
-            job = self.status(job_id)
-            if on_update:
-                on_update(job)
-            if job["status"] in TERMINAL_STATUSES or time.monotonic() >= deadline:
-                return job
-            time.sleep(interval)
+        waiting = _Waiting(options)
+        while not waiting.over(job := self.status(job_id)):
+            time.sleep(waiting.interval)
+        return job
 
 
 class AsyncFaceFlowClient:
@@ -250,43 +293,18 @@ class AsyncFaceFlowClient:
         await self._http.aclose()
 
     async def _send(self, req: _Request) -> httpx.Response:
-        response = await self._http.request(
-            req.method, req.path, json=req.json, headers=req.headers, files=req.files, data=req.data
-        )
+        try:
+            response = await self._http.request(req.method, req.path, **req.content())
+        finally:
+            _close_files(req)
         _raise_for(response)
         return response
 
     async def submit(
-        self,
-        source: ImageInput,
-        target: ImageInput,
-        *,
-        options: Mapping[str, Any] | None = None,
-        callback_url: str | None = None,
-        callback_events: list[str] | None = None,
-        deadline_seconds: int | None = None,
-        queue_timeout_seconds: int | None = None,
-        priority: str | None = None,
-        idempotency_key: str | None = None,
-        wait: int | None = None,
-        extra_sources: Sequence[ImageInput] = (),
-        references: Sequence[ImageInput] = (),
+        self, source: ImageInput, target: ImageInput, **kwargs: Unpack[SubmitOptions]
     ) -> Job:
         """Submit a job; returns the job object."""
-        req = _submit_request(
-            source,
-            target,
-            options=options,
-            callback_url=callback_url,
-            callback_events=callback_events,
-            deadline_seconds=deadline_seconds,
-            queue_timeout_seconds=queue_timeout_seconds,
-            priority=priority,
-            idempotency_key=idempotency_key,
-            wait=wait,
-            extra_sources=extra_sources,
-            references=references,
-        )
+        req = _submit_request(source, target, kwargs)
         return (await self._send(req)).json()  # type: ignore[no-any-return]
 
     async def status(self, job_id: str) -> Job:
@@ -301,34 +319,42 @@ class AsyncFaceFlowClient:
         """The result image's bytes (after success)."""
         return (await self._send(_Request("GET", f"/v1/jobs/{job_id}/result"))).content
 
-    async def wait(
-        self,
-        job_id: str,
-        *,
-        timeout: float = 300.0,
-        interval: float = 0.5,
-        on_update: Callable[[Job], None] | None = None,
-    ) -> Job:
-        """Poll until the job is terminal or ``timeout`` passes."""
-        deadline = time.monotonic() + timeout
-        while True:
-            job = await self.status(job_id)
-            if on_update:
-                on_update(job)
-            if job["status"] in TERMINAL_STATUSES or time.monotonic() >= deadline:
-                return job
-            await asyncio.sleep(interval)
+    async def wait(self, job_id: str, **options: Unpack[WaitOptions]) -> Job:
+        """Poll until the job is terminal or ``timeout`` passes; returns the last job object."""
+        waiting = _Waiting(options)
+        while not waiting.over(job := await self.status(job_id)):
+            await asyncio.sleep(waiting.interval)
+        return job
+
+
+def progress_line(job: Job) -> tuple[str, int | None, int]:
+    """What a progress display shows of ``job``: a description (status, stage, and for a
+    video its frames per second and ETA), and the frames total and done (None, 0 for a
+    photo, or a video before its frames are counted)."""
+    stage = f" ({job['stage']})" if job.get("stage") else ""
+    text = f"job {job['id']}: {job['status']}{stage}"
+    progress = job.get("progress") or {}
+    total = progress.get("frames_total") or None
+    if total:
+        text += f" {progress.get('chunks_done', 0)}/{progress.get('chunks_total', 0)} chunks"
+        if progress.get("fps"):
+            text += f", {progress['fps']:.1f} fps"
+        if progress.get("eta_seconds") is not None:
+            text += f", ETA {progress['eta_seconds']:.0f} s"
+    return text, total, int(progress.get("frames_done") or 0)
 
 
 def wait_with_progress(client: FaceFlowClient, job_id: str, *, timeout: float = 300.0) -> Job:
-    """``client.wait`` with a rich progress display naming status and stage."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    """``client.wait`` with a rich progress display: status and stage, and for a video a
+    bar of its frames with frames per second and ETA."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()) as bar:
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns) as bar:
         task = bar.add_task(f"job {job_id}: queued", total=None)
 
         def update(job: Job) -> None:
-            stage = f" ({job['stage']})" if job.get("stage") else ""
-            bar.update(task, description=f"job {job_id}: {job['status']}{stage}")
+            text, total, done = progress_line(job)
+            bar.update(task, description=text, total=total, completed=done)
 
         return client.wait(job_id, timeout=timeout, on_update=update)

@@ -42,6 +42,12 @@ REDIS_SERVER_MODULES = {
 for ``--workers`` > 1: ``prefect.cli._server_utils._validate_multi_worker``)."""
 
 
+REDIS_PUBLISH_AT_ONCE = {"PREFECT_REDIS_MESSAGING_PUBLISHER_BATCH_SIZE": "1"}
+"""Redis messaging publishes each message at once rather than 5 at a time or every 10 s
+(prefect-redis' default): a run's state event reaches the relay's event stream
+(``webapi.relay.run_events``) within milliseconds, not after up to 10 s."""
+
+
 SERVICE_WRITE_BATCHING = {
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
@@ -136,6 +142,7 @@ def scale_out_env(database_url: str, redis_url: str) -> dict[str, str]:
         **REDIS_SERVER_MODULES,
         "PREFECT_REDIS_MESSAGING_URL": redis_url,
         "PREFECT_SERVER_DOCKET_URL": redis_url,
+        **REDIS_PUBLISH_AT_ONCE,
     }
 
 

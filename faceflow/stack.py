@@ -264,7 +264,16 @@ class Stack:
             "control-pool",
             [prefect, "work-pool", "create", CONTROL_POOL, "--type", "process", "--overwrite"],
         )
+        from tasks.provenance import dev_root_path  # c2pa and cv2: only when starting
+
+        first_chain = not dev_root_path(cfg.home).is_file()
         self._run_step("blocks", [faceflow, "blocks", "init"])
+        if first_chain:
+            self.progress(
+                f"c2pa: created a development signing chain in {dev_root_path(cfg.home).parent} "
+                "(results are signed with it; no C2PA reader trusts its root: production "
+                "needs a real certificate, docs/provenance.md)"
+            )
         self._run_step("deploy", [prefect, "--no-prompt", "deploy", "--all"])
         self.progress("job store: migrations")
         self._run_step("db-upgrade", [faceflow, "db", "upgrade"])

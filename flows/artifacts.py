@@ -202,6 +202,7 @@ class OperatorView:
             result_key=ref.key if ref is not None and job.outcome == "succeeded" else None,
             result_uri=job.work.location,
             quality=job.work.report,
+            marks=job.work.marks if job.outcome == "succeeded" else None,
         )
 
     def publish(
@@ -214,6 +215,7 @@ class OperatorView:
         result_key: str | None = None,
         result_uri: str | None = None,
         quality: QualityReport | None = None,
+        marks: list[str] | None = None,
     ) -> None:
         """Close the progress bar and publish the table and markdown artifacts.
 
@@ -230,6 +232,10 @@ class OperatorView:
             lines.append(f"Result: {link}")
         else:
             lines.append(f"Outcome: `{outcome}`")
+        if marks is not None:
+            names = {"c2pa": "signed C2PA Content Credentials", "watermark": "invisible watermark"}
+            said = ", ".join(names.get(m, m) for m in marks) or "no (marking is off)"
+            lines += ["", f"Marked: {said}"]
         if quality is not None:
             lines += ["", *quality_markdown(quality)]
 

@@ -30,6 +30,7 @@ from flows.outcome import admit_bound, record_unsettled
 from flows.params import (
     BATCH_FLOW_NAME,
     DEFAULT_SETTINGS_BLOCK,
+    DEFAULT_SIGNING_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     JobAttempt,
 )
@@ -42,6 +43,7 @@ def fuse_batch(
     deadline_at: datetime,
     storage_block: str = DEFAULT_STORAGE_BLOCK,
     settings_block: str = DEFAULT_SETTINGS_BLOCK,
+    signing_block: str = DEFAULT_SIGNING_BLOCK,
 ) -> dict[str, str] | State[Any]:
     """Fuse every job of the batch; returns ``{job id: outcome}`` (``succeeded``, an error
     code, or ``stopped``). Fails only when no job could be attempted."""
@@ -57,6 +59,7 @@ def fuse_batch(
             bound,
             storage_block=storage_block,
             settings_block=settings_block,
+            signing_block=signing_block,
             view=lambda stages: BatchView([JobRow(j.job_id, j.attempt) for j in bound], stages),
         )
     except Exception as exc:

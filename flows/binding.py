@@ -100,7 +100,7 @@ def signed_parameters(
     job's (``JobAttempt`` fields), with their binding under ``key``: for runs created
     without the relay (benches, tests, an operator's replay). The blocks default to the
     parameters' own, else the defaults; a batch job is bound to its run's blocks."""
-    blocks = {"binding", "storage_block", "settings_block"}
+    blocks = {"binding", "storage_block", "settings_block", "signing_block"}
     job = JobAttempt.model_validate({k: v for k, v in parameters.items() if k not in blocks})
     binding = sign(
         job,

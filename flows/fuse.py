@@ -32,13 +32,14 @@ from flows.deadline import Deadline, alarm_timeouts_available
 from flows.outcome import check_binding, record_failure
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
+    DEFAULT_SIGNING_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     FLOW_NAME,
     JobAttempt,
     run_tags,
 )
 from flows.run import run_jobs
-from tasks.errors import DeadlineExceeded, FaceFlowError
+from tasks.errors import DeadlineExceeded, FaceFlowError, drop_frames
 from tasks.options import FusionOptions
 
 
@@ -85,11 +86,12 @@ JOB_FLOW_OPTIONS: dict[str, Any] = {
 
 def failed(exc: Exception, what: str) -> State[Any]:
     """The ``Failed`` state a job flow ends in for ``exc`` (logged): its typed error's
-    ``[code] message``, or ``internal_error`` for anything unexpected."""
+    ``[code] message``, or ``internal_error`` for anything unexpected. The state outlives
+    the run in a warm worker: the error it keeps holds no frames (``drop_frames``)."""
     logger = get_run_logger()
     if isinstance(exc, FaceFlowError):
         logger.error("%s failed: %s", what, exc)
-        return Failed(message=str(exc), data=exc)
+        return Failed(message=str(exc), data=drop_frames(exc))
     logger.error("%s failed unexpectedly", what, exc_info=exc)
     internal = FaceFlowError(detail=type(exc).__name__)
     return Failed(message=str(internal), data=internal)
@@ -109,6 +111,7 @@ def fuse_faces(
     storage_block: str = DEFAULT_STORAGE_BLOCK,
     settings_block: str = DEFAULT_SETTINGS_BLOCK,
     binding: str | None = None,
+    signing_block: str = DEFAULT_SIGNING_BLOCK,
 ) -> dict[str, Any] | State[Any]:
     """Fuse the source face into the target photo for one job attempt.
 
@@ -141,6 +144,7 @@ def fuse_faces(
             [spec],
             storage_block=storage_block,
             settings_block=settings_block,
+            signing_block=signing_block,
             view=lambda stages: OperatorView(job_id, attempt, stages),
         )
     except Exception as exc:

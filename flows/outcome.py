@@ -14,7 +14,7 @@ from prefect.runtime import flow_run
 from blocks.storage import ByteStore, exists, load_storage, write_to
 from flows.binding import PREVIOUS_KEYS_ENV, SIGNING_KEY_ENV, verify, worker_keys
 from flows.params import JobAttempt, JobFailure, result_error_key, result_meta_key
-from tasks.errors import FaceFlowError, RunBindingInvalid
+from tasks.errors import FaceFlowError, RunBindingInvalid, as_job_error
 
 KEY_VARIABLES = frozenset({SIGNING_KEY_ENV, PREVIOUS_KEYS_ENV, "FACEFLOW_ENVIRONMENT"})
 """Environment variables that choose the keys a worker accepts: a run may not set them."""
@@ -41,11 +41,6 @@ def run_environment() -> dict[str, object]:
     run = context.flow_run if context is not None else None
     env = (run.job_variables or {}).get("env") if run is not None else None
     return dict(env) if isinstance(env, dict) else {}
-
-
-def as_job_error(exc: BaseException) -> FaceFlowError:
-    """``exc`` as the typed error a job fails with (``internal_error`` when unexpected)."""
-    return exc if isinstance(exc, FaceFlowError) else FaceFlowError(detail=type(exc).__name__)
 
 
 def record_failure(

@@ -9,15 +9,18 @@ sidecar (``ResultRef``) under ``results/``; the relay reads the sidecar after th
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from tasks.error_codes import JobErrorCode
 from tasks.options import FusionOptions
 from tasks.report import QualityReport
 
 DEFAULT_STORAGE_BLOCK = "local-file-system/faceflow-storage"
 DEFAULT_SETTINGS_BLOCK = "fusion-settings/default"
+DEFAULT_SIGNING_BLOCK = "secret/faceflow-c2pa-signing"
+"""The Secret block holding the certificate chain and key that sign results (``blocks.signing``)."""
 FLOW_NAME = "fuse-faces"
 DEPLOYMENT_NAME = "fuse-faces"
 BATCH_FLOW_NAME = "fuse-batch"
@@ -80,13 +83,22 @@ class FuseBatchParams(BaseModel):
     settings_block: str = Field(DEFAULT_SETTINGS_BLOCK, description="FusionSettings block name.")
 
 
+def _known_code(value: object) -> object:
+    """A record's code as a ``JobErrorCode``, an unknown string as the fallback
+    (``JobErrorCode.parse``); anything else is left for validation to refuse."""
+    return JobErrorCode.parse(value) if isinstance(value, str) else value
+
+
 class JobFailure(BaseModel):
     """Why one job attempt failed, written as ``result_error_key`` by the flow (``fuse-faces``
     and ``fuse-batch`` alike): the relay fails a job only on this record, never on a run's
     state. ``retryable``: a transient failure the relay may re-dispatch while attempts and
     time remain."""
 
-    code: str = Field(description="Stable error code (tasks.errors codes, deadline_exceeded).")
+    code: Annotated[JobErrorCode, BeforeValidator(_known_code)] = Field(
+        description="Stable error code; one this version does not list reads as "
+        "``internal_error`` (``tasks.error_codes``)."
+    )
     message: str = Field(description="Safe public message.")
     retryable: bool = Field(False, description="Whether another attempt may succeed.")
     stage: str | None = Field(None, description="The stage the job failed in.")
@@ -111,6 +123,11 @@ class ResultRef(BaseModel):
     moderation: list[str] = Field(
         default_factory=list,
         description="What a report-only moderation check flagged (role: label score).",
+    )
+    marks: list[str] = Field(
+        default_factory=list,
+        description="How the result is marked (docs/provenance.md): c2pa (signed Content "
+        "Credentials), watermark (in its pixels); empty when marking is off.",
     )
 
 
@@ -152,6 +169,31 @@ def result_key(job_id: str, attempt: int, ext: str) -> str:
 def result_meta_key(job_id: str, attempt: int) -> str:
     """Storage key of the JSON ``ResultRef`` sidecar of a job attempt."""
     return f"results/{job_id}/attempt-{attempt}.json"
+
+
+class JobProgress(BaseModel):
+    """How far a video job attempt is, as ``fuse-video`` writes it (``progress_key``) and
+    the API shows it on the job (``JobPublic.progress``)."""
+
+    frames_done: int = Field(ge=0, description="Frames fused so far (stored chunks count).")
+    frames_total: int = Field(ge=0, description="Frames of the video.")
+    chunks_done: int = Field(ge=0, description="Render chunks finished.")
+    chunks_total: int = Field(ge=0, description="Render chunks of the video (0 until planned).")
+    fps: float | None = Field(None, description="Frames fused per second by this attempt.")
+    eta_seconds: float | None = Field(None, description="Estimated seconds until the result.")
+    stage: str | None = Field(None, description="The step the attempt is in.")
+    updated_at: datetime | None = Field(None, description="When the flow wrote it.")
+
+
+def progress_key(job_id: str, attempt: int) -> str:
+    """Storage key of a video job attempt's ``JobProgress`` (rewritten as it advances)."""
+    return f"results/{job_id}/attempt-{attempt}.progress.json"
+
+
+def chunks_manifest_key(job_id: str, attempt: int) -> str:
+    """Storage key of the JSON list of chunk keys (``video_chunk_key``) a video job
+    attempt renders into: retention deletes them with the job's inputs."""
+    return f"results/{job_id}/attempt-{attempt}.chunks.json"
 
 
 def result_error_key(job_id: str, attempt: int) -> str:

@@ -27,11 +27,13 @@ from typing import Protocol
 from prefect import get_run_logger
 
 from blocks.settings import FusionSettings, StagePolicy, load_settings
+from blocks.signing import load_credentials
 from blocks.storage import ByteStore, exists, load_storage, location_of, read_from, write_to
 from flows import faults
 from flows.deadline import Deadline, StageGuard
 from flows.outcome import write_failure
 from flows.params import (
+    DEFAULT_SIGNING_BLOCK,
     JobAttempt,
     JobFailure,
     ResultRef,
@@ -41,10 +43,11 @@ from flows.params import (
 )
 from tasks import stages
 from tasks.batch import Each, EveryJobFailed
-from tasks.errors import DeadlineExceeded, FaceFlowError
+from tasks.errors import DeadlineExceeded, FaceFlowError, drop_frames
 from tasks.gpu import GpuStats, gpu_stats
 from tasks.pipeline import PipelineContext
 from tasks.prefect_tasks import stage_task
+from tasks.provenance import Marker
 from tasks.stages import (
     QUALITY_RETRY_STAGES,
     InputBytes,
@@ -57,9 +60,11 @@ STOPPED = "stopped"
 PENDING = "pending"
 
 
-def pipeline_context(settings: FusionSettings) -> PipelineContext:
-    """Where the pipeline runs, from the operator settings (imports torch)."""
-    return PipelineContext.for_this_machine(
+def pipeline_context(settings: FusionSettings, signing_block: str | None = None) -> PipelineContext:
+    """Where the pipeline runs, from the operator settings (imports torch); with marking
+    required, results are marked with the credentials of ``signing_block``
+    (``MarkingFailed`` when it cannot be loaded: no job starts that could not end marked)."""
+    ctx = PipelineContext.for_this_machine(
         device=None if settings.device == "auto" else settings.device,
         model_dir=settings.model_dir or None,
         pins=settings.model_pins,
@@ -68,6 +73,9 @@ def pipeline_context(settings: FusionSettings) -> PipelineContext:
         cpu_threads=settings.batch_cpu_threads,
         model_threads=settings.model_threads,
     )
+    if settings.marking == "required" and signing_block is not None:
+        ctx = replace(ctx, marker=Marker(load_credentials(signing_block)))
+    return ctx
 
 
 def retry_cost_s(settings: FusionSettings) -> float:
@@ -145,6 +153,7 @@ class StoredJob:
             timings_ms=dict(work.timings_ms),
             quality=work.report,
             moderation=list(work.flags),
+            marks=list(work.marks),
         )
         if work.flags:
             get_run_logger().warning(
@@ -221,8 +230,8 @@ class FlowRunner:
             outcomes = guard.run(stage_task(stage), works, self.ctx)
             ok = True
             return outcomes
-        except EveryJobFailed as failure:  # each job's own error
-            return failure.outcomes
+        except EveryJobFailed as failure:  # each job's own error; its frames hold the jobs
+            return drop_frames(failure).outcomes
         except FaceFlowError as error:
             ms = (time.perf_counter() - start) * 1000.0 / len(works)
             return [Each(None, error, ms)] * len(works)
@@ -255,14 +264,15 @@ def run_jobs(
     storage_block: str,
     settings_block: str,
     view: Callable[[Sequence[str]], View],
+    signing_block: str = DEFAULT_SIGNING_BLOCK,
 ) -> list[Job]:
     """Every stage for ``specs`` (one job or a batch); the jobs with their outcomes.
 
     ``view(stages)`` builds the run's operator view. Raises only for what no job could
-    survive (the settings or storage block unusable)."""
+    survive (the settings, storage or, with marking required, signing block unusable)."""
     settings = load_settings(settings_block)
     store = load_storage(storage_block)
-    ctx = pipeline_context(settings)
+    ctx = pipeline_context(settings, signing_block)
     cost = retry_cost_s(settings)
     jobs = []
     for spec in specs:
@@ -271,6 +281,7 @@ def run_jobs(
         work = Work(
             io,
             settings.apply_defaults(spec.options),
+            job_id=spec.job_id,
             may_retry=partial(_time_for_retry, deadline, cost),
         )
         jobs.append(Job(spec, deadline, work, io))

@@ -21,8 +21,11 @@ Not yet: chunks as child flow runs over the GPU pool, progress, cancel (issue 27
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -46,17 +49,21 @@ from flows.fuse import failed, start_attempt
 from flows.outcome import record_failure
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
+    DEFAULT_SIGNING_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     VIDEO_FLOW_NAME,
     JobAttempt,
     VideoResultRef,
+    chunks_manifest_key,
     result_key,
     result_meta_key,
     video_chunk_key,
 )
 from flows.run import pipeline_context
+from flows.video_progress import VideoProgress
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
+from tasks.provenance import Ingredient, input_ingredients
 from tasks.video import (
     FrameRunner,
     Planned,
@@ -96,8 +103,9 @@ VIDEO_STAGES: dict[str, Budget] = {
 """Defaults of the video steps (seconds). A chunk of ~10 s renders in ~5-60 s on CPU."""
 
 RETRY_DELAY_S = 1.0
-CHUNK_S = 10.0
-"""Default chunk length (seconds); moved to a scene cut within a quarter of it."""
+WORKDIR_PREFIX = "fuse-video-"
+"""Temporary directories of attempts: ``fuse-video-<pid>-…`` (swept once their process is
+gone: a cancelled or overdue run's process is killed before it can remove its own)."""
 
 _TASK = {"persist_result": False, "cache_policy": NO_CACHE}
 
@@ -113,10 +121,25 @@ class VideoJob:
     options: FusionOptions
     ctx: PipelineContext
     chunk_s: float
+    references: list[bytes] = field(default_factory=list)
     probed: Probed | None = None
     planned: Planned | None = None
     samples: Samples | None = None
     digest: str = ""
+    progress: VideoProgress | None = None
+
+    def chunk_key(self, chunk: Chunk) -> str:
+        """Where ``chunk``'s segment is stored (named by content: any attempt reuses it)."""
+        assert self.planned is not None
+        name = chunk_name(self.digest, chunk, self.planned.plan, self.sources, self.options)
+        return video_chunk_key(name)
+
+    def keep(self, index: int, image: Any) -> None:
+        """A rendered frame: the report's samples see it, the progress counts it."""
+        assert self.samples is not None
+        self.samples.keep(index, image)
+        if self.progress is not None:
+            self.progress.frame_rendered()
 
 
 @task(name="probe", task_run_name="probe", **_TASK)  # type: ignore[call-overload]
@@ -124,7 +147,7 @@ def probe_task(job: VideoJob, target_key: str) -> Probed:
     """Copy the video from storage, probe it and moderate sampled frames."""
     fetch_to(job.store, target_key, job.video)
     job.digest = file_digest(job.video)
-    return probe_and_moderate(job.sources, job.video, job.ctx)
+    return probe_and_moderate(job.sources, job.video, job.ctx, references=job.references)
 
 
 @task(name="analyse", task_run_name="analyse", **_TASK)  # type: ignore[call-overload]
@@ -140,8 +163,9 @@ def render_chunk_task(job: VideoJob, chunk: Chunk, runner: FrameRunner) -> tuple
     its samples are read), else rendered and stored. Whether it was rendered."""
     assert job.probed is not None and job.planned is not None and job.samples is not None
     plan = job.planned.plan
-    name = chunk_name(job.digest, chunk, plan, job.sources, job.options)
-    key, segment = video_chunk_key(name), job.workdir / "chunks" / name
+    key = job.chunk_key(chunk)
+    name = key.rsplit("/", 1)[-1]
+    segment = job.workdir / "chunks" / name
     segment.parent.mkdir(parents=True, exist_ok=True)
     if is_stored(job.store, key):
         fetch_to(job.store, key, segment)
@@ -151,7 +175,7 @@ def render_chunk_task(job: VideoJob, chunk: Chunk, runner: FrameRunner) -> tuple
     render_chunk(
         job.video, partial, chunk, info=job.probed.info, pts=job.probed.pts, plan=plan,
         sources=job.planned.sources, options=job.options, ctx=job.ctx, runner=runner,
-        keep=job.samples.keep,
+        keep=job.keep,
     )  # fmt: skip
     partial.replace(segment)
     put_from(job.store, key, segment)
@@ -176,9 +200,38 @@ def report_task(job: VideoJob) -> tuple[list[str], dict[int, list[float]]]:
 
 @task(name="store", task_run_name="store", **_TASK)  # type: ignore[call-overload]
 def store_task(job: VideoJob, ref: VideoResultRef, meta_key: str) -> None:
-    """The result file, then its sidecar (last: its presence means the video is whole)."""
-    put_from(job.store, ref.key, job.workdir / "result.mp4")
+    """The result file (signed with its Content Credentials when the context marks:
+    ``tasks.provenance``), then its sidecar (last: its presence means the video is whole)."""
+    result = job.workdir / "result.mp4"
+    if job.ctx.marker is not None:
+        target = Ingredient("target", ref.content_type, job.digest)
+        signed = job.workdir / "result.signed.mp4"
+        ingredients = input_ingredients(job.sources, target, job.references)
+        job.ctx.marker.sign_file(result, signed, ref.content_type, ingredients)
+        result = signed
+    put_from(job.store, ref.key, result)
     write_to(job.store, meta_key, ref.model_dump_json().encode())
+
+
+def sweep_workdirs(root: Path | None = None) -> int:
+    """Remove the temporary directories of attempts whose process is gone; how many."""
+    removed = 0
+    for path in (root or Path(tempfile.gettempdir())).glob(f"{WORKDIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(WORKDIR_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def guarded(stage: str, deadline: Deadline) -> StageGuard:
@@ -211,12 +264,16 @@ def fuse_video_flow(
     options: FusionOptions | None = None,
     attempt: int = 1,
     extra_source_keys: list[str] | None = None,
+    reference_keys: list[str] | None = None,
     storage_block: str = DEFAULT_STORAGE_BLOCK,
     settings_block: str = DEFAULT_SETTINGS_BLOCK,
-    chunk_s: float = CHUNK_S,
+    chunk_s: float | None = None,
     binding: str | None = None,
+    signing_block: str = DEFAULT_SIGNING_BLOCK,
 ) -> dict[str, Any] | State[Any]:
-    """Fuse the source face into every frame of the target video for one job attempt.
+    """Fuse the source face into every frame of the target video for one job attempt
+    (a per-face mapping: each source onto its person, ``extra_source_keys`` and
+    ``reference_keys`` as for ``fuse-faces``).
 
     Returns ``VideoResultRef.model_dump(mode="json")``; on failure the run ends ``Failed``
     with ``"[code] message"`` and the attempt's ``JobFailure`` is in storage. Parameters
@@ -224,12 +281,14 @@ def fuse_video_flow(
     ``run_binding_invalid`` before anything is read."""
     stage = "load"
     store: ByteStore | None = None
+    progress: VideoProgress | None = None
     spec = JobAttempt(
         job_id=job_id,
         owner_id=owner_id,
         source_key=source_key,
         target_key=target_key,
         extra_source_keys=extra_source_keys or [],
+        reference_keys=reference_keys or [],
         options=options or FusionOptions.model_validate({}),
         deadline_at=deadline_at,
         attempt=attempt,
@@ -240,21 +299,31 @@ def fuse_video_flow(
         start_attempt(spec, storage_block=storage_block, settings_block=settings_block)
         settings = load_settings(settings_block)
         store = load_storage(storage_block)
-        ctx = pipeline_context(settings)
+        progress = VideoProgress.of_run(store, job_id, attempt)
+        ctx = pipeline_context(settings, signing_block)
         chosen = settings.apply_defaults(options or FusionOptions.model_validate({}))
         sources = [read_from(store, k) for k in [source_key, *(extra_source_keys or [])]]
-        with tempfile.TemporaryDirectory(prefix="fuse-video-") as tmp:
+        sweep_workdirs()
+        with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as tmp:
             workdir = Path(tmp)
-            job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_s)
+            chunk_len = chunk_s or settings.video_chunk_s
+            job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_len)
+            job.references = [read_from(store, k) for k in reference_keys or []]
+            job.progress = progress
 
             def step(name: str, fn: Task[..., R], *args: Any) -> R:
                 nonlocal stage
+                if name != stage:
+                    progress.start(name)
                 stage = name
                 return guarded(name, deadline).run(fn, *args)
 
             job.probed = step("probe", probe_task, job, target_key)
             job.planned = step("analyse", analyse_task, job)
-            job.samples = Samples(job.planned.plan, job.probed.samples)
+            progress.planned(job.probed.info.frame_count, len(job.planned.chunks))
+            manifest = [job.chunk_key(chunk) for chunk in job.planned.chunks]
+            write_to(store, chunks_manifest_key(job_id, attempt), json.dumps(manifest).encode())
+            job.samples = Samples(job.planned.plan, job.probed.samples, ctx.pins)
             runner = FrameRunner(ctx)
             segments, rendered = [], 0
             for chunk in job.planned.chunks:
@@ -262,6 +331,7 @@ def fuse_video_flow(
                     task_run_name=f"render-chunk-{chunk.index:04d}"
                 )
                 segment, did = step("render_chunk", render, job, chunk, runner)
+                progress.chunk_done(chunk.frames, rendered=did)
                 segments.append(segment)
                 rendered += int(did)
             info = step("join", join_task, job, segments)
@@ -283,11 +353,15 @@ def fuse_video_flow(
                 switches=plan.switches,
                 tracks=[asdict(t) for t in track_reports(plan, similarities)],
                 frame_failures=dict(runner.failures),
+                marks=["c2pa"] if ctx.marker is not None else [],
             )
             step("store", store_task, job, ref, result_meta_key(job_id, attempt))
     except Exception as exc:
         record_failure(store if store is not None else storage_block, job_id, attempt, exc, stage)
         return failed(exc, f"Video job {job_id} attempt {attempt}")
+    finally:
+        if progress is not None:
+            progress.close()
     get_run_logger().info(
         "Video job %s: %d chunk(s), %d rendered", job_id, ref.chunks, ref.chunks_rendered
     )

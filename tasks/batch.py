@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from tasks.errors import FaceFlowError
+from tasks.errors import FaceFlowError, as_job_error
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -33,14 +33,6 @@ class Each(Generic[R]):
     def ok(self) -> bool:
         """Whether the job passed the stage."""
         return self.error is None
-
-
-def as_error(exc: Exception) -> FaceFlowError:
-    """The typed error an exception becomes for its job: a ``FaceFlowError`` as it is,
-    anything else an ``internal_error`` (not permanent: another attempt may pass)."""
-    if isinstance(exc, FaceFlowError):
-        return exc
-    return FaceFlowError(detail=type(exc).__name__)
 
 
 def each(fn: Callable[[A], R], items: Sequence[A], *, threads: int = 1) -> list[Each[R]]:
@@ -124,7 +116,7 @@ def _timed(fn: Callable[[A], R], item: A) -> Each[R]:
     except TimeoutError:
         raise
     except Exception as exc:
-        return Each(None, as_error(exc), (time.perf_counter() - start) * 1e3)
+        return Each(None, as_job_error(exc), (time.perf_counter() - start) * 1e3)
     return Each(value, None, (time.perf_counter() - start) * 1e3)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import cv2
 import numpy as np
@@ -29,27 +30,21 @@ of six: 8 images 109-114, 4: 121, 16: 138, 2: 134, all 64 at once 174 (a batch's
 tensors outgrow the caches). On a GPU every image goes in one batch."""
 
 
-def detect_faces(
-    image: RGBImage,
-    *,
-    detector: DetectorName = "mtcnn",
-    device: str = "cpu",
-    model_dir: str | Path | None = None,
-    pins: Mapping[str, str] | None = None,
-    max_side: int = DEFAULT_DETECT_MAX_SIDE,
-    min_face_size: int | None = None,
-) -> list[Face]:
+class DetectOptions(TypedDict, total=False):
+    """The keyword options of ``detect_faces`` (their defaults: ``detect_faces_batch``)."""
+
+    detector: DetectorName
+    device: str
+    model_dir: str | Path | None
+    pins: Mapping[str, str] | None
+    max_side: int
+    min_face_size: int | None
+
+
+def detect_faces(image: RGBImage, **options: Unpack[DetectOptions]) -> list[Face]:
     """All faces in ``image``, largest first, in ``image``'s pixel coordinates
     (``min_face_size``: smallest face MTCNN looks for, in the detector's pixels)."""
-    return detect_faces_batch(
-        [image],
-        detector=detector,
-        device=device,
-        model_dir=model_dir,
-        pins=pins,
-        max_side=max_side,
-        min_face_size=min_face_size,
-    )[0]
+    return detect_faces_batch([image], **options)[0]
 
 
 def detect_faces_batch(

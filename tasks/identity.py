@@ -108,6 +108,13 @@ def embed_with_dlib(
     """(n, 128) identity embeddings of ``(image, face)`` pairs, in one network batch."""
     shaper = load_dlib_shaper(pins)
     chips = [prepare_dlib(shaper, image, face) for image, face in faces]
+    return embed_chips(chips, device=device, pins=pins)
+
+
+def embed_chips(
+    chips: Sequence[RGBImage], *, device: str = "cpu", pins: Mapping[str, str] | None = None
+) -> F32:
+    """(n, 128) identity embeddings of ``prepare_dlib`` chips, in one network batch."""
     if not chips:
         return normalize_dlib(np.zeros((0, EMBEDDING_SIZE), dtype=np.float32))
     return normalize_dlib(forward_dlib(load_dlib_embedder(device, pins), chips))

@@ -54,6 +54,17 @@ class Assignment:
     similarities: list[float | None]  # to the reference, for reference entries
 
 
+def check_entries(mapping: Sequence[FaceMapping], sources: int, references: int) -> None:
+    """``InvalidInput`` for an entry that names a source or reference image the job has not."""
+    for entry in mapping:
+        if entry.source >= sources:
+            raise InvalidInput(f"Mapping names source {entry.source}: the job has {sources}.")
+        if entry.reference is not None and entry.reference >= references:
+            raise InvalidInput(
+                f"Mapping names reference {entry.reference}: the job has {references}."
+            )
+
+
 def cosine(a: F32, b: F32) -> float:
     """Cosine similarity of two embeddings."""
     na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))

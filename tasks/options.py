@@ -26,12 +26,14 @@ StrictIndex = Annotated[int, Field(ge=0, strict=True)]
 """A non-negative int that must be given as one: ``true`` or ``"2"`` is refused, not 1 or 2."""
 FaceChoice = Literal["largest", "all"] | StrictIndex
 EnhancerName = Literal["none", "gfpgan"]
+PoseMismatchPolicy = Literal["flag", "refuse"]
 
 DETECTORS: tuple[str, ...] = get_args(DetectorName)
 FUSERS: tuple[str, ...] = get_args(FuserName)
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
 BLEND_MODES: tuple[str, ...] = get_args(BlendMode)
 ENHANCERS: tuple[str, ...] = get_args(EnhancerName)
+POSE_MISMATCH_POLICIES: tuple[str, ...] = get_args(PoseMismatchPolicy)
 
 CONTENT_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
@@ -147,6 +149,25 @@ class FusionOptions(BaseModel):
     blend: BlendMode = Field("multiband", description="How the face is blended back.")
     color_transfer: bool = Field(
         True, strict=True, description="Match the source face's colour to the target."
+    )
+    keep_occluders: bool = Field(
+        True,
+        strict=True,
+        description="Classic fuser: keep what covers the target face (glasses, a brim, hair; "
+        "told from the face's skin by colour) over the fused face, and stop the fused face "
+        "below the source's hairline.",
+    )
+    mirror_source: bool = Field(
+        True,
+        strict=True,
+        description="Classic fuser: fuse the source mirrored when it is turned the other way "
+        "from the target face (a face's sides swap: a parting or a mole moves across).",
+    )
+    on_pose_mismatch: PoseMismatchPolicy = Field(
+        "flag",
+        description="When a source and a target face still differ in pose beyond the limits "
+        "(after mirroring): 'flag' returns the result with quality.pose_mismatch set; "
+        "'refuse' fails the job with the permanent code pose_mismatch.",
     )
     sharpen: float = Field(
         0.0, ge=0.0, le=2.0, strict=True, description="Unsharp-mask amount (0 = off)."

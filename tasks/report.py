@@ -56,8 +56,18 @@ class FaceQuality(BaseModel):
         None, description="Identity similarity of the fused face to the original target face."
     )
     target_pose: PoseAngles
-    pose_difference: PoseAngles = Field(description="Target pose minus source pose.")
+    pose_difference: PoseAngles = Field(
+        description="Target pose minus source pose (the source as fused: mirrored if it was)."
+    )
     pose_mismatch: bool = Field(description="Source and target poses differ beyond the limits.")
+    mirrored: bool = Field(
+        False, description="The source was fused mirrored (it faced the other way)."
+    )
+    confirmed: bool | None = Field(
+        None,
+        description="Whether a second, independent detector (dlib's HOG) also finds the fused "
+        "face; null when it does not find the original target face either (a profile).",
+    )
 
 
 class AttemptQuality(BaseModel):
@@ -66,6 +76,7 @@ class AttemptQuality(BaseModel):
     settings: FuserSettings
     source_similarity: Similarity | None
     faces_lost: int
+    faces_unconfirmed: int = 0
 
 
 class QualityReport(BaseModel):
@@ -82,6 +93,11 @@ class QualityReport(BaseModel):
         None, description="Highest target similarity over the replaced faces."
     )
     faces_lost: int = Field(0, description="Replaced faces no longer detected in the result.")
+    faces_unconfirmed: int = Field(
+        0,
+        description="Replaced faces the second detector found in the target but not in the "
+        "result (a quality-floor retry is made for them).",
+    )
     pose_mismatch: bool = Field(False, description="Any replaced face's pose mismatches.")
     min_identity: float | None = Field(None, description="The job's quality floor, if any.")
     below_floor: bool = Field(False, description="The winning result is below the floor.")
@@ -90,6 +106,11 @@ class QualityReport(BaseModel):
         default_factory=list, description="Every attempt, in order (two when the floor retried)."
     )
     ms: float = Field(0.0, description="Time spent assessing, in milliseconds.")
+    marks: list[str] = Field(
+        default_factory=list,
+        description="How the returned result is marked (docs/provenance.md): c2pa (signed "
+        "Content Credentials), watermark (in its pixels); empty when marking is off.",
+    )
 
     def as_json(self) -> dict[str, Any]:
         """The report as JSON-ready data (floats rounded for display)."""

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from tasks import pipeline
-from tasks.batch import Each, as_error, each, shared
-from tasks.errors import FaceFlowError, OverBatchBudget
+from tasks.batch import Each, each, shared
+from tasks.errors import FaceFlowError, OverBatchBudget, as_job_error, drop_frames
 from tasks.images import probe_image
 from tasks.options import FusionOptions
 from tasks.pipeline import Aligned, Beside, Detections, Fused, PipelineContext, stage_workers
+from tasks.provenance import Ingredient, input_ingredients
 from tasks.report import QualityReport
 from tasks.types import FusionResult, RGBImage
 
@@ -78,6 +79,8 @@ class Work:
 
     io: JobIO
     options: FusionOptions
+    job_id: str = ""
+    """The job's id: the payload of its result's watermark."""
     may_retry: Callable[[], bool] = lambda: True
     """Whether a quality-floor retry still fits (the flows ask the job's deadline)."""
     source: RGBImage | None = None
@@ -95,6 +98,8 @@ class Work:
     timings_ms: dict[str, float] = field(default_factory=dict)
     error: FaceFlowError | None = None
     location: str | None = None  # where ``store`` put the result
+    ingredients: list[Ingredient] = field(default_factory=list)  # inputs' roles and hashes
+    marks: list[str] = field(default_factory=list)  # how ``store`` marked the result
 
     def inputs(self) -> dict[str, RGBImage]:
         """The input images by role, as moderation reports them."""
@@ -168,13 +173,13 @@ def load_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
         [r.value[1] if r.value is not None else None for r in read], ctx.limits.max_batch_pixels
     )
     admitted = [
-        (work, r.value[0])
+        (work, r.value[0], r.value[2])
         for work, r, ok in zip(works, read, fits, strict=True)
         if ok and r.value is not None
     ]
 
-    def decode(item: tuple[Work, InputBytes]) -> None:
-        work, data = item
+    def decode(item: tuple[Work, InputBytes, list[Ingredient]]) -> None:
+        work, data, ingredients = item
         decode_one = pipeline.decode_stage
         source, target = decode_one(data.source, ctx), decode_one(data.target, ctx)
         extra = [decode_one(d, ctx) for d in data.extra_sources]
@@ -185,6 +190,7 @@ def load_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
             extra,
             references,
         )
+        work.ingredients = ingredients
 
     decoded = iter(each(decode, admitted, threads=ctx.cpu_threads))
     outcomes: list[Each[None]] = []
@@ -200,14 +206,16 @@ def load_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
     return outcomes
 
 
-def _read_job(work: Work, ctx: PipelineContext) -> tuple[InputBytes, int]:
-    """A job's encoded inputs and the pixels they decode to together, checked against
-    ``max_job_pixels`` from the headers."""
+def _read_job(work: Work, ctx: PipelineContext) -> tuple[InputBytes, int, list[Ingredient]]:
+    """A job's encoded inputs, the pixels they decode to together (checked against
+    ``max_job_pixels`` from the headers) and the inputs as a manifest's ingredients (their
+    roles and SHA-256)."""
     data = work.io.read()
     encoded = [data.source, data.target, *data.extra_sources, *data.references]
     pixels = sum(probe_image(one, ctx.limits).pixels for one in encoded)
     ctx.limits.check_job_pixels(pixels)
-    return data, pixels
+    sources = [data.source, *data.extra_sources]
+    return data, pixels, input_ingredients(sources, data.target, data.references)
 
 
 def within_budget(pixels: Sequence[int | None], budget: int) -> list[bool]:
@@ -272,7 +280,7 @@ def _timed_batch(call: Callable[[], list[Any]], n: int) -> list[Each[Any]]:
     except TimeoutError:
         raise
     except Exception as exc:
-        return [Each(None, as_error(exc), (_now_ms() - start) / max(1, n))] * n
+        return [Each(None, as_job_error(exc), (_now_ms() - start) / max(1, n))] * n
     return shared(values, _now_ms() - start)
 
 
@@ -354,11 +362,20 @@ def moderate_result_step(works: list[Work], ctx: PipelineContext) -> list[Each[N
 
 
 def store_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
-    """Encode each result (metadata stripped) and write it where its job wants it
-    (``JobIO.write``), on ``cpu_threads``."""
+    """Mark each result when the context marks (watermark, then Content Credentials on the
+    encoded file: ``tasks.provenance``), encode it (metadata stripped) and write it where
+    its job wants it (``JobIO.write``), on ``cpu_threads``."""
 
     def store(work: Work) -> None:
-        work.encoded = pipeline.encode_stage(_got(work.image), work.options)
+        work.image, work.encoded, work.marks = pipeline.marked_encode_stage(
+            _got(work.image),
+            work.options,
+            ctx.marker,
+            job_id=work.job_id,
+            ingredients=work.ingredients,
+        )
+        if work.report is not None:
+            work.report = work.report.model_copy(update={"marks": list(work.marks)})
         work.location = work.io.write(work)
 
     return each(store, works, threads=ctx.cpu_threads)
@@ -531,7 +548,7 @@ def run_stages(
             for work, outcome in zip(jobs, runner.run(stage, jobs), strict=True):
                 work.timings_ms[stage.name] = work.timings_ms.get(stage.name, 0.0) + outcome.ms
                 if outcome.error is not None:
-                    work.error = outcome.error
+                    work.error = drop_frames(outcome.error)  # frames hold images
                     work.side.clear()
                     runner.failed(work, outcome.error, stage)
                 elif stage.side is not None and _taken(stage.side, work, ctx, only):

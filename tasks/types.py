@@ -39,6 +39,17 @@ class Box:
     def area(self) -> float:
         return self.width * self.height
 
+    def iou(self, other: Box) -> float:
+        """Intersection over union with another box."""
+        inter = Box(
+            max(self.x1, other.x1),
+            max(self.y1, other.y1),
+            min(self.x2, other.x2),
+            min(self.y2, other.y2),
+        ).area
+        union = self.area + other.area - inter
+        return inter / union if union > 0 else 0.0
+
     def contains(self, x: float, y: float, margin: float = 0.0) -> bool:
         """Whether a point lies inside the box grown by ``margin`` pixels."""
         return (

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +22,17 @@ import numpy as np
 
 from tasks import pipeline
 from tasks.errors import FaceFlowError, NoFaceFound
+from tasks.identity import (
+    embed_chips,
+    embed_with_dlib,
+    load_dlib_shaper,
+    prepare_dlib,
+    similarity,
+)
+from tasks.mapping import check_entries
 from tasks.options import FusionOptions
 from tasks.pipeline import Detections, PipelineContext, SourceFace
+from tasks.registry import sha256_file
 from tasks.stages import InMemory, InProcess, InputBytes, Stage, Work, run_stages
 from tasks.types import Box, Face, FloatArray, RGBImage
 from tasks.video_io import (
@@ -39,7 +48,9 @@ from tasks.video_io import (
 from tasks.video_plan import (
     Chunk,
     FacePlan,
+    Identities,
     Swap,
+    Track,
     frame_signature,
     plan_chunks,
     plan_faces,
@@ -67,16 +78,47 @@ class Analysis:
 
 
 def sources_of(
-    images: Sequence[RGBImage], options: FusionOptions, ctx: PipelineContext
+    images: Sequence[RGBImage],
+    options: FusionOptions,
+    ctx: PipelineContext,
+    role: str = "source",
 ) -> list[Source]:
-    """Each source photo's largest face (``NoFaceFound`` for a photo without one)."""
+    """Each photo's largest face (``NoFaceFound`` for a photo without one): the sources,
+    or a mapping's reference images (``role``)."""
+    if not images:
+        return []
     found = pipeline.detect_images(list(images), options.detector, ctx)
     sources = []
     for i, (image, faces) in enumerate(zip(images, found, strict=True)):
         if not faces:
-            raise NoFaceFound(f"No face was found in source image {i}.")
+            raise NoFaceFound(f"No face was found in {role} image {i}.")
         sources.append(Source(image, faces[0]))
     return sources
+
+
+TRACK_SAMPLES = 4
+"""Detected frames per track whose identity embeddings a per-face mapping averages."""
+
+
+def identities(
+    video: Path, pts: list[int], references: Sequence[Source], ctx: PipelineContext
+) -> Identities:
+    """What a per-face mapping recognises people by: the references' embeddings, and each
+    track's mean embedding over up to ``TRACK_SAMPLES`` of its detected frames (each
+    frame read once), by the mapping's embedder (``pipeline.embed_faces``)."""
+    from tasks.identity import similarity
+
+    def embed(tracks: Sequence[Track]) -> list[FloatArray]:
+        picks = {t.id: [sorted(t.detected)[i] for i in evenly(len(t.detected), TRACK_SAMPLES)]
+                 for t in tracks}  # fmt: skip
+        indices = sorted({i for frames in picks.values() for i in frames})
+        images = dict(zip(indices, read_indices(video, indices, pts), strict=True))
+        pairs = [(images[i], t.detected[i]) for t in tracks for i in picks[t.id]]
+        vectors = iter(pipeline.embed_faces(pairs, ctx))
+        return [np.mean([next(vectors) for _ in picks[t.id]], axis=0) for t in tracks]
+
+    refs = pipeline.embed_faces([(r.image, r.face) for r in references], ctx)
+    return Identities(embed, similarity, list(refs))
 
 
 def analyse(
@@ -182,6 +224,7 @@ class TrackReport:
     similarity_mean: float | None = None
     similarity_p10: float | None = None
     similarity_min: float | None = None
+    source: int | None = None  # the source it was swapped with (None: never swapped)
 
 
 def track_reports(plan: FacePlan, similarities: dict[int, list[float]]) -> list[TrackReport]:
@@ -201,6 +244,7 @@ def track_reports(plan: FacePlan, similarities: dict[int, list[float]]) -> list[
                 similarity_mean=float(np.mean(sims)) if sims else None,
                 similarity_p10=float(np.percentile(sims, 10)) if sims else None,
                 similarity_min=float(np.min(sims)) if sims else None,
+                source=plan.source_of(track.id),
             )
         )
     return out
@@ -231,18 +275,14 @@ class VideoResult:
     tracks: list[TrackReport]
     switches: int
     swapped: list[list[Box]]  # per frame, the boxes of the faces replaced
+    swapped_sources: list[list[int]]  # per frame, the source of each (as ``swapped``)
     frame_failures: dict[str, int]
     moderation_flags: list[str]
     timings_ms: dict[str, float]
 
 
-def file_digest(path: Path) -> str:
-    """SHA-256 hex of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+file_digest = sha256_file
+"""A video's content key: the SHA-256 hex of its file."""
 
 
 def chunk_name(
@@ -310,13 +350,15 @@ def render_chunk(
 @dataclass
 class Probed:
     """A video after probe and input moderation: its info, every frame's pts, the decoded
-    source photos, the frames moderation saw and what it flagged."""
+    source photos (and a mapping's reference photos), the frames moderation saw and what
+    it flagged."""
 
     info: VideoInfo
     pts: list[int]
     images: list[RGBImage]
     samples: list[int]
     flags: list[str]
+    references: list[RGBImage] = field(default_factory=list)
 
 
 def probe_and_moderate(
@@ -324,19 +366,27 @@ def probe_and_moderate(
     video: Path,
     ctx: PipelineContext,
     limits: VideoLimits | None = None,
+    references: Sequence[bytes] = (),
 ) -> Probed:
     """Probe ``video`` (typed errors for an unreadable or over-limit one), decode the
-    sources and moderate them with ``MODERATION_SAMPLES`` frames, before any face model."""
+    sources and references and moderate them with ``MODERATION_SAMPLES`` frames, before
+    any face model."""
     info = probe_video(video, limits)
     pts = frame_timestamps(video)
     images = [pipeline.decode_stage(data, ctx) for data in sources]
+    refs = [pipeline.decode_stage(data, ctx) for data in references]
     samples = evenly(len(pts), MODERATION_SAMPLES)
     frames = {
         f"frame {i}": image
         for i, image in zip(samples, read_indices(video, samples, pts), strict=True)
     }
-    verdicts = pipeline.moderate_inputs_stage({"source": images[0], **frames}, ctx)
-    return Probed(info, pts, images, samples, pipeline.flagged_summaries(verdicts))
+    photos = {
+        "source": images[0],
+        **{f"source {i + 1}": image for i, image in enumerate(images[1:])},
+        **{f"reference {i}": image for i, image in enumerate(refs)},
+    }
+    verdicts = pipeline.moderate_inputs_stage({**photos, **frames}, ctx)
+    return Probed(info, pts, images, samples, pipeline.flagged_summaries(verdicts), refs)
 
 
 @dataclass
@@ -353,30 +403,43 @@ def analyse_and_plan(
     video: Path, probed: Probed, options: FusionOptions, ctx: PipelineContext, chunk_s: float
 ) -> Planned:
     """The analysis pass over every frame, then scene cuts, chunks (``chunk_s`` apart,
-    moved to a cut nearby) and the face plan."""
+    moved to a cut nearby) and the face plan (a per-face mapping's: ``identities``)."""
+    check_entries(options.mapping, len(probed.images), len(probed.references))
     found = sources_of(probed.images, options, ctx)
+    references = sources_of(probed.references, options, ctx, role="reference")
     frames = (f.image for f in read_frames(video, 0, len(probed.pts), timestamps=probed.pts))
     analysis = analyse(frames, options, ctx, Analysis())
     cuts = scene_cuts(analysis.signatures)
     info = probed.info
     seconds = [(p - info.first_pts) * float(info.time_base) for p in probed.pts]
     chunks = plan_chunks(seconds, cuts, target_s=chunk_s)
-    return Planned(found, cuts, chunks, plan_faces(analysis.faces, cuts, options.face))
+    people = identities(video, probed.pts, references, ctx) if options.mapping else None
+    plan = plan_faces(
+        analysis.faces, cuts, options.face, mapping=options.mapping, identities=people
+    )
+    return Planned(found, cuts, chunks, plan)
 
 
 class Samples:
-    """The rendered frames the end of a job looks at: the moderated ones and up to 6
-    swapped frames per track (identity check against its source)."""
+    """What the end of a job looks at of the rendered frames: the moderated frames, and the
+    fused face of up to 6 swapped frames per track (identity check against its source),
+    kept as its 150 x 150 dlib chip, not the frame (tracks come with the video's shots, so
+    whole frames would make memory grow with its length)."""
 
-    def __init__(self, plan: FacePlan, moderated: Iterable[int]) -> None:
-        self.plan = plan
+    def __init__(
+        self, plan: FacePlan, moderated: Iterable[int], pins: Mapping[str, str] | None = None
+    ) -> None:
+        self.plan, self.pins = plan, pins
         self.moderated = set(moderated)
         swapped_in: dict[int, list[int]] = {}
         for index, swaps in enumerate(plan.frames):
             for swap in swaps:
                 swapped_in.setdefault(swap.track, []).append(index)
-        self.wanted = {i: track for track, seen in swapped_in.items() for i in sample_frames(seen)}
-        self.checks: dict[int, list[tuple[RGBImage, Face, int]]] = {}
+        self.wanted: dict[int, set[int]] = {}  # frame → the tracks sampled there
+        for track, seen in swapped_in.items():
+            for i in sample_frames(seen):
+                self.wanted.setdefault(i, set()).add(track)
+        self.checks: dict[int, list[tuple[RGBImage, int]]] = {}  # track: (chip, source)
         self.results: dict[int, RGBImage] = {}
 
     def keep(self, index: int, image: RGBImage) -> None:
@@ -384,8 +447,9 @@ class Samples:
         if index in self.moderated:
             self.results[index] = image
         for swap in self.plan.frames[index]:
-            if self.wanted.get(index) == swap.track:
-                self.checks.setdefault(swap.track, []).append((image, swap.face, swap.source))
+            if swap.track in self.wanted.get(index, ()):
+                chip = prepare_dlib(load_dlib_shaper(self.pins), image, swap.face)
+                self.checks.setdefault(swap.track, []).append((chip, swap.source))
 
     def read_from(self, segment: Path, chunk: Chunk) -> None:
         """Keep the samples of an already rendered ``segment`` (only read when it has any)."""
@@ -414,6 +478,8 @@ def fuse_video(
     workdir: Path | None = None,
     chunk_dir: Path | None = None,
     chunk_s: float = 10.0,
+    rendered_frame: Callable[[int], None] = lambda index: None,
+    references: Sequence[bytes] = (),
 ) -> VideoResult:
     """Fuse the first source's face (a per-face mapping: each source's) into every frame
     of ``video`` where the plan puts it, in this process: probe → moderation of sampled
@@ -423,21 +489,28 @@ def fuse_video(
 
     ``chunk_dir`` keeps rendered chunks under names made from their content (``chunk_name``):
     a second call for the same video, sources, plan and options renders only the chunks
-    missing there (a re-dispatched attempt resumes)."""
+    missing there (a re-dispatched attempt resumes). ``rendered_frame(index)`` is called as
+    each frame is rendered (where the flow counts its progress). ``references``: the
+    reference photos a per-face mapping (``options.mapping``) names."""
     options = options or FusionOptions()
     ctx = ctx or PipelineContext()
     timings: dict[str, float] = {}
     clock = _Clock(timings)
     with clock("probe"):
-        probed = probe_and_moderate(sources, video, ctx, limits)
+        probed = probe_and_moderate(sources, video, ctx, limits, references)
     info, pts = probed.info, probed.pts
     with clock("analyse"):
         planned = analyse_and_plan(video, probed, options, ctx, chunk_s)
     plan = planned.plan
     runner = FrameRunner(ctx)
-    samples = Samples(plan, probed.samples)
+    samples = Samples(plan, probed.samples, ctx.pins)
     video_digest = file_digest(video)
     rendered = 0
+
+    def keep(index: int, image: RGBImage) -> None:
+        samples.keep(index, image)
+        rendered_frame(index)
+
     with tempfile.TemporaryDirectory(dir=workdir) as tmp, clock("render"):
         keep_dir = chunk_dir or Path(tmp)
         keep_dir.mkdir(parents=True, exist_ok=True)
@@ -450,7 +523,7 @@ def fuse_video(
                 partial = Path(tmp) / f"{segment.name}.partial"
                 render_chunk(
                     video, partial, c, info=info, pts=pts, plan=plan, sources=planned.sources,
-                    options=options, ctx=ctx, runner=runner, keep=samples.keep,
+                    options=options, ctx=ctx, runner=runner, keep=keep,
                 )  # fmt: skip
                 partial.replace(segment)  # whole chunks only: a killed render leaves none
                 rendered += 1
@@ -468,6 +541,7 @@ def fuse_video(
         tracks=track_reports(plan, similarities),
         switches=plan.switches,
         swapped=[[swap.face.box for swap in swaps] for swaps in plan.frames],
+        swapped_sources=[[swap.source for swap in swaps] for swaps in plan.frames],
         frame_failures=dict(runner.failures),
         moderation_flags=probed.flags + flags,
         timings_ms=timings,
@@ -475,25 +549,21 @@ def fuse_video(
 
 
 def identity_similarities(
-    checks: dict[int, list[tuple[RGBImage, Face, int]]],
+    checks: dict[int, list[tuple[RGBImage, int]]],
     sources: Sequence[Source],
     ctx: PipelineContext,
 ) -> dict[int, list[float]]:
-    """Per track, the identity similarity of each sampled fused face to its source (the
-    quality report's embedder and measure)."""
-    from tasks.identity import embed_with_dlib, similarity
-
+    """Per track, the identity similarity of each sampled fused face (its dlib chip, with
+    its source's index) to its source (the quality report's embedder and measure)."""
     source_vectors = embed_with_dlib(
         [(s.image, s.face) for s in sources], device=ctx.device, pins=ctx.pins
     )
     out: dict[int, list[float]] = {}
     for track, samples in checks.items():
-        vectors = embed_with_dlib(
-            [(image, face) for image, face, _ in samples], device=ctx.device, pins=ctx.pins
-        )
+        vectors = embed_chips([chip for chip, _ in samples], device=ctx.device, pins=ctx.pins)
         out[track] = [
             similarity(v, source_vectors[source])
-            for v, (_, _, source) in zip(vectors, samples, strict=True)
+            for v, (_, source) in zip(vectors, samples, strict=True)
         ]
     return out
 

@@ -15,9 +15,15 @@ coordinating flow without a model:
 - **smoothing**: landmarks and boxes of each run of a track filtered with a centred
   Gaussian (zero phase: no lag), never across a cut or an unfilled gap;
 - **assignment**: which tracks are swapped follows the photo rules (``largest``, ``all``,
-  an index, or a per-face mapping by reference). For ``largest`` and an index the choice
-  is made per frame but changes only after ``hysteresis`` consecutive frames agree, so the
-  swapped identity never flips on a one-frame size change.
+  an index, or a per-face mapping). For ``largest`` and an index the choice is made per
+  frame but changes only after ``hysteresis`` consecutive frames agree, so the swapped
+  identity never flips on a one-frame size change. A per-face mapping (``assign_mapping``)
+  recognises people: each entry's person is a reference image's face, or the face with
+  its number in reading order in the *key frame* (the first frame that shows as many faces
+  as the highest number needs); every track goes to the entry whose person it resembles
+  (identity embeddings of several of its frames, at least the same-person similarity), so
+  a person keeps their source when they move, cross another, leave and come back, or
+  reappear after a cut.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from tasks.options import FaceChoice
+from tasks.errors import InvalidInput, NoFaceFound
+from tasks.mapping import reading_order
+from tasks.options import FaceChoice, FaceMapping
 from tasks.types import Box, Face, FloatArray, RGBImage
 
 CUT_THRESHOLD = 0.2
@@ -108,15 +116,6 @@ def plan_chunks(
     return [Chunk(i, a, b) for i, (a, b) in enumerate(itertools.pairwise(bounds))]
 
 
-def iou(a: Box, b: Box) -> float:
-    """Intersection over union of two boxes."""
-    w = max(0.0, min(a.x2, b.x2) - max(a.x1, b.x1))
-    h = max(0.0, min(a.y2, b.y2) - max(a.y1, b.y1))
-    inter = w * h
-    union = a.area + b.area - inter
-    return inter / union if union > 0 else 0.0
-
-
 @dataclass
 class Track:
     """One face followed through consecutive frames of one shot."""
@@ -161,7 +160,7 @@ def build_tracks(
         open_ = [t for t in open_ if index - max(t.detected) <= max_gap + 1]
         pairs = sorted(
             (
-                (iou(t.detected[max(t.detected)].box, face.box), ti, fi)
+                (t.detected[max(t.detected)].box.iou(face.box), ti, fi)
                 for ti, t in enumerate(open_)
                 for fi, face in enumerate(faces)
             ),
@@ -266,15 +265,29 @@ class FacePlan:
     frames: list[list[Swap]]
     tracks: list[Track]
     cuts: list[int]
-    switches: int = 0  # frames where the swapped track of a rule changed (largest, index)
+    switches: int = 0  # frames where a rule's or a mapping entry's swapped track changed
+    key_frame: int | None = None  # where a mapping's target numbers were counted
 
     def swapped_frames(self, track: int) -> int:
         """How many frames swap ``track``."""
         return sum(1 for swaps in self.frames if any(s.track == track for s in swaps))
 
+    def source_of(self, track: int) -> int | None:
+        """The source ``track`` is swapped with (None: never swapped)."""
+        return next((s.source for swaps in self.frames for s in swaps if s.track == track), None)
 
-TrackEmbedder = Callable[[Track], FloatArray]
-"""An identity embedding of a track (from a few of its frames)."""
+
+@dataclass(frozen=True, slots=True)
+class Identities:
+    """How a per-face mapping tells people apart: ``embed`` gives each track's identity
+    embedding (from a few of its frames), ``similarity`` compares two (in [0, 1];
+    ``threshold`` and above: the same person), ``references`` are the job's reference
+    images' embeddings, by index."""
+
+    embed: Callable[[Sequence[Track]], Sequence[FloatArray]]
+    similarity: Callable[[FloatArray, FloatArray], float]
+    references: Sequence[FloatArray] = ()
+    threshold: float = 0.5
 
 
 def plan_faces(
@@ -282,24 +295,23 @@ def plan_faces(
     cuts: Sequence[int],
     choice: FaceChoice,
     *,
-    references: Sequence[tuple[int, FloatArray]] = (),
-    embed: TrackEmbedder | None = None,
+    mapping: Sequence[FaceMapping] = (),
+    identities: Identities | None = None,
     max_gap: int = DEFAULT_MAX_GAP,
     hysteresis: int = DEFAULT_HYSTERESIS,
     sigma: float = DEFAULT_SMOOTHING_SIGMA,
 ) -> FacePlan:
     """The face plan of a video from each frame's detections (largest first).
 
-    ``choice`` as for a photo. ``references``: (source index, reference embedding) of a
-    per-face mapping by reference: each track goes to the source whose reference it is
-    most similar to (``embed`` gives a track's embedding), if any is similar enough."""
+    ``choice`` as for a photo; a per-face ``mapping`` instead (``assign_mapping``, which
+    needs ``identities``)."""
     tracks = build_tracks(frames, cuts, max_gap=max_gap)
     for track in tracks:
         smooth_track(track, sigma)
     plan = FacePlan([[] for _ in frames], tracks, list(cuts))
-    if references:
-        assert embed is not None, "a mapping by reference needs track embeddings"
-        _assign_by_reference(plan, references, embed)
+    if mapping:
+        assert identities is not None, "a per-face mapping needs identity embeddings"
+        assign_mapping(plan, mapping, identities)
     elif choice == "all":
         for track in tracks:
             for index, face in track.faces.items():
@@ -344,21 +356,80 @@ def _assign_by_rank(plan: FacePlan, rank: int, hysteresis: int) -> None:
             plan.frames[index].append(Swap(current, track.faces[index]))
 
 
-def _assign_by_reference(
-    plan: FacePlan,
-    references: Sequence[tuple[int, FloatArray]],
-    embed: TrackEmbedder,
-    min_similarity: float = 0.5,
-) -> None:
-    """Each track to the source of its most similar reference (above ``min_similarity``)."""
+def key_frame(plan: FacePlan, faces: int) -> int:
+    """The first frame that shows at least ``faces`` faces (tracked ones, gaps filled):
+    where a mapping's target numbers are counted. ``InvalidInput`` when none does."""
+    for index in range(len(plan.frames)):
+        if len(_present(plan.tracks, index)) >= faces:
+            return index
+    raise InvalidInput(
+        f"Target face {faces - 1} is out of range: no frame of the video shows {faces} faces."
+    )
+
+
+def assign_mapping(plan: FacePlan, mapping: Sequence[FaceMapping], identities: Identities) -> None:
+    """Swap each track with the source of the mapping entry whose person it is.
+
+    An entry's person is its reference image's face, or (``target``) the track at that
+    number in reading order in the key frame (``key_frame``). Every other track goes to
+    the entry it resembles most, at ``identities.threshold`` or above; tracks like no
+    entry stay as they are. Per frame an entry swaps one track: its most similar present
+    one (a switch is counted when that changes while the previous one is still there).
+    ``InvalidInput`` when two entries name the same person, ``NoFaceFound`` when a
+    reference resembles no face of the video."""
+    anchors: dict[int, int] = {}  # entry → its key-frame track
+    wanted = [m.target for m in mapping if m.target is not None]
+    if wanted:
+        plan.key_frame = key_frame(plan, max(wanted) + 1)
+        present = _present(plan.tracks, plan.key_frame)
+        order = reading_order([t.faces[plan.key_frame] for t in present])
+        for e, m in enumerate(mapping):
+            if m.target is not None:
+                anchors[e] = present[order[m.target]].id
+    if len(set(anchors.values())) < len(anchors):
+        raise InvalidInput("Two mapping entries name the same target face.")
+    vectors = list(identities.embed(plan.tracks))
+    people = [
+        identities.references[m.reference] if m.reference is not None else vectors[anchors[e]]
+        for e, m in enumerate(mapping)
+    ]
+    anchored = {t: e for e, t in anchors.items()}
+    owner: dict[int, tuple[int, float]] = {}  # track → (entry, similarity)
     for track in plan.tracks:
-        vector = embed(track)
-        scores = [
-            (float(np.dot(vector, ref) / (np.linalg.norm(vector) * np.linalg.norm(ref) + 1e-9)), s)
-            for s, ref in references
-        ]
-        best, source = max(scores)
-        if best < min_similarity:
+        if track.id in anchored:
+            owner[track.id] = (anchored[track.id], 1.0)
             continue
-        for index, face in track.faces.items():
-            plan.frames[index].append(Swap(track.id, face, source))
+        scores = [identities.similarity(vectors[track.id], person) for person in people]
+        best = int(np.argmax(scores))
+        if scores[best] >= identities.threshold:
+            owner[track.id] = (best, scores[best])
+    for e, m in enumerate(mapping):
+        if m.reference is None or any(entry == e for entry, _ in owner.values()):
+            continue
+        near = max(plan.tracks, key=lambda t: identities.similarity(vectors[t.id], people[e]))
+        if near.id in anchored:
+            raise InvalidInput(
+                f"Two mapping entries name the same person: reference {m.reference} "
+                f"resembles target face {mapping[anchored[near.id]].target} most."
+            )
+        raise NoFaceFound(f"No face in the video resembles reference image {m.reference}.")
+    _swap_owned(plan, mapping, owner)
+
+
+def _swap_owned(
+    plan: FacePlan, mapping: Sequence[FaceMapping], owner: dict[int, tuple[int, float]]
+) -> None:
+    """Per frame and entry, the entry's most similar present track."""
+    last: dict[int, int] = {}
+    for index in range(len(plan.frames)):
+        present = _present(plan.tracks, index)
+        ids = {t.id for t in present}
+        for e, m in enumerate(mapping):
+            mine = [t for t in present if t.id in owner and owner[t.id][0] == e]
+            if not mine:
+                continue
+            chosen = max(mine, key=lambda t: (owner[t.id][1], -t.id))
+            if e in last and last[e] != chosen.id and last[e] in ids:
+                plan.switches += 1
+            last[e] = chosen.id
+            plan.frames[index].append(Swap(chosen.id, chosen.faces[index], m.source))

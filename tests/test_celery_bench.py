@@ -1,18 +1,22 @@
-"""bench/celery_queue.py end to end on the local Redis, in mode sleep (no models)."""
+"""bench/celery_queue.py end to end on the local Redis, in mode sleep (no models): the
+script runs as a subprocess, as a user runs it, and its ``--json`` figures are checked."""
 
 from __future__ import annotations
 
+import json
 import math
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("celery", reason="celery is not installed (bench extra: `make bench-setup`)")
 
-from bench.celery_queue import run_celery
-
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[1]
 REDIS = ("127.0.0.1", 6379)
 TEST_REDIS_URL = "redis://127.0.0.1:6379/14"  # a DB index of its own (flushed by the bench)
 
@@ -27,9 +31,11 @@ def redis_up() -> None:
 
 @pytest.mark.usefixtures("redis_up")
 def test_sleep_mode_figures_are_sane() -> None:
-    figures = run_celery(
-        3, b"source", b"target", mode="sleep", sleep_ms=5, redis_url=TEST_REDIS_URL
-    )
+    argv = [sys.executable, str(REPO / "bench" / "celery_queue.py"), "--jobs", "3"]
+    argv += ["--mode", "sleep", "--sleep-ms", "5", "--redis-url", TEST_REDIS_URL, "--json"]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout)
     assert figures["failed"] == 0, figures["first_failure"]
     assert figures["burst_results"] == 3
     assert isinstance(figures["burst_jobs_per_min"], float) and figures["burst_jobs_per_min"] > 0

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks import errors
-from tasks.options import DETECTORS, FUSERS, FusionOptions
+from tasks.options import DETECTORS, FUSERS, POSE_MISMATCH_POLICIES, FusionOptions
 
 
 def test_codes_are_stable_and_permanence_is_typed() -> None:
@@ -43,6 +43,26 @@ def test_options_choices_come_from_literals_and_validate() -> None:
         FusionOptions(unknown=True)  # type: ignore[call-arg]
 
 
+def test_pose_and_occluder_options_reach_the_api_contract() -> None:
+    """The look options go through the API's JobCreate as any option: typed, strict, and
+    sent on only when the caller set them."""
+    from webapi.models import JobCreate
+
+    assert POSE_MISMATCH_POLICIES == ("flag", "refuse")
+    defaults = FusionOptions()
+    assert defaults.on_pose_mismatch == "flag" and defaults.mirror_source
+    assert defaults.keep_occluders
+    job = JobCreate.model_validate(
+        {"options": {"on_pose_mismatch": "refuse", "mirror_source": False}}
+    )
+    assert job.options.as_sent() == {"on_pose_mismatch": "refuse", "mirror_source": False}
+    for bad in ({"on_pose_mismatch": "maybe"}, {"keep_occluders": "yes"}, {"mirror_source": 1}):
+        with pytest.raises(ValidationError):
+            JobCreate.model_validate({"options": bad})
+    assert errors.PoseMismatch().code == "pose_mismatch"
+    assert "pose_mismatch" in errors.PERMANENT_CODES
+
+
 def test_contracts_import_without_torch_or_prefect() -> None:
     code = (
         "import sys, tasks.errors, tasks.options, flows.params;"
@@ -69,3 +89,20 @@ def test_video_refusals_have_codes_and_http_statuses() -> None:
         assert (pipeline_status(exc), exc.code) == (status, code)
         assert errors.is_permanent(exc) is (code in errors.PERMANENT_CODES)
     assert not errors.is_permanent(errors.VideoAssemblyFailed())
+
+
+def test_every_api_error_has_its_own_answer() -> None:
+    from webapi import errors as api_errors
+
+    classes = [
+        value
+        for value in vars(api_errors).values()
+        if isinstance(value, type) and issubclass(value, api_errors.ApiError)
+    ]
+    assert set(classes) == set(api_errors.API_ERRORS)
+    codes = [answer.code for answer in api_errors.API_ERRORS.values()]
+    assert len(set(codes)) == len(codes), "two API errors share a code"
+    gone = api_errors.ResultExpired()
+    assert (gone.status_code, gone.code, gone.message) == tuple(
+        api_errors.API_ERRORS[api_errors.ResultExpired]
+    )

@@ -1,11 +1,12 @@
-"""The benchmark's GPU-shaped stages (``bench/gpu_shaped.py``): the real stage runs once per
-distinct inputs, however the caller spells its arguments; later calls only sleep."""
+"""The benchmarks' GPU-shaped stages (``faceflow.testing.shaped``, which
+``bench/gpu_shaped.py`` applies): the real stage runs once per distinct inputs, however
+the caller spells its arguments; later calls only sleep."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from bench.gpu_shaped import shaped
+from faceflow.testing.shaped import shaped
 
 
 def test_a_shaped_stage_runs_the_real_one_once_per_inputs_however_it_is_called() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -10,9 +12,9 @@ from tasks.detect import detect_faces
 from tasks.errors import InvalidInput, NoFaceFound
 from tasks.mapping import reading_order
 from tasks.options import FaceMapping, FusionOptions
-from tasks.pipeline import PipelineContext, detect_stage
+from tasks.pipeline import Detections, PipelineContext, detect_stage
 from tasks.stages import fuse_images
-from tasks.types import Box, Face
+from tasks.types import Box, Face, RGBImage
 from tests.samples import (
     astronaut_jpeg_bytes,
     astronaut_rgb,
@@ -25,6 +27,16 @@ from tests.samples import (
 )
 
 LANDMARKS = np.zeros((5, 2), dtype=np.float32)
+
+
+def _detect_astronaut(
+    target: RGBImage, *mapping: FaceMapping, **images: Sequence[RGBImage]
+) -> Detections:
+    """``detect_stage`` of the astronaut (``images``: extra sources and references) onto
+    ``target`` with ``mapping``."""
+    return detect_stage(
+        astronaut_rgb(), target, FusionOptions(mapping=list(mapping)), PipelineContext(), **images
+    )
 
 
 def _face(cx: float, cy: float, size: float = 40.0) -> Face:
@@ -60,14 +72,10 @@ def test_detect_resolves_indices_and_references_to_their_own_sources() -> None:
     target = t1_rgb()
     faces = detect_faces(target)
     order = reading_order(faces)
-    options = FusionOptions(
-        mapping=[FaceMapping(source=1, target=5), FaceMapping(source=0, reference=0)]
-    )
-    found = detect_stage(
-        astronaut_rgb(),
+    found = _detect_astronaut(
         target,
-        options,
-        PipelineContext(),
+        FaceMapping(source=1, target=5),
+        FaceMapping(source=0, reference=0),
         extra_sources=[grace_hopper_rgb()],
         references=[_reference_crop(3)],
     )
@@ -77,37 +85,18 @@ def test_detect_resolves_indices_and_references_to_their_own_sources() -> None:
     assert found.target_count == len(faces) == 6
 
     with pytest.raises(InvalidInput, match="out of range"):
-        detect_stage(
-            astronaut_rgb(),
-            target,
-            FusionOptions(mapping=[FaceMapping(source=0, target=6)]),
-            PipelineContext(),
-        )
+        _detect_astronaut(target, FaceMapping(source=0, target=6))
     with pytest.raises(InvalidInput, match="same target face"):
-        detect_stage(
-            astronaut_rgb(),
+        _detect_astronaut(
             target,
-            FusionOptions(
-                mapping=[FaceMapping(source=0, target=3), FaceMapping(source=0, reference=0)]
-            ),
-            PipelineContext(),
+            FaceMapping(source=0, target=3),
+            FaceMapping(source=0, reference=0),
             references=[_reference_crop(3)],
         )
     with pytest.raises(InvalidInput, match="source 1"):
-        detect_stage(
-            astronaut_rgb(),
-            target,
-            FusionOptions(mapping=[FaceMapping(source=1, target=0)]),
-            PipelineContext(),
-        )
+        _detect_astronaut(target, FaceMapping(source=1, target=0))
     with pytest.raises(NoFaceFound, match="source image 1"):
-        detect_stage(
-            astronaut_rgb(),
-            target,
-            FusionOptions(mapping=[FaceMapping(source=1, target=0)]),
-            PipelineContext(),
-            extra_sources=[no_face_rgb()],
-        )
+        _detect_astronaut(target, FaceMapping(source=1, target=0), extra_sources=[no_face_rgb()])
 
 
 def test_two_sources_fused_onto_their_faces_with_a_quality_report_per_source() -> None:

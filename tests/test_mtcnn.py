@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -13,7 +14,7 @@ from tasks import mtcnn
 from tasks.errors import InvalidInput
 from tasks.models import MODEL_CACHE
 from tasks.types import Face
-from tests import samples
+from tests import samples, videos
 
 ONE_FACE = {"astronaut": samples.astronaut_rgb, "grace_hopper": samples.grace_hopper_rgb}
 
@@ -210,6 +211,71 @@ def test_area_resample_matches_torch_area_and_pads_black() -> None:
     assert torch.allclose(outside[:, 0, 0], torch.full((3,), -0.99609375))
     inside = (pixels[0, :, :24, :24].mean(dim=(1, 2)) - 127.5) * 0.0078125
     assert torch.allclose(outside[:, 1, 1], inside, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_crop_batches_cover_every_crop_in_a_few_shapes(device: str) -> None:
+    most = mtcnn.CPU_CROP_BATCH if device == "cpu" else mtcnn.CROP_BATCH
+    allowed = {mtcnn.MIN_CROP_BATCH << k for k in range(12) if mtcnn.MIN_CROP_BATCH << k <= most}
+    seen: set[int] = set()
+    for count in range(1, 3 * most + 2):
+        batches = mtcnn.crop_batches(count, device)
+        assert [b[0] for b in batches] == [0, *(b[1] for b in batches[:-1])]
+        assert batches[-1][1] == count
+        assert all(stop - start <= padded for start, stop, padded in batches)
+        seen |= {padded for _, _, padded in batches}
+    assert seen == allowed
+    assert mtcnn.crop_batches(0, device) == []
+
+
+def test_padded_crop_batches_give_each_crop_its_own_output() -> None:
+    """``_run_batched`` (padded batches of at most ``CPU_CROP_BATCH``) gives what one
+    forward over all the crops gives."""
+    nets = mtcnn.load_mtcnn("cpu")
+    crops = torch.rand(
+        (mtcnn.CPU_CROP_BATCH + 5, 3, 24, 24), generator=torch.Generator().manual_seed(3)
+    )
+    crops = crops * 2 - 1
+    with torch.inference_mode():
+        whole = nets.rnet(crops.contiguous(memory_format=mtcnn.CHANNELS_LAST))
+        batched = mtcnn._run_batched(nets.rnet, crops)
+    assert [t.shape for t in batched] == [t.shape for t in whole]
+    for a, b in zip(batched, whole, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_video_frames_reach_rnet_and_onet_in_a_bounded_set_of_batch_shapes() -> None:
+    """However many crops a frame group gives, R-Net and O-Net see at most the shapes of
+    ``crop_batches`` (oneDNN keeps memory per shape: a shape per crop count made a video
+    worker's memory grow with the number of frames)."""
+    nets = mtcnn.load_mtcnn("cpu")
+    counts: set[int] = set()
+    shapes: set[tuple[int, ...]] = set()
+
+    def record(net: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        shapes.add(tuple(args[0].shape))
+
+    frames = list(itertools.islice(videos.story_frames(), 0, 48, 3))
+    real_crops = mtcnn._crops
+
+    def crops_counted(*args: object) -> torch.Tensor:
+        crops = real_crops(*args)  # type: ignore[arg-type]
+        counts.add(int(crops.shape[0]))
+        return crops
+
+    hooks = [net.register_forward_pre_hook(record) for net in (nets.rnet, nets.onet)]
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mtcnn, "_crops", crops_counted)
+            for i in range(0, len(frames), 2):
+                mtcnn.detect_batch_with_mtcnn(frames[i : i + 2])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(counts) > 8  # the frames gave many different crop counts...
+    batch_sizes = {shape[0] for shape in shapes}
+    assert batch_sizes <= {8, 16, 32, 64}  # ...and the nets saw only these batch sizes
+    assert shapes <= {(n, 3, s, s) for n in batch_sizes for s in (mtcnn.RNET_SIZE, mtcnn.ONET_SIZE)}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -14,7 +14,7 @@ from psycopg import sql
 from faceflow import prefect_server
 from faceflow.stack import Stack, StackConfig
 from faceflow.supervisor import ServiceFailed
-from tests.webapi.conftest import postgres_unavailable
+from faceflow.testing.databases import postgres_unavailable
 
 
 def test_embedded_is_one_process_with_its_services() -> None:

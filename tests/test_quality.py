@@ -130,7 +130,9 @@ def test_a_result_without_its_face_is_face_lost() -> None:
 def test_the_astronaut_on_every_face_of_a_group_photo_carries_her_identity() -> None:
     """The classic fuser keeps the source's proportions (``tasks.fuse.TARGET_GEOMETRY``):
     every fused face is past the same-person threshold (0.5). With the source's landmarks
-    warped onto the target's, the worst face scored 0.485 and the median 0.57."""
+    warped onto the target's, the worst face scored 0.485 and the median 0.57. Keeping the
+    targets' occluders and the source's hair out (``tasks.occlusion``) costs ≈ 0.03: median
+    0.617 against 0.647 without."""
     result = fuse_images(
         samples.astronaut_jpeg_bytes(), samples.t1_jpeg_bytes(), FusionOptions(face="all")
     )
@@ -140,5 +142,5 @@ def test_the_astronaut_on_every_face_of_a_group_photo_carries_her_identity() -> 
     assert report.faces_lost == 0
     similarities = [f.source_similarity or 0.0 for f in report.faces]
     assert report.source_similarity == min(similarities)
-    assert min(similarities) > 0.55 and float(np.median(similarities)) > 0.62, similarities
+    assert min(similarities) > 0.55 and float(np.median(similarities)) > 0.6, similarities
     assert all(f.source_similarity > (f.target_similarity or 0) for f in report.faces)  # type: ignore[operator]

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.webapi.relay_harness import free_port
-from tests.webapi.utils import make_user, stack_webapi
+from faceflow.testing.jobs import make_user, stack_webapi
+from faceflow.testing.net import free_port
 from webapi.config import Settings
 from webapi.db import create_engine
 from webapi.migrations import upgrade

@@ -9,7 +9,8 @@ The story clip (``story_frames``), in scenes at ``fps`` frames per second:
 
 ``Videos(directory)`` writes each variant on first use and caches it (one per test session
 through the ``videos`` fixture): the story as MP4/H.264 with a sine-tone AAC track, a
-variable-frame-rate MP4, a phone-style MOV/H.265 whose display matrix turns it 90°, a WebM
+variable-frame-rate MP4, a phone-style MOV/H.265 whose display matrix turns it 90°, the
+pair clip (``pair_frames``: the astronaut and Grace Hopper swap places), a WebM
 (VP9, odd size, Opus), an MKV (AV1, FLAC starting late), a silent MP4, a trimmed MP4 (an edit list hides
 its first frames), and broken files: truncated with and
 without the index, a corrupt index, not a video, an unsupported codec and container.
@@ -117,6 +118,68 @@ def story_frames(width: int = WIDTH, height: int = HEIGHT, fps: int = FPS) -> It
     ch, cw = cup_full.shape[:2]
     for i in range(n):
         yield _window(cup_full, cw / 2, ch / 2, cw * (1.0 - 0.2 * i / max(n - 1, 1)), width, height)
+
+
+# The pair clip: two people who swap places. The astronaut goes left to right over the
+# top, Grace Hopper right to left underneath; their sprites never overlap.
+PAIR_FRAMES = 45
+PAIR_SPRITE = (118, 150)  # width, height
+_PAIR_CROPS = {"astronaut": (128, 0, 320, 250), "grace_hopper": (70, 0, 458, 480)}
+
+
+@dataclass(frozen=True, slots=True)
+class Sprite:
+    """Where one person's picture is in a frame of the pair clip: (x1, y1, x2, y2)."""
+
+    x1: int
+    y1: int
+    x2: int
+    y2: int
+
+    def holds(self, x: float, y: float) -> bool:
+        """Whether the point (x, y) is inside."""
+        return self.x1 <= x < self.x2 and self.y1 <= y < self.y2
+
+
+def pair_sprites(frames: int = PAIR_FRAMES) -> list[dict[str, Sprite]]:
+    """Per frame of the pair clip, where each person is (``astronaut``, ``grace_hopper``):
+    side by side at first (the astronaut on the left), swapped at the end."""
+    w, h = PAIR_SPRITE
+    out = []
+    for i in range(frames):
+        s = i / max(frames - 1, 1)
+        lift = round(105 * math.sin(math.pi * s))
+        ax, gx = round(20 + 322 * s), round(342 - 322 * s)
+        out.append(
+            {
+                "astronaut": Sprite(ax, 105 - lift, ax + w, 105 - lift + h),
+                "grace_hopper": Sprite(gx, 105 + lift, gx + w, 105 + lift + h),
+            }
+        )
+    return out
+
+
+def pair_frames(frames: int = PAIR_FRAMES) -> Iterator[RGBImage]:
+    """The pair clip's frames (480x360) on a grey gradient."""
+    w, h = PAIR_SPRITE
+    photos = {"astronaut": samples.astronaut_rgb(), "grace_hopper": samples.grace_hopper_rgb()}
+    sprites = {}
+    for name, (x1, y1, x2, y2) in _PAIR_CROPS.items():
+        sprites[name] = _resize(photos[name][y1:y2, x1:x2], w, h)
+    ramp = np.linspace(90, 150, WIDTH, dtype=np.uint8)
+    background = np.repeat(np.tile(ramp[None, :, None], (HEIGHT, 1, 1)), 3, axis=2)
+    for where in pair_sprites(frames):
+        frame = background.copy()
+        for name, box in where.items():
+            frame[box.y1 : box.y2, box.x1 : box.x2] = sprites[name]
+        yield frame
+
+
+def t1_face_jpeg(index: int) -> bytes:
+    """A photo of one person of ``t1.jpg`` (0: the leftmost, 1: the third from the left):
+    a source face distinct from the pair clip's people."""
+    x1, y1, x2, y2 = ((0, 180, 240, 480), (400, 180, 640, 480))[index]
+    return samples.encode(np.ascontiguousarray(samples.t1_rgb()[y1:y2, x1:x2]), "JPEG", quality=95)
 
 
 def _sine(rate: int, seconds: float, layout: str, delay_s: float) -> Iterator[av.AudioFrame]:
@@ -298,6 +361,23 @@ class Videos:
     def silent(self) -> Path:
         """MP4, H.264, 2 s, no audio."""
         return self._clip("silent.mp4", self.story_images[: 2 * FPS])
+
+    @cached_property
+    def pair(self) -> Path:
+        """MP4, H.264, 3 s at 15 fps, no audio: two people who swap places
+        (``pair_sprites``)."""
+        return self._clip("pair.mp4", list(pair_frames()))
+
+    @cached_property
+    def short(self) -> Path:
+        """MP4, H.264, 2 s of the story around its first cut (the pan's end, then the
+        astronaut from frame 5), AAC stereo: the end-to-end suites' clip."""
+        return self._clip(
+            "short.mp4",
+            self.story_images[FPS * SCENE_S - 5 : FPS * SCENE_S + 25],
+            audio="aac",
+            container_options={"movflags": "+faststart"},
+        )
 
     @cached_property
     def trimmed(self) -> Path:

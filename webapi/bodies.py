@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import AsyncGenerator
 from typing import TypeVar
 
 import anyio
@@ -79,30 +80,23 @@ def parse_json_model(
 async def read_limited(request: Request, limit: int) -> bytes:
     """The whole body, ``PayloadTooLarge`` as soon as it (or its Content-Length) passes
     ``limit`` bytes. Cached on the request, so ``request.form()`` parses it afterwards."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+    body = b"".join([chunk async for chunk in limited_stream(request, limit)])
     request._body = body
     return body
 
 
 class BodyDeadlineMiddleware:
     """ASGI middleware: the request body must arrive within ``seconds`` of the request's
-    start, else ``RequestTimeout`` (408) is raised from ``receive`` (the error handlers
-    answer it; uvicorn then closes the connection, whose body was not read to the end).
-    Once the body is complete, later ``receive`` calls (disconnect checks) are not bound."""
+    start plus one second per ``min_rate`` bytes received (a large video upload earns its
+    time as it arrives; a client that trickles a few bytes does not), else
+    ``RequestTimeout`` (408) is raised from ``receive`` (the error handlers answer it;
+    uvicorn then closes the connection, whose body was not read to the end). Once the body
+    is complete, later ``receive`` calls (disconnect checks) are not bound."""
 
-    def __init__(self, app: ASGIApp, *, seconds: float) -> None:
+    def __init__(self, app: ASGIApp, *, seconds: float, min_rate: float) -> None:
         self.app = app
         self.seconds = seconds
+        self.min_rate = min_rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -112,7 +106,7 @@ class BodyDeadlineMiddleware:
         body_done = False
 
         async def receive_by_deadline() -> Message:
-            nonlocal body_done
+            nonlocal body_done, deadline
             if body_done:
                 return await receive()
             try:
@@ -120,9 +114,26 @@ class BodyDeadlineMiddleware:
                     message = await receive()
             except TimeoutError:
                 raise RequestTimeout(
-                    f"The request body did not arrive within {self.seconds:g} s."
+                    f"The request body did not arrive within {self.seconds:g} s plus one "
+                    f"second per {self.min_rate:g} bytes."
                 ) from None
+            deadline += len(message.get("body", b"")) / self.min_rate
             body_done = message["type"] != "http.request" or not message.get("more_body")
             return message
 
         await self.app(scope, receive_by_deadline, send)
+
+
+async def limited_stream(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
+    """The body as it arrives, ``PayloadTooLarge`` as soon as it (or its Content-Length)
+    passes ``limit`` bytes: for a multipart request parsed as it streams (files spill to
+    disk), where ``read_limited`` would hold the whole body in memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"The request body exceeds {limit} bytes.")
+        yield chunk

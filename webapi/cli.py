@@ -49,8 +49,11 @@ app.add_typer(services_app, name="services")
 DatabaseOption = Annotated[
     str | None, typer.Option("--database-url", help="Default: FACEFLOW_DATABASE_URL.")
 ]
+UserArgument = Annotated[str, typer.Argument(metavar="NAME", help="The user's name.")]
+ServiceArgument = Annotated[str, typer.Argument(help="Service name (systemd: %N).")]
 
 
+QuotaOption = Annotated[int | None, typer.Option(min=0, help="Unfinished jobs allowed at once.")]
 PriorityChoice = StrEnum("PriorityChoice", {name: name for name in get_args(Priority)})  # type: ignore[misc]
 PriorityOption = Annotated[
     PriorityChoice | None,
@@ -94,9 +97,7 @@ def _describe(user: User) -> str:
 @users_app.command("create")
 def create_user(
     name: Annotated[str, typer.Argument(help="Unique user name.")],
-    quota: Annotated[
-        int | None, typer.Option(min=0, help="Unfinished jobs allowed at once.")
-    ] = None,
+    quota: QuotaOption = None,
     priority: PriorityOption = None,
     input_retention: InputRetentionOption = None,
     result_retention: ResultRetentionOption = None,
@@ -128,10 +129,8 @@ def create_user(
 
 @users_app.command("set")
 def set_user(
-    name: Annotated[str, typer.Argument(help="The user to change.")],
-    quota: Annotated[
-        int | None, typer.Option(min=0, help="Unfinished jobs allowed at once.")
-    ] = None,
+    name: UserArgument,
+    quota: QuotaOption = None,
     priority: PriorityOption = None,
     input_retention: InputRetentionOption = None,
     result_retention: ResultRetentionOption = None,
@@ -150,17 +149,14 @@ def set_user(
     if not changes:
         typer.echo("error: nothing to change", err=True)
         raise typer.Exit(2)
-    user = _on_store(database_url, lambda session: crud.update_user(session, name=name, **changes))
+    user = _on_store(database_url, crud.update_user, name=name, **changes)
     typer.echo(f"user {user.name}: {_describe(user)}")
 
 
 @users_app.command("disable")
-def disable_user(
-    name: Annotated[str, typer.Argument(help="The user to disable.")],
-    database_url: DatabaseOption = None,
-) -> None:
+def disable_user(name: UserArgument, database_url: DatabaseOption = None) -> None:
     """Disable a user: keys refused, unfinished jobs cancelled, webhooks no longer sent."""
-    done = _on_store(database_url, lambda session: crud.disable_user(session, name=name))
+    done = _on_store(database_url, crud.disable_user, name=name)
     typer.echo(
         f"user {done.user.name} disabled: {done.cancelled} queued jobs cancelled, "
         f"{done.cancel_requested} running jobs asked to stop; submits refused now, "
@@ -169,12 +165,9 @@ def disable_user(
 
 
 @users_app.command("enable")
-def enable_user(
-    name: Annotated[str, typer.Argument(help="The user to enable again.")],
-    database_url: DatabaseOption = None,
-) -> None:
+def enable_user(name: UserArgument, database_url: DatabaseOption = None) -> None:
     """Enable a disabled user again (jobs cancelled meanwhile stay cancelled)."""
-    user = _on_store(database_url, lambda session: crud.enable_user(session, name=name))
+    user = _on_store(database_url, crud.enable_user, name=name)
     typer.echo(f"user {user.name} enabled")
 
 
@@ -191,12 +184,9 @@ def list_users(database_url: DatabaseOption = None) -> None:
 
 
 @keys_app.command("list")
-def list_keys(
-    name: Annotated[str, typer.Argument(help="The user whose keys to list.")],
-    database_url: DatabaseOption = None,
-) -> None:
+def list_keys(name: UserArgument, database_url: DatabaseOption = None) -> None:
     """A user's API keys: id, first characters, creation and state (never the key)."""
-    keys = _on_store(database_url, lambda session: crud.list_keys(session, name=name))
+    keys = _on_store(database_url, crud.list_keys, name=name)
     now = utcnow()
     for key in keys:
         typer.echo(
@@ -210,13 +200,13 @@ def revoke_key(
     database_url: DatabaseOption = None,
 ) -> None:
     """Revoke one API key now."""
-    key = _on_store(database_url, lambda session: crud.revoke_key(session, key_id=key_id))
+    key = _on_store(database_url, crud.revoke_key, key_id=key_id)
     typer.echo(f"key {key.id} {_key_state(key, utcnow())}: refused within {_cache_time()}")
 
 
 @keys_app.command("rotate")
 def rotate_key(
-    name: Annotated[str, typer.Argument(help="The user who gets a new key.")],
+    name: UserArgument,
     grace: Annotated[
         float | None,
         typer.Option(
@@ -231,12 +221,10 @@ def rotate_key(
     settings = get_settings()
     rotated = _on_store(
         database_url,
-        lambda session: crud.rotate_key(
-            session,
-            name=name,
-            pepper=settings.api_key_pepper.get_secret_value(),
-            grace_s=settings.key_rotation_grace_seconds if grace is None else grace,
-        ),
+        crud.rotate_key,
+        name=name,
+        pepper=settings.api_key_pepper.get_secret_value(),
+        grace_s=settings.key_rotation_grace_seconds if grace is None else grace,
     )
     typer.echo(f"user:    {rotated.user.name} ({rotated.user.id})")
     typer.echo(f"api key: {rotated.api_key}")
@@ -263,12 +251,13 @@ def _cache_time() -> str:
     return f"{get_settings().auth_cache_seconds:g} s (FACEFLOW_AUTH_CACHE_SECONDS)"
 
 
-def _on_store(database_url: str | None, action: Callable[[Session], T]) -> T:
-    """``action`` in a session on the job store; ``NotFound`` or ``InvalidRequest`` end
-    the command with its message and exit status 1."""
+def _on_store(database_url: str | None, action: Callable[..., T], **keywords: Any) -> T:
+    """``action(session, **keywords)`` in a session on the job store (a ``crud``
+    function); ``NotFound`` or ``InvalidRequest`` end the command with its message and
+    exit status 1."""
     try:
         with Session(get_engine(_url(database_url)), expire_on_commit=False) as session:
-            return action(session)
+            return action(session, **keywords)
     except (NotFound, InvalidRequest) as exc:
         _fail(exc)
 
@@ -292,8 +281,7 @@ def db_check(database_url: DatabaseOption = None) -> None:
     try:
         check_migrated(get_engine(_url(database_url)))
     except DatabaseNotMigrated as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
+        _fail(exc)
     typer.echo("job store is up to date")
 
 
@@ -307,8 +295,7 @@ def retention_run(
     try:
         report = run_pass_from_settings()
     except DatabaseNotMigrated as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
+        _fail(exc)
     if as_json:
         typer.echo(json.dumps(report.as_dict()))
         return
@@ -322,7 +309,7 @@ def retention_run(
 
 @services_app.command("record-start")
 def services_record_start(
-    name: Annotated[str, typer.Argument(help="Service name (systemd: %N).")],
+    name: ServiceArgument,
 ) -> None:
     """Count one start of a supervised service (systemd ``ExecStartPre``)."""
     settings = get_settings()
@@ -333,7 +320,7 @@ def services_record_start(
 
 @services_app.command("record-exit")
 def services_record_exit(
-    name: Annotated[str, typer.Argument(help="Service name (systemd: %N).")],
+    name: ServiceArgument,
     result: Annotated[str, typer.Option(help="systemd's $SERVICE_RESULT.")] = "",
     code: Annotated[str, typer.Option(help="systemd's $EXIT_CODE.")] = "",
     status: Annotated[str, typer.Option(help="systemd's $EXIT_STATUS.")] = "",

@@ -14,7 +14,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from flows.binding import DEV_RUN_SIGNING_KEY
-from tasks.options import ImageLimits
+from tasks.options import ImageLimits, VideoLimits
 
 DEV_API_KEY_PEPPER = "faceflow-development-pepper"
 
@@ -73,6 +73,11 @@ class Settings(BaseSettings):
         "usual second TLS port of webhook receivers. Comma-separated in the environment.",
     )
     image_limits: ImageLimits = Field(default_factory=lambda: ImageLimits.model_validate({}))
+    video_limits: VideoLimits = Field(
+        default_factory=lambda: VideoLimits.model_validate({}),
+        description="Bounds on a video target, checked by a probe at submit (file size, "
+        "duration, longest side, frame rate): FACEFLOW_VIDEO_LIMITS__MAX_DURATION_S etc.",
+    )
     max_json_bytes: int = Field(
         8 * 1024 * 1024,
         gt=0,
@@ -88,17 +93,51 @@ class Settings(BaseSettings):
         10.0, gt=0, description="Time a client has to send its request headers."
     )
     body_read_seconds: float = Field(
-        60.0, gt=0, description="Time a client has to send its whole request body (408)."
+        60.0,
+        gt=0,
+        description="Time a client has to send its whole request body (408), plus one "
+        "second per body_min_bytes_per_second bytes it sent.",
+    )
+    body_min_bytes_per_second: float = Field(
+        256 * 1024,
+        gt=0,
+        description="Upload rate that earns a large body (a video) more time: a 500 MB "
+        "video may take 60 s + 500 MB / 256 KiB/s ≈ 33 min to arrive.",
     )
     default_deadline_seconds: int = Field(120, ge=1, description="Job deadline when not given.")
     max_deadline_seconds: int = Field(3600, ge=1)
+    default_video_deadline_seconds: int = Field(
+        3600, ge=1, description="A video job's deadline when not given."
+    )
+    max_video_deadline_seconds: int = Field(
+        6 * 3600, ge=1, description="Longest deadline a video job may ask for."
+    )
     default_queue_timeout_seconds: int = Field(60, ge=1, description="Time allowed to start.")
     max_queue_timeout_seconds: int = Field(3600, ge=1)
     default_quota: int = Field(10, ge=0, description="Non-terminal jobs per new user.")
     max_attempts: int = Field(2, ge=1, description="Flow runs per job at most.")
     worker_slots: int = Field(1, ge=1, description="Jobs the workers run at once (GPUs).")
+    relay_run_events: bool = Field(
+        True,
+        description="Learn flow-run starts and ends from Prefect's event stream (a "
+        "websocket to /api/events/out) and poll run states only as a safety net; off: "
+        "poll every sync interval.",
+    )
     default_service_seconds: float = Field(
         10.0, gt=0, description="Assumed run time of a job before any has succeeded."
+    )
+    default_frame_seconds: float = Field(
+        0.1,
+        gt=0,
+        description="Assumed worker seconds per video frame before any video has succeeded "
+        "(admission of video jobs; measured from finished videos after that).",
+    )
+    batch_admission_safety: float = Field(
+        1.0,
+        ge=1.0,
+        description="Factor on the wait estimate of the batching model (per-run overhead and "
+        "per-job compute, measured on recent jobs) before it is compared with the queue "
+        "timeout; the model replaces admission_safety once it has enough history.",
     )
     admission_safety: float = Field(
         2.0,
@@ -111,7 +150,13 @@ class Settings(BaseSettings):
         None, ge=0, description="Hard cap on queued jobs (503 beyond), on top of the estimate."
     )
     max_wait_seconds: int = Field(60, ge=0, le=60, description="Largest Prefer: wait=N.")
-    wait_poll_seconds: float = Field(0.15, gt=0, le=1.0)
+    wait_poll_seconds: float = Field(
+        1.0,
+        gt=0,
+        le=5.0,
+        description="How often a Prefer: wait request reads its job as the safety net; its "
+        "end wakes it at once when committed in this process or, on PostgreSQL, in any.",
+    )
     run_relay: bool = Field(True, description="Run the relay loops inside the API process.")
     auth_cache_seconds: float = Field(
         5.0,
@@ -129,7 +174,7 @@ class Settings(BaseSettings):
         3,
         ge=1,
         description="Submits whose inputs are validated and stored at once (CPU work: more "
-        "threads only contend); their jobs are then admitted in batches (webapi.admission).",
+        "threads only contend); their jobs are then admitted in batches (webapi.group_commit).",
     )
     batch_max_jobs: int = Field(
         32,
@@ -225,6 +270,19 @@ class Settings(BaseSettings):
         None,
         description="Where supervised services record their starts (default: <home>/services); "
         "/metrics exports them as restart counters.",
+    )
+
+    c2pa_trust_anchors: Path | None = Field(
+        None,
+        description="PEM file of the root certificates POST /v1/verify trusts for Content "
+        "Credentials (default: the local stack's development root, <home>/c2pa/root.pem, "
+        "when present).",
+    )
+    verify_per_minute: int = Field(
+        30, ge=1, description="POST /v1/verify requests per API key and minute (429 past it)."
+    )
+    verify_threads: int = Field(
+        2, ge=1, description="Verify requests decoded at once (each one a CPU core)."
     )
 
     @field_validator("url_ports", mode="before")

@@ -1,7 +1,8 @@
 """Job-store operations: keyword-only, session first. Routes call these and nothing else.
 
 Submit is one transaction: the job row and its ``dispatch`` outbox row commit together
-(invariant 1), after the per-user quota (429) and global backlog (503) checks. The user's
+(invariant 1), after the per-user quota (429) and global backlog (503) checks of the
+capacity model (``webapi.capacity``). The user's
 row is locked first (``FOR UPDATE`` on PostgreSQL; SQLite transactions are
 ``BEGIN IMMEDIATE``), so a user's concurrent submits see each other; the unique
 constraint on ``(owner_id, idempotency_key)`` is the last word on duplicates.
@@ -12,20 +13,19 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import statistics
-import threading
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, get_args
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from tasks.error_codes import JobErrorCode
+from webapi import capacity
 from webapi.auth import hash_api_key, key_matches, new_api_key, new_webhook_secret
 from webapi.config import Settings
 from webapi.errors import (
@@ -35,15 +35,12 @@ from webapi.errors import (
     InvalidRequest,
     JobNotCancellable,
     NotFound,
-    Overloaded,
     PriorityNotAllowed,
-    QuotaExceeded,
     Unauthorized,
 )
-from webapi.inputs import InputRef, job_pixels
+from webapi.inputs import InputRef, job_pixels, looks_like_video
 from webapi.jobstate import transition
 from webapi.models import (
-    ACTIVE_STATUSES,
     DEFAULT_CALLBACK_EVENTS,
     ApiKey,
     Job,
@@ -57,11 +54,7 @@ from webapi.models import (
 )
 from webapi.storage import ObjectStore
 
-SERVICE_TIME_SAMPLE = 50
-SERVICE_TIME_TTL_S = 5.0
 MAX_PAGE = 100
-#: Lanes of the queue, one per priority class; ``high`` jobs go to the priority work queue.
-LANES: tuple[Priority, ...] = get_args(Priority)
 #: How far back a retention pass's deletion of an input counts against a submit that
 #: found the input already stored (clock skew between replicas, a slow submit).
 INPUT_PURGE_MARGIN_S = 60.0
@@ -434,7 +427,7 @@ class _Batch:
     """What a batch keeps up to date as it admits jobs: the backlog, each owner's
     unfinished jobs, and the idempotency keys it created."""
 
-    load: Backlog
+    load: capacity.Backlog
     active: dict[uuid.UUID, int] = field(default_factory=dict)
     fresh: dict[tuple[uuid.UUID, str], Job] = field(default_factory=dict)
 
@@ -451,7 +444,7 @@ def _admit(
         for owner_id in sorted({submission.owner.id for submission in submissions})
         if _lock_user(session, owner_id)
     }
-    batch = _Batch(backlog(session, settings=settings))
+    batch = _Batch(capacity.backlog(session, settings=settings))
     purged = inputs_purged_since(
         session,
         keys=[key for submission in submissions for key in submission.input_keys()],
@@ -553,7 +546,9 @@ def _admit_one(
     session: Session, submission: Submission, batch: _Batch, settings: Settings
 ) -> Admission:
     create, owner, key = submission.create, submission.owner, submission.idempotency_key
-    deadline_s, queue_s = _timeouts(create, settings)
+    target = submission.target
+    video = target.media == "video" or (target.url is not None and looks_like_video(target.url))
+    deadline_s, queue_s = _timeouts(create, settings, video=video)
     lane = job_lane(create, owner)
     digest = request_digest(
         create,
@@ -570,14 +565,15 @@ def _admit_one(
         if existing is not None:
             return Admission(_replay(existing, digest))
     if owner.id not in batch.active:
-        batch.active[owner.id] = _count_active(session, owner)
-    _check_capacity(
+        batch.active[owner.id] = capacity.count_active(session, owner=owner)
+    capacity.check_capacity(
         active=batch.active[owner.id],
         owner=owner,
         load=batch.load,
         lane=lane,
         queue_timeout_s=queue_s,
         settings=settings,
+        video=video,
     )
     job = _new_job(submission, digest, lane, deadline_s, queue_s, settings)
     session.add(job)
@@ -590,7 +586,8 @@ def _admit_one(
             next_attempt_at=job.created_at,
         )
     )
-    batch.load = batch.load.admitted(lane)
+    frames = capacity.video_frames(target.video) if video else None
+    batch.load = batch.load.admitted(lane, video_frames=frames)
     batch.active[owner.id] += 1
     if key is not None:
         batch.fresh[(owner.id, key)] = job
@@ -637,6 +634,8 @@ def _new_job(
             else None
         ),
         input_pixels=job_pixels(submission.inputs, settings.image_limits),
+        media=target.media,
+        video_input=target.video,
         options=create.options.as_sent(),
         priority=lane,
         input_retention_s=_or(owner.input_retention_s, settings.input_retention_seconds),
@@ -655,11 +654,21 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
-def _timeouts(create: JobCreate, settings: Settings) -> tuple[int, int]:
-    deadline_s = create.deadline_seconds or settings.default_deadline_seconds
+def _timeouts(create: JobCreate, settings: Settings, *, video: bool) -> tuple[int, int]:
+    """The job's deadline and queue timeout: the request's, else the settings' defaults
+    (a video job's own: a video target, or a target URL whose path names a video file);
+    ``InvalidRequest`` beyond the maxima."""
+    if video:
+        default_s, max_s = (
+            settings.default_video_deadline_seconds,
+            settings.max_video_deadline_seconds,
+        )
+    else:
+        default_s, max_s = settings.default_deadline_seconds, settings.max_deadline_seconds
+    deadline_s = create.deadline_seconds or default_s
     queue_s = create.queue_timeout_seconds or settings.default_queue_timeout_seconds
-    if deadline_s > settings.max_deadline_seconds:
-        raise InvalidRequest(f"deadline_seconds must be at most {settings.max_deadline_seconds}.")
+    if deadline_s > max_s:
+        raise InvalidRequest(f"deadline_seconds must be at most {max_s}.")
     if queue_s > settings.max_queue_timeout_seconds:
         raise InvalidRequest(
             f"queue_timeout_seconds must be at most {settings.max_queue_timeout_seconds}."
@@ -690,143 +699,7 @@ def _replay(existing: Job, digest: str) -> Job:
     return existing
 
 
-# --------------------------------------------------------------------------- capacity
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """What is waiting, in each lane, and how fast it drains.
-
-    Workers take the priority work queue first, so a ``high`` job waits only for the
-    ``high`` jobs queued before it and for a running job to finish; a ``normal`` job waits
-    for every queued job."""
-
-    queued_by_lane: Mapping[str, int]
-    running: int
-    service_s: float
-    slots: int
-    measured: bool = True  # service_s comes from recent jobs, not the configured default
-
-    @property
-    def queued(self) -> int:
-        """Queued jobs in every lane."""
-        return sum(self.queued_by_lane.values())
-
-    def ahead(self, lane: str) -> int:
-        """Queued jobs a new job of ``lane`` waits behind."""
-        if lane == "high":
-            return self.queued_by_lane.get("high", 0)
-        return self.queued
-
-    def wait_s(self, lane: str) -> float:
-        """Estimated time before one more job of ``lane`` would start."""
-        return (self.ahead(lane) + self.running / 2) * self.service_s / self.slots
-
-    @property
-    def expected_wait_s(self) -> float:
-        """Estimated time before one more normal job would start."""
-        return self.wait_s("normal")
-
-    def admitted(self, lane: str) -> Backlog:
-        """This backlog with one more job queued in ``lane``."""
-        counts = dict(self.queued_by_lane)
-        counts[lane] = counts.get(lane, 0) + 1
-        return replace(self, queued_by_lane=counts)
-
-
-def backlog(session: Session, *, settings: Settings) -> Backlog:
-    """Counts of queued jobs per lane and of running jobs, and the recent service time."""
-    rows = session.exec(
-        select(Job.status, Job.priority, sa.func.count())
-        .where(
-            col(Job.status).in_([JobStatus.queued, JobStatus.running, JobStatus.cancel_requested])
-        )
-        .group_by(col(Job.status), col(Job.priority))
-    ).all()
-    queued: dict[str, int] = dict.fromkeys(LANES, 0)
-    running = 0
-    for status, lane, count in rows:
-        if JobStatus(status) is JobStatus.queued:
-            queued[lane] = queued.get(lane, 0) + int(count)
-        else:
-            running += int(count)
-    service_s, measured = service_estimate(session, settings=settings)
-    return Backlog(
-        queued_by_lane=queued,
-        running=running,
-        service_s=service_s,
-        slots=settings.worker_slots,
-        measured=measured,
-    )
-
-
-_service_cache: dict[str, tuple[float, float, bool]] = {}
-_service_lock = threading.Lock()
-
-
-def service_seconds(session: Session, *, settings: Settings) -> float:
-    """Seconds of worker time one job costs (``service_estimate``)."""
-    return service_estimate(session, settings=settings)[0]
-
-
-def service_estimate(session: Session, *, settings: Settings) -> tuple[float, bool]:
-    """``(seconds, measured)``: what one job costs, from the last succeeded jobs (cached a
-    few seconds per database), or ``settings.default_service_seconds`` with no history.
-
-    The median over those jobs of what each one cost the queue: for a job that was
-    submitted while the one before it was still unfinished, the gap between their finishes
-    times the worker slots (what each queued job adds to the wait of the ones behind it);
-    for a job submitted to an idle system, its whole latency, created → finished (dispatch,
-    worker pick-up, run and sync). Run times alone (started → finished) missed all but the
-    run, so a burst was admitted far past what could start in time (fault suite,
-    scenario 8).
-    """
-    url = str(session.get_bind().engine.url)
-    now = time.monotonic()
-    with _service_lock:
-        cached = _service_cache.get(url)
-    if cached is not None and now - cached[0] < SERVICE_TIME_TTL_S:
-        return cached[1], cached[2]
-    rows = session.exec(
-        select(Job.created_at, Job.finished_at, Job.flow_run_id)
-        .where(col(Job.status) == JobStatus.succeeded, col(Job.started_at).is_not(None))
-        .order_by(col(Job.created_at).desc())
-        .limit(SERVICE_TIME_SAMPLE)
-    ).all()
-    costs = run_costs(
-        [(created, end, run) for created, end, run in rows if end is not None and end >= created],
-        slots=settings.worker_slots,
-    )
-    value = max(0.05, statistics.median(costs)) if costs else settings.default_service_seconds
-    with _service_lock:
-        _service_cache[url] = (now, value, bool(costs))
-    return value, bool(costs)
-
-
-def run_costs(
-    jobs: Sequence[tuple[datetime, datetime, uuid.UUID | None]], *, slots: int
-) -> list[float]:
-    """What each finished job cost the queue (``service_estimate``), from its (created,
-    finished, flow run): the jobs of one run (a ``fuse-batch`` run carries several) finish
-    together and share their run's cost, so a batch of ``k`` counts ``k`` times its cost / k."""
-    done = sorted(jobs, key=lambda job: job[1])
-    runs: list[list[tuple[datetime, datetime, uuid.UUID | None]]] = []
-    for job in done:
-        if runs and job[2] is not None and runs[-1][-1][2] == job[2]:
-            runs[-1].append(job)
-        else:
-            runs.append([job])
-    costs: list[float] = []
-    previous_end: datetime | None = None
-    for run in runs:
-        created, end = min(job[0] for job in run), max(job[1] for job in run)
-        if previous_end is not None and created < previous_end:  # it waited for the one before
-            cost = (end - previous_end).total_seconds() * slots
-        else:
-            cost = (end - created).total_seconds()
-        costs += [cost / len(run)] * len(run)
-        previous_end = end
-    return costs
+# --------------------------------------------------------------------------- admission lock
 
 
 #: PostgreSQL advisory-lock key that serialises the backlog check with the insert.
@@ -842,49 +715,6 @@ def serialise_admission(session: Session) -> None:
     """
     if session.get_bind().dialect.name == "postgresql":
         session.exec(select(sa.func.pg_advisory_xact_lock(BACKLOG_LOCK_KEY))).first()
-
-
-def _count_active(session: Session, owner: User) -> int:
-    """The owner's unfinished jobs, counted up to ``quota + 1`` from the (owner, status)
-    index: bounded however many there are."""
-    unfinished = (
-        select(Job.status)
-        .where(col(Job.owner_id) == owner.id, col(Job.status).in_(list(ACTIVE_STATUSES)))
-        .limit(owner.quota + 1)
-        .subquery()
-    )
-    return int(session.exec(select(sa.func.count()).select_from(unfinished)).one())
-
-
-def _check_capacity(
-    *,
-    active: int,
-    owner: User,
-    load: Backlog,
-    lane: str,
-    queue_timeout_s: int,
-    settings: Settings,
-) -> None:
-    """429 over the owner's quota, 503 when a new job of ``lane`` would not start in time
-    (each lane judged by the jobs it waits behind: a normal burst does not refuse a
-    priority job)."""
-    if active >= owner.quota:
-        raise QuotaExceeded(
-            f"Too many unfinished jobs: the quota of this API key is {owner.quota}.",
-            retry_after=load.wait_s(lane) + load.service_s,
-        )
-    ahead = load.ahead(lane)
-    over_cap = settings.max_backlog is not None and ahead >= settings.max_backlog
-    # The service time measured before a burst understates what each job costs during one
-    # (a host shared with the API and the relay, a busier Prefect server): keep headroom.
-    # The configured default (no history yet) is a deliberate guess and used as it is.
-    safety = settings.admission_safety if load.measured else 1.0
-    expected_wait_s = load.wait_s(lane) * safety
-    if over_cap or expected_wait_s > queue_timeout_s:
-        raise Overloaded(
-            f"{ahead} jobs are queued ahead; a new one would not start within {queue_timeout_s} s.",
-            retry_after=max(expected_wait_s - queue_timeout_s, 0) + load.service_s,
-        )
 
 
 # --------------------------------------------------------------------------- reading
@@ -1045,11 +875,5 @@ def _cancel(session: Session, *, job_id: uuid.UUID, status: JobStatus, message: 
     """One compare-and-set cancel of a job last seen ``status`` (queued or running)."""
     fields: dict[str, Any] = {}
     if status is JobStatus.queued:
-        fields = {"error_code": "cancelled", "error_message": message}
+        fields = {"error_code": JobErrorCode.cancelled, "error_message": message}
     return transition(session, job_id=job_id, to=_CANCELLED_TO[status], expected=status, **fields)
-
-
-def reset_service_time_cache() -> None:
-    """Forget cached service times (tests; after bulk changes)."""
-    with _service_lock:
-        _service_cache.clear()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,16 +18,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tasks import errors as pipeline_errors
+from tasks.error_codes import JobErrorCode
 
 log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    """Base of every error the API answers on purpose."""
+    """Base of every error the API answers on purpose; its status, code and default
+    message come from ``API_ERRORS``."""
 
-    status_code: ClassVar[int] = 400
-    code: ClassVar[str] = "bad_request"
-    default_message: ClassVar[str] = "The request is invalid."
+    status_code: ClassVar[int]
+    code: ClassVar[str]
+    default_message: ClassVar[str]
 
     def __init__(self, message: str | None = None, *, retry_after: float | None = None) -> None:
         self.message = message or self.default_message
@@ -42,101 +44,89 @@ class ApiError(Exception):
 
 
 class Unauthorized(ApiError):
-    status_code = 401
-    code = "unauthorized"
-    default_message = "Missing or invalid API key."
+    """No API key, or one that is unknown or disabled."""
 
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": "Bearer"}
 
 
 class NotFound(ApiError):
-    status_code = 404
-    code = "not_found"
-    default_message = "No such job."
+    """No such job (or not the caller's)."""
 
 
 class Forbidden(ApiError):
-    status_code = 403
-    code = "forbidden"
-    default_message = "This API key may not do that."
+    """The API key may not do this."""
 
 
 class PriorityNotAllowed(Forbidden):
-    code = "priority_not_allowed"
-    default_message = (
-        "This API key's priority class is normal: it cannot submit high-priority jobs."
-    )
+    """A high-priority submit from a key of the normal class."""
 
 
 class ResultExpired(ApiError):
-    status_code = 410
-    code = "result_expired"
-    default_message = "The result was deleted when its retention period ended."
+    """The result was deleted by retention."""
 
 
 class Conflict(ApiError):
-    status_code = 409
-    code = "conflict"
+    """The request conflicts with the job's or the key's state."""
 
 
 class IdempotencyKeyReused(Conflict):
-    code = "idempotency_key_reused"
-    default_message = "This Idempotency-Key was used with a different request."
+    """An ``Idempotency-Key`` sent again with a different request."""
 
 
 class JobNotCancellable(Conflict):
-    code = "job_not_cancellable"
-    default_message = "The job has already finished."
+    """A cancel of a job that has already ended."""
 
 
 class PayloadTooLarge(ApiError):
-    status_code = 413
-    code = "payload_too_large"
-    default_message = "The request body is too large."
+    """A body or an input over its limit."""
+
+
+class RangeNotSatisfiable(ApiError):
+    """A ``Range`` that lies outside the object (``webapi.ranges``)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"The result has {size} bytes.")
+        self.size = size
+
+    def headers(self) -> dict[str, str]:
+        return {"Content-Range": f"bytes */{self.size}"}
 
 
 class RequestTimeout(ApiError):
     """The client did not send its whole body in time (``webapi.bodies``)."""
 
-    status_code = 408
-    code = "request_timeout"
-    default_message = "The request body did not arrive in time."
-
 
 class UnsupportedMediaType(ApiError):
-    status_code = 415
-    code = "unsupported_media_type"
-    default_message = "Send application/json or multipart/form-data."
+    """A body that is neither JSON nor a multipart form."""
 
 
 class InvalidRequest(ApiError):
-    status_code = 422
-    code = "invalid_request"
+    """A request that is well-formed but not acceptable."""
 
 
 class JsonTooComplex(InvalidRequest):
     """A JSON body with too many keys and items, or nested too deep (``webapi.bodies``)."""
 
-    code = "json_too_complex"
-    default_message = "The JSON body has too many keys or levels."
+
+class InvalidMapping(InvalidRequest):
+    """``options.mapping`` does not fit the images given (``JobCreate.mapping_problem``)."""
 
 
 class BlockedUrl(InvalidRequest):
-    code = "blocked_url"
-    default_message = "The URL is not allowed."
+    """A callback or input URL that the SSRF policy refuses (``webapi.urls``)."""
 
 
 class QuotaExceeded(ApiError):
-    status_code = 429
-    code = "quota_exceeded"
-    default_message = "Too many unfinished jobs for this API key."
+    """Too many unfinished jobs for this API key."""
+
+
+class RateLimited(ApiError):
+    """Too many requests of one kind from this API key (``Retry-After`` says when)."""
 
 
 class Overloaded(ApiError):
-    status_code = 503
-    code = "overloaded"
-    default_message = "The service cannot finish more work within the queue timeout."
+    """The backlog cannot be finished within the queue timeout."""
 
 
 class InputsPurged(ApiError):
@@ -145,9 +135,73 @@ class InputsPurged(ApiError):
     route stores the input again and admits once more; a client only sees this (503)
     when that keeps happening."""
 
-    status_code = 503
-    code = "inputs_purged"
-    default_message = "An input was removed by retention while the job was being admitted."
+
+class HttpAnswer(NamedTuple):
+    """How the API answers an error: the status, the body's code and its default message.
+
+    A code a job can end with too (the fetch lane fails a job with the API's error for an
+    empty or too large input) is its ``JobErrorCode``."""
+
+    status: int
+    code: str
+    message: str = "The request is invalid."
+
+
+#: The one mapping of the API's errors to HTTP.
+API_ERRORS: dict[type[ApiError], HttpAnswer] = {
+    ApiError: HttpAnswer(400, "bad_request"),
+    Unauthorized: HttpAnswer(401, "unauthorized", "Missing or invalid API key."),
+    NotFound: HttpAnswer(404, "not_found", "No such job."),
+    Forbidden: HttpAnswer(403, "forbidden", "This API key may not do that."),
+    PriorityNotAllowed: HttpAnswer(
+        403,
+        "priority_not_allowed",
+        "This API key's priority class is normal: it cannot submit high-priority jobs.",
+    ),
+    ResultExpired: HttpAnswer(
+        410, "result_expired", "The result was deleted when its retention period ended."
+    ),
+    Conflict: HttpAnswer(409, "conflict"),
+    IdempotencyKeyReused: HttpAnswer(
+        409, "idempotency_key_reused", "This Idempotency-Key was used with a different request."
+    ),
+    JobNotCancellable: HttpAnswer(409, "job_not_cancellable", "The job has already finished."),
+    PayloadTooLarge: HttpAnswer(
+        413, JobErrorCode.payload_too_large, "The request body is too large."
+    ),
+    RangeNotSatisfiable: HttpAnswer(
+        416, "range_not_satisfiable", "The requested range lies outside the result."
+    ),
+    RequestTimeout: HttpAnswer(408, "request_timeout", "The request body did not arrive in time."),
+    UnsupportedMediaType: HttpAnswer(
+        415, "unsupported_media_type", "Send application/json or multipart/form-data."
+    ),
+    InvalidRequest: HttpAnswer(422, JobErrorCode.invalid_request),
+    JsonTooComplex: HttpAnswer(
+        422, "json_too_complex", "The JSON body has too many keys or levels."
+    ),
+    InvalidMapping: HttpAnswer(422, "invalid_mapping"),
+    BlockedUrl: HttpAnswer(422, "blocked_url", "The URL is not allowed."),
+    QuotaExceeded: HttpAnswer(429, "quota_exceeded", "Too many unfinished jobs for this API key."),
+    RateLimited: HttpAnswer(429, "rate_limited", "Too many requests for this API key."),
+    Overloaded: HttpAnswer(
+        503, "overloaded", "The service cannot finish more work within the queue timeout."
+    ),
+    InputsPurged: HttpAnswer(
+        503,
+        "inputs_purged",
+        "An input was removed by retention while the job was being admitted.",
+    ),
+}
+
+
+def _answer_with(answers: dict[type[ApiError], HttpAnswer]) -> None:
+    """Give each error class its status, code and default message from ``answers``."""
+    for error, answer in answers.items():
+        error.status_code, error.code, error.default_message = answer
+
+
+_answer_with(API_ERRORS)
 
 
 #: Pipeline errors that can surface at submit (input validation) → HTTP status.
@@ -193,7 +247,7 @@ async def _pipeline_error(_request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return _response(422, "invalid_request", describe_validation(exc.errors()))
+    return _response(422, JobErrorCode.invalid_request, describe_validation(exc.errors()))
 
 
 async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -212,7 +266,7 @@ async def _client_gone(request: Request, exc: Exception) -> JSONResponse:
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return _response(500, "internal_error", "An unexpected error occurred.")
+    return _response(500, JobErrorCode.internal_error, "An unexpected error occurred.")
 
 
 def describe_validation(errors: Any) -> str:

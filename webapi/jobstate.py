@@ -10,7 +10,13 @@ can never both win. Its side effects are written in the same transaction:
   cancelled/expired while still queued (the relay then cancels the Prefect flow run);
 - pending ``dispatch`` outbox rows are closed as ``obsolete`` when the job goes terminal;
 - the retention clock starts when the job goes terminal: ``inputs_purge_at`` and
-  ``result_purge_at`` = now + the job's retention times (``webapi.retention`` acts on them).
+  ``result_purge_at`` = now + the job's retention times (``webapi.retention`` acts on them);
+- a terminal move is announced to the requests waiting for the job when the transaction
+  commits (``webapi.job_ends``).
+
+``record_progress`` writes a running video job's ``progress`` under the same
+compare-and-set on its run, with a ``job.progress`` webhook row at most once per
+``PROGRESS_EVENT_INTERVAL_S`` when the job subscribed to it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from typing import Any, Final
 import sqlalchemy as sa
 from sqlmodel import Session, col
 
+from webapi.job_ends import mark_ended
 from webapi.models import (
+    PROGRESS_EVENT_INTERVAL_S,
     STATUS_EVENTS,
     Job,
     JobStatus,
@@ -153,6 +161,7 @@ def _side_effects(
             )
         )
     if status.is_terminal:
+        mark_ended(session, job.id)  # waiters hear of it when this transaction commits
         session.execute(
             sa.update(Job)
             .where(col(Job.id) == job.id)
@@ -172,6 +181,50 @@ def _side_effects(
             .values(done_at=now, outcome="obsolete")
             .execution_options(synchronize_session=False)
         )
+
+
+#: Where ``record_progress`` keeps, inside ``jobs.progress``, when it last queued a
+#: ``job.progress`` webhook (not part of the public ``JobProgress``).
+NOTIFIED_AT = "notified_at"
+
+
+def record_progress(
+    session: Session,
+    *,
+    job_id: uuid.UUID,
+    flow_run_id: uuid.UUID,
+    progress: Mapping[str, Any],
+    now: datetime | None = None,
+) -> bool:
+    """Set a running job's ``progress`` if ``flow_run_id`` is still its run; queue a
+    ``job.progress`` webhook when the job subscribed and the last one is at least
+    ``PROGRESS_EVENT_INTERVAL_S`` old. Returns whether the job changed; commits."""
+    now = now or utcnow()
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None or job.status is not S.running or job.flow_run_id != flow_run_id:
+        session.commit()
+        return False
+    last = (job.progress or {}).get(NOTIFIED_AT)
+    due = "job.progress" in (job.callback_events or []) and job.callback_url is not None
+    if due and last is not None:
+        due = (now - datetime.fromisoformat(last)).total_seconds() >= PROGRESS_EVENT_INTERVAL_S
+    stored = {**progress, NOTIFIED_AT: now.isoformat() if due else last}
+    changed = transition(
+        session,
+        job_id=job_id,
+        to=S.running,
+        expected=S.running,
+        expected_flow_run_id=flow_run_id,
+        commit=False,
+        now=now,
+        progress=stored,
+    )
+    if changed and due:
+        job = session.get(Job, job_id, populate_existing=True)
+        assert job is not None
+        session.add(webhook_row(job=job, event="job.progress", now=now))
+    session.commit()
+    return changed
 
 
 def webhook_row(*, job: Job, event: str, now: datetime) -> Outbox:
@@ -217,8 +270,14 @@ def event_data(job: Job) -> dict[str, Any]:
         "error": error,
         "result": result,
         "quality": job.quality,
+        "media": job.media,
+        "progress": _public_progress(job.progress),
         "urls": {"self": base, "cancel": f"{base}/cancel", "result": f"{base}/result"},
     }
+
+
+def _public_progress(progress: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if progress is None else {k: v for k, v in progress.items() if k != NOTIFIED_AT}
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -23,17 +23,19 @@ from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 
 from webapi import errors
-from webapi.admission import Admitter
 from webapi.auth import KeyCache
 from webapi.bodies import BodyDeadlineMiddleware
 from webapi.config import Settings, get_settings
 from webapi.db import get_engine, read_only
+from webapi.group_commit import GroupCommit
 from webapi.inputs import warm_up
+from webapi.job_ends import EndListener
 from webapi.logs import RequestIdMiddleware, configure_logging
 from webapi.metrics import ApiMetrics
 from webapi.migrations import check_migrated
 from webapi.models import User
-from webapi.routes import health, jobs
+from webapi.readiness import PrefectReadiness
+from webapi.routes import health, jobs, verify
 from webapi.storage import open_store
 
 log = logging.getLogger(__name__)
@@ -64,13 +66,21 @@ def create_app(settings: Settings | None = None, *, json_logs: bool | None = Non
     app.state.metrics = ApiMetrics(app.state.engine, settings)
     app.state.users = KeyCache[User](settings.auth_cache_seconds)
     app.state.submit_limiter = anyio.CapacityLimiter(settings.submit_threads)
-    app.state.admitter = Admitter(app.state.engine, settings, store=app.state.store)
+    app.state.verify_limiter = anyio.CapacityLimiter(settings.verify_threads)
+    app.state.verify_rate = verify.VerifyLimiter(settings.verify_per_minute)
+    app.state.group_commit = GroupCommit(app.state.engine, settings, store=app.state.store)
+    app.state.prefect_readiness = PrefectReadiness.from_settings(settings)
     app.state.relay = None
     errors.install(app)
-    app.add_middleware(BodyDeadlineMiddleware, seconds=settings.body_read_seconds)
+    app.add_middleware(
+        BodyDeadlineMiddleware,
+        seconds=settings.body_read_seconds,
+        min_rate=settings.body_min_bytes_per_second,
+    )
     app.add_middleware(RequestIdMiddleware)
     app.include_router(jobs.router)
     app.include_router(health.router)
+    app.include_router(verify.router)
     app.openapi = _openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -83,11 +93,19 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     relay = _relay_module() if settings.run_relay else None
     if relay is not None:
         await _maybe_await(relay.start_relay(app.state))
+    listener = (
+        EndListener(settings.database_url) if EndListener.wanted(settings.database_url) else None
+    )
+    if listener is not None:
+        listener.start()  # job ends committed by other processes (replicas, a separate relay)
     _freeze_heap()
     try:
         yield
     finally:
-        await run_in_threadpool(app.state.admitter.close)
+        if listener is not None:
+            await run_in_threadpool(listener.stop)
+        await run_in_threadpool(app.state.group_commit.close)
+        app.state.prefect_readiness.close()
         if relay is not None:
             await _maybe_await(await run_in_threadpool(relay.stop_relay, app.state))
 

@@ -7,7 +7,7 @@ relay's counters and dispatch-lag histogram (``webapi.relay.metrics.METRICS``, i
 are appended to the same response when the relay module is present.
 
 Autoscaling (``docs/operations.md``): per lane, the queued jobs, the oldest one's age and
-the estimated wait of a new job (``crud.Backlog.wait_s``: jobs ahead plus half the running
+the estimated wait of a new job (``capacity.Backlog.wait_s``: jobs ahead plus half the running
 ones, times the measured service time, over ``worker_slots``); jobs running; and
 ``faceflow_gpu_workers_wanted`` = ⌈running + queued * service time / target wait⌉, the
 workers that would start every queued job within ``autoscale_target_wait_seconds``
@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from webapi import crud
+from webapi import capacity, crud
 from webapi.config import Settings
 from webapi.models import JobStatus, utcnow
 from webapi.services import read_records
@@ -59,7 +59,7 @@ class JobStoreCollector(Collector):
         try:
             with Session(self.engine) as session:
                 counts = crud.status_counts(session)
-                load = crud.backlog(session, settings=self.settings)
+                load = capacity.backlog(session, settings=self.settings)
                 oldest = crud.oldest_queued(session)
                 session.commit()
         except Exception:  # a scrape must not fail because the database is down
@@ -73,7 +73,7 @@ class JobStoreCollector(Collector):
         yield from self._autoscaling(load, oldest)
 
     def _autoscaling(
-        self, load: crud.Backlog, oldest: Mapping[str, datetime]
+        self, load: capacity.Backlog, oldest: Mapping[str, datetime]
     ) -> Iterator[GaugeMetricFamily]:
         now = utcnow()
         queued = GaugeMetricFamily(
@@ -89,7 +89,7 @@ class JobStoreCollector(Collector):
             "Estimated wait before a new job of the lane starts.",
             labels=["lane"],
         )
-        for lane in crud.LANES:
+        for lane in capacity.LANES:
             queued.add_metric([lane], load.queued_by_lane.get(lane, 0))
             created = oldest.get(lane)
             seconds = (now - created).total_seconds() if created is not None else 0.0
@@ -106,16 +106,33 @@ class JobStoreCollector(Collector):
             "faceflow_gpu_workers_wanted",
             "GPU workers that would start every queued job within the target wait.",
         )
+        video = load.video or capacity.VideoBacklog(0, 0, 0, 0.0)
         wanted.add_metric(
             [],
             workers_wanted(
-                running=load.running,
+                running=load.running + video.running,
                 queued=load.queued,
                 service_s=load.service_s,
                 target_wait_s=self.settings.autoscale_target_wait_seconds,
             ),
         )
-        yield from (queued, age, wait, running, service, wanted)
+        frames = GaugeMetricFamily(
+            "faceflow_video_frames",
+            "Video frames to render: of queued videos, and left in running ones.",
+            labels=["state"],
+        )
+        frames.add_metric(["queued"], video.frames_queued)
+        frames.add_metric(["left"], video.frames_left)
+        frame_s = GaugeMetricFamily(
+            "faceflow_video_frame_seconds",
+            "Worker time one video frame costs (recent videos, else the configured default).",
+        )
+        frame_s.add_metric([], video.frame_s)
+        video_wait = GaugeMetricFamily(
+            "faceflow_video_estimated_wait_seconds", "Estimated wait before a new video starts."
+        )
+        video_wait.add_metric([], load.video_wait_s())
+        yield from (queued, age, wait, running, service, wanted, frames, frame_s, video_wait)
 
 
 class ServiceCollector(Collector):

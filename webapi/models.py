@@ -24,6 +24,7 @@ from pydantic import AnyUrl, BaseModel, ConfigDict, StrictInt, field_validator, 
 from sqlalchemy.engine import Dialect
 from sqlmodel import JSON, Field, SQLModel
 
+from flows.params import JobProgress
 from tasks.options import MAX_REFERENCES, MAX_SOURCES, FusionOptions
 from tasks.report import QualityReport
 
@@ -74,16 +75,20 @@ TERMINAL_STATUSES: frozenset[JobStatus] = frozenset(
 ACTIVE_STATUSES: frozenset[JobStatus] = frozenset(set(JobStatus) - TERMINAL_STATUSES)
 
 Priority = Literal["normal", "high"]
+Media = Literal["photo", "video"]
 CallbackEvent = Literal[
-    "job.running", "job.succeeded", "job.failed", "job.cancelled", "job.expired"
+    "job.running", "job.progress", "job.succeeded", "job.failed", "job.cancelled", "job.expired"
 ]
 CALLBACK_EVENTS: tuple[CallbackEvent, ...] = (
     "job.running",
+    "job.progress",
     "job.succeeded",
     "job.failed",
     "job.cancelled",
     "job.expired",
 )
+#: Least time between two ``job.progress`` webhooks of one job (opt-in; video jobs).
+PROGRESS_EVENT_INTERVAL_S = 5.0
 #: Events sent when a job has a ``callback_url`` but no explicit ``callback_events``.
 DEFAULT_CALLBACK_EVENTS: tuple[CallbackEvent, ...] = (
     "job.succeeded",
@@ -215,7 +220,7 @@ class Job(JobBase, table=True):
     by then, else ``expired``) and ``deadline_at`` (shared by every attempt).
 
     Outcome: ``result_*`` from the flow's ``ResultRef``; ``error_code`` is a stable code
-    (``tasks.errors`` codes, ``deadline_exceeded``, ``worker_lost``, ...) and
+    (a ``tasks.error_codes.JobErrorCode``: ``no_face_found``, ``worker_lost``, ...) and
     ``error_message`` is safe to show. ``stage`` is the pipeline stage last reported.
 
     Retention (``webapi.retention``): ``input_retention_s``/``result_retention_s`` are fixed
@@ -254,6 +259,30 @@ class Job(JobBase, table=True):
         sa_type=JSON,
         description="Storage keys of a per-face mapping's other images: 'sources' (after "
         "the first) and 'references'.",
+    )
+    media: Media = Field(
+        default="photo",
+        sa_type=sa.String(8),
+        sa_column_kwargs={"server_default": "photo"},
+        description="What the target is: a photo (fuse-faces, fuse-batch) or a video "
+        "(fuse-video, always a run of its own).",
+    )
+    video_input: dict[str, Any] | None = Field(
+        default=None,
+        sa_type=JSON,
+        description="A video target's probe at submit (VideoInputPublic): container, codecs, "
+        "size, frames, duration, frame rate, audio.",
+    )
+    video_report: dict[str, Any] | None = Field(
+        default=None,
+        sa_type=JSON,
+        description="A video result's report (VideoReportPublic) from its VideoResultRef.",
+    )
+    progress: dict[str, Any] | None = Field(
+        default=None,
+        sa_type=JSON,
+        description="A running video job's progress (JobProgress), written by the relay from "
+        "the flow's progress record.",
     )
     input_pixels: int | None = Field(
         default=None,
@@ -344,7 +373,9 @@ class JobCreate(BaseModel):
         "picks the target face most similar to it.",
     )
     target: str | None = Field(
-        default=None, description="Target photo: a data: URI or an https URL."
+        default=None,
+        description="Target photo or video: a data: URI (data:image/... or data:video/...; "
+        "larger videos go as a multipart file) or an https URL.",
     )
     options: FusionOptions = Field(default_factory=lambda: FusionOptions.model_validate({}))
     callback_url: AnyUrl | None = Field(default=None, description="http(s) webhook receiver.")
@@ -382,6 +413,11 @@ class JobCreate(BaseModel):
                 return f"options.mapping names source {m.source}: {sources} given"
             if m.reference is not None and m.reference >= references:
                 return f"options.mapping names reference {m.reference}: {references} given"
+        for field in ("target", "reference"):
+            named = [getattr(m, field) for m in mapping if getattr(m, field) is not None]
+            twice = sorted({n for n in named if named.count(n) > 1})
+            if twice:
+                return f"options.mapping names {field} {twice[0]} twice: one entry per face"
         return None
 
     @field_validator("callback_events")
@@ -404,6 +440,43 @@ class JobResult(BaseModel):
     content_type: str
     width: int
     height: int
+
+
+class VideoInputPublic(BaseModel):
+    """What the probe at submit found in a video target."""
+
+    container: str
+    video_codec: str
+    width: int = Field(description="As displayed (rotation applied).")
+    height: int
+    rotation: int = Field(description="Degrees the stored picture turns for display.")
+    frame_count: int
+    duration_s: float
+    fps: float = Field(description="Average frame rate (frames / duration).")
+    variable_frame_rate: bool
+    audio: bool = Field(description="Whether the video carries an audio track (kept).")
+    size_bytes: int
+
+
+class VideoReportPublic(BaseModel):
+    """What a video result is: frames, chunks, scene cuts, identity switches, per track."""
+
+    frames: int
+    duration_s: float
+    chunks: int
+    chunks_rendered: int = Field(description="Chunks the last attempt rendered (not reused).")
+    cuts: list[int] = Field(default_factory=list, description="Frames that start a scene.")
+    switches: int = Field(0, description="Identity switches of the face plan.")
+    tracks: list[dict[str, Any]] = Field(default_factory=list, description="Report per track.")
+    frame_failures: dict[str, int] = Field(
+        default_factory=dict, description="Frames kept unchanged because a stage failed, by code."
+    )
+    moderation: list[str] = Field(default_factory=list, description="Report-only flags.")
+    marks: list[str] = Field(
+        default_factory=list,
+        description="How the result is marked: c2pa (signed Content Credentials); empty when "
+        "marking is off.",
+    )
 
 
 class JobUrls(BaseModel):
@@ -434,6 +507,12 @@ class JobPublic(BaseModel):
     stage: str | None
     attempts: int
     priority: Priority
+    media: Media = Field("photo", description="What the target is: photo or video.")
+    progress: JobProgress | None = Field(None, description="A video job's progress.")
+    video: VideoInputPublic | None = Field(None, description="A video target, as probed.")
+    video_report: VideoReportPublic | None = Field(
+        None, description="A video result's report (succeeded video jobs)."
+    )
     options: FusionOptions
     created_at: datetime
     queue_deadline_at: datetime

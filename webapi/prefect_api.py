@@ -2,7 +2,8 @@
 
 Plain ``httpx`` (synchronous: the relay loops run in a background thread), never
 ``import prefect``: the webapi stays light. Failures are typed: ``PrefectUnavailable``
-(transient: 5xx, 503, dropped connections, timeouts, a deployment not created yet) and
+(transient: 5xx, 503, dropped connections, timeouts, a deployment not created yet; its
+``PrefectAuthRefused`` for 401 and 403: the credential is missing or wrong) and
 ``PrefectRejected`` (permanent: the server refused the request itself, e.g. a 409 schema
 error on the parameters).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import base64
 import os
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -41,6 +43,12 @@ FILTER_BATCH = 200  # PREFECT_SERVER_API_DEFAULT_LIMIT: the most runs one filter
 # 4xx answers that say "not now" rather than "never": auth being fixed, a deployment
 # re-created, rate limits. The job keeps waiting instead of failing.
 TRANSIENT_4XX = frozenset({401, 403, 404, 408, 425, 429})
+#: Pauses before a 503 is asked again: Prefect answers 503 while its SQLite database is
+#: locked by a burst of writes (a run ending), for tens of milliseconds; only then is it an
+#: outage (dispatch pauses until /health answers: ``webapi.relay.outage``). Every call the
+#: relay makes may be repeated: runs are created with idempotency keys, and a 503 changed
+#: nothing. Prefect's own client retries 503s the same way.
+BUSY_RETRIES_S = (0.05, 0.15)
 
 
 MAPPING_INPUTS = ("extra_source_keys", "reference_keys")
@@ -75,6 +83,11 @@ class PrefectError(Exception):
 
 class PrefectUnavailable(PrefectError):
     """The Prefect API could not be reached or answered with a transient error: retry later."""
+
+
+class PrefectAuthRefused(PrefectUnavailable):
+    """The Prefect API answered 401 or 403: this client's credential is missing or not the
+    server's. Transient for the jobs (they wait while an operator fixes it)."""
 
 
 class PrefectRejected(PrefectError):
@@ -195,7 +208,7 @@ class PrefectAPI:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> PrefectAPI:
+    def from_settings(cls, settings: Settings, *, timeout: float = 10.0) -> PrefectAPI:
         """The relay's client: ``settings.prefect_api_url`` with its auth string, or a
         Prefect Cloud key from ``PREFECT_API_KEY``."""
         auth = settings.prefect_api_auth_string
@@ -203,6 +216,7 @@ class PrefectAPI:
             settings.prefect_api_url,
             auth_string=auth.get_secret_value() if auth else None,
             api_key=os.environ.get("PREFECT_API_KEY"),
+            timeout=timeout,
         )
 
     def close(self) -> None:
@@ -220,12 +234,17 @@ class PrefectAPI:
     def _request(self, method: str, path: str, json: Any = None) -> httpx.Response:
         try:
             response = self._http.request(method, path, json=json)
+            for pause in BUSY_RETRIES_S:  # a busy server (SQLite locked): again, shortly
+                if response.status_code != 503:
+                    break
+                time.sleep(pause)
+                response = self._http.request(method, path, json=json)
         except httpx.TransportError as exc:  # refused, dropped, timed out
             raise PrefectUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         code = response.status_code
-        if code == 401:  # an operator's to fix; the jobs wait meanwhile
-            raise PrefectUnavailable(
-                f"{method} {path}: HTTP 401: the Prefect API refused this client's "
+        if code in (401, 403):  # an operator's to fix; the jobs wait meanwhile
+            raise PrefectAuthRefused(
+                f"{method} {path}: HTTP {code}: the Prefect API refused this client's "
                 "credential (PREFECT_API_AUTH_STRING missing or not the server's)"
             )
         if code >= 500 or code in TRANSIENT_4XX:
@@ -239,9 +258,16 @@ class PrefectAPI:
     def health(self) -> bool:
         """Whether the API answers its health check."""
         try:
-            return self._request("GET", "health").status_code == 200
+            self.check(credential=False)
         except PrefectError:
             return False
+        return True
+
+    def check(self, *, credential: bool) -> None:
+        """Raise ``PrefectUnavailable`` unless the API answers: its health check, which
+        asks no credential, or with ``credential`` a route that asks for one (the server's
+        version, as Prefect's own client checks it): ``PrefectAuthRefused`` on 401/403."""
+        self._request("GET", "admin/version" if credential else "health")
 
     def deployment_id(
         self, flow_name: str | None = None, deployment_name: str | None = None
@@ -268,8 +294,10 @@ class PrefectAPI:
         *,
         job_variables: dict[str, Any] | None = None,
         work_queue_name: str | None = None,
+        deployment: tuple[str, str] | None = None,
     ) -> FlowRun:
-        """Create (or find, by idempotency key) the flow run of one job attempt.
+        """Create (or find, by idempotency key) the flow run of one job attempt, of the
+        ``deployment`` (flow name, deployment name; default ``fuse-faces``).
 
         Name = job id, tags ``job:<id>`` and ``owner:<id>``, idempotency key
         ``job-<id>-attempt-<n>``: a repeat returns the same run (200 instead of 201).
@@ -286,7 +314,7 @@ class PrefectAPI:
         }
         if work_queue_name:
             body["work_queue_name"] = work_queue_name
-        return self._create(self.deployment_id(), body)
+        return self._create(self.deployment_id(*(deployment or (None, None))), body)
 
     def create_batch_run(
         self,

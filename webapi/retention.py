@@ -8,7 +8,8 @@ default 24 h), counted from the job's end (``jobstate`` sets ``inputs_purge_at``
 nothing of it is deleted. One pass (``run_pass``), in batches of ``retention_batch``:
 
 1. **Inputs** of due jobs (source, target, and a per-face mapping's other sources and
-   references). Inputs are stored by content hash, so one object may serve
+   references), and a video job's rendered chunks (partial work of a cancelled or
+   failed job included) as its attempts listed them. Inputs are stored by content hash, so one object may serve
    several jobs: a key still used by a job that has not ended, or whose own inputs are
    not due, is kept. The check and the deletion run under the admission lock
    (``crud.serialise_admission``; SQLite: the write lock) and mark the jobs
@@ -26,6 +27,7 @@ minutes on the control pool; ``faceflow retention run`` runs one by hand.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -38,17 +40,26 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from flows.params import result_key, result_meta_key
+from flows.params import (
+    chunks_manifest_key,
+    progress_key,
+    result_error_key,
+    result_key,
+    result_meta_key,
+    video_chunk_key,
+)
 from tasks.options import OutputFormat
 from webapi import crud
 from webapi.config import Settings
 from webapi.db import session_scope
 from webapi.models import TERMINAL_STATUSES, Job, Outbox, WebhookDelivery, utcnow
-from webapi.storage import ObjectStore, StorageError
+from webapi.storage import ObjectNotFound, ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
 
-RESULT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
+CHUNKS = video_chunk_key("")
+"""The prefix of every rendered video chunk's key."""
+RESULT_FORMATS: tuple[str, ...] = (*get_args(OutputFormat), "mp4")
 
 
 @dataclass
@@ -103,24 +114,28 @@ def _purge_inputs(
     """Delete the inputs of up to ``batch`` due jobs; returns how many jobs were due."""
     with session_scope(engine) as session:
         crud.serialise_admission(session)
-        due = session.exec(
-            select(Job.id, Job.source_key, Job.target_key, Job.extra_inputs)
+        due = session.execute(
+            sa.select(
+                col(Job.id), col(Job.source_key), col(Job.target_key), col(Job.extra_inputs),
+                col(Job.attempts),
+            )
             .where(col(Job.inputs_purge_at) <= now)
             .order_by(col(Job.inputs_purge_at))
             .limit(batch)
-        ).all()
+        ).all()  # fmt: skip
         if not due:
             session.commit()
             return 0
-        ids = [job_id for job_id, _, _, _ in due]
+        ids = [job_id for job_id, _, _, _, _ in due]
         keys = {
             key
-            for _, source, target, extra in due
+            for _, source, target, extra, _ in due
             for key in (source, target, *crud.extra_input_keys(extra))
             if key
         }
         kept = keys_in_use(session, keys=keys, now=now)
-        doomed = sorted(keys - kept)
+        chunks = [k for job_id, *_, attempts in due for k in chunk_keys(store, job_id, attempts)]
+        doomed = sorted((keys - kept) | set(chunks))
         try:
             store.delete(doomed)
         except (StorageError, OSError):
@@ -135,6 +150,23 @@ def _purge_inputs(
     report.input_objects += len(doomed)
     report.inputs_shared += len(kept)
     return len(ids)
+
+
+def chunk_keys(store: ObjectStore, job_id: uuid.UUID, attempts: int) -> list[str]:
+    """The rendered chunks a video job's attempts listed (``chunks_manifest_key``) and the
+    lists themselves; none for a photo job (it has no list)."""
+    found: list[str] = []
+    for attempt in range(1, attempts + 1):
+        manifest = chunks_manifest_key(str(job_id), attempt)
+        try:
+            listed = json.loads(store.get(manifest))
+        except ObjectNotFound:
+            continue
+        except ValueError:  # unreadable: the list goes, its chunks stay for an operator
+            listed = []
+        found += [key for key in listed if isinstance(key, str) and key.startswith(CHUNKS)]
+        found.append(manifest)
+    return found
 
 
 def keys_in_use(session: Session, *, keys: set[str], now: datetime) -> set[str]:
@@ -163,11 +195,16 @@ def _mark_inputs(session: Session, ids: Sequence[uuid.UUID], now: datetime, *, d
 
 
 def result_keys(job_id: uuid.UUID, attempts: int) -> list[str]:
-    """Every key a job's attempts may have written: image (any format) and sidecar."""
+    """Every key a job's attempts may have written: image (any format) or video, sidecar,
+    failure record and a video's progress record."""
     keys: list[str] = []
     for attempt in range(1, max(attempts, 1) + 1):
         keys += [result_key(str(job_id), attempt, ext) for ext in RESULT_FORMATS]
-        keys.append(result_meta_key(str(job_id), attempt))
+        keys += [
+            result_meta_key(str(job_id), attempt),
+            result_error_key(str(job_id), attempt),
+            progress_key(str(job_id), attempt),
+        ]
     return keys
 
 

@@ -10,10 +10,12 @@ same bucket and ``bucket_folder``. ``open_store(storage_url)`` picks one from
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, cast, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
 
@@ -41,6 +43,19 @@ class ObjectStore(Protocol):
         """Whether an object is stored under ``key``."""
         ...
 
+    def put_file(self, key: str, path: Path, *, content_type: str | None = None) -> None:
+        """Store the file at ``path`` under ``key``, streamed (never whole in memory)."""
+        ...
+
+    def size(self, key: str) -> int:
+        """The byte size of the object under ``key``; raises ``ObjectNotFound``."""
+        ...
+
+    def read_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        """Bytes ``start``..``end`` (inclusive) of the object under ``key``, in pieces of
+        at most ``READ_PIECE`` bytes; raises ``ObjectNotFound`` before the first piece."""
+        ...
+
     def delete(self, keys: Iterable[str]) -> int:
         """Delete the objects under ``keys`` (missing ones are skipped); how many requests
         or unlinks it took is the store's business, the count of keys it handled is returned."""
@@ -49,6 +64,8 @@ class ObjectStore(Protocol):
 
 #: Keys one S3 DeleteObjects request may name.
 S3_DELETE_BATCH = 1000
+#: Largest piece ``read_range`` yields (a streamed download holds one at a time).
+READ_PIECE = 1 << 20
 
 
 def check_key(key: str) -> str:
@@ -68,17 +85,24 @@ class LocalObjectStore:
     def _path(self, key: str) -> Path:
         return self.basepath / check_key(key)
 
-    def put(self, key: str, data: bytes, *, content_type: str | None = None) -> None:
+    @contextmanager
+    def _replacing(self, key: str) -> Iterator[Path]:
+        """A temporary file beside ``key``'s that becomes it when the block ends (removed
+        if the block raises)."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        os.close(fd)
         try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
+            yield Path(tmp)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def put(self, key: str, data: bytes, *, content_type: str | None = None) -> None:
+        with self._replacing(key) as tmp:
+            tmp.write_bytes(data)
 
     def get(self, key: str) -> bytes:
         try:
@@ -88,6 +112,23 @@ class LocalObjectStore:
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def put_file(self, key: str, path: Path, *, content_type: str | None = None) -> None:
+        with self._replacing(key) as tmp:
+            shutil.copyfile(path, tmp)
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise ObjectNotFound(key) from exc
+
+    def read_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        try:
+            handle = self._path(key).open("rb")
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise ObjectNotFound(key) from exc
+        return _pieces(handle, start, end)
 
     def delete(self, keys: Iterable[str]) -> int:
         count = 0
@@ -153,6 +194,31 @@ class S3ObjectStore:
             raise
         return True
 
+    def put_file(self, key: str, path: Path, *, content_type: str | None = None) -> None:
+        extra = {"ExtraArgs": {"ContentType": content_type}} if content_type else {}
+        self.client.upload_file(str(path), self.bucket, self._key(key), **extra)
+
+    def size(self, key: str) -> int:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise ObjectNotFound(key) from exc
+            raise
+        return int(head["ContentLength"])
+
+    def read_range(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        try:
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{end}"
+            )
+        except self.client.exceptions.NoSuchKey as exc:
+            raise ObjectNotFound(key) from exc
+        body = response["Body"]
+        return cast(Iterator[bytes], body.iter_chunks(READ_PIECE))
+
     def delete(self, keys: Iterable[str]) -> int:
         names = [self._key(key) for key in keys]
         for start in range(0, len(names), S3_DELETE_BATCH):
@@ -172,6 +238,20 @@ class S3ObjectStore:
 
     def __repr__(self) -> str:
         return f"S3ObjectStore({self.bucket!r}, {self.prefix!r})"
+
+
+def _pieces(handle: BinaryIO, start: int, end: int) -> Iterator[bytes]:
+    """Bytes ``start``..``end`` (inclusive) of an open file, ``READ_PIECE`` at a time;
+    closes it."""
+    with handle:
+        handle.seek(start)
+        left = end - start + 1
+        while left > 0:
+            piece = handle.read(min(READ_PIECE, left))
+            if not piece:
+                return
+            left -= len(piece)
+            yield piece
 
 
 def open_store(storage_url: str, *, s3_endpoint_url: str | None = None) -> ObjectStore:

@@ -10,74 +10,42 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-import sqlalchemy as sa
-
+from faceflow.environ import patched_environ
 from faceflow.faults.load import Client, User
 from faceflow.faults.receiver import Receiver
 from faceflow.stack import Stack, StackConfig
 from faceflow.supervisor import Service
+from faceflow.testing import databases
+from faceflow.testing.net import free_port, wait_http
 from flows.faults import ENABLE_VAR, FILE_VAR
 from webapi.prefect_api import auth_headers
 from webapi.storage import ObjectStore, open_store
 
 Database = Literal["sqlite", "postgres"]
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 WORKER = "worker-0"
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
-def patched_environ(set_: Mapping[str, str], remove: tuple[str, ...] = ()) -> Iterator[None]:
-    """Set and remove environment variables for the block (children inherit them)."""
-    saved = {k: os.environ.get(k) for k in (*set_, *remove)}
-    os.environ.update(set_)
-    for key in remove:
-        os.environ.pop(key, None)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def postgres_database(admin_url: str = databases.PG_ADMIN_URL) -> Iterator[str]:
+    """A fresh database ``faceflow_faults_<pid>_<hex>``; dropped (forced) on exit, after
+    this process's job-store engines are disposed."""
+    from webapi.db import dispose_engines
 
-
-@contextmanager
-def postgres_database(admin_url: str = PG_ADMIN_URL) -> Iterator[str]:
-    """A fresh database ``faceflow_faults_<pid>_<hex>``; dropped (forced) on exit."""
-    name = f"faceflow_faults_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    # No pool: a PostgreSQL restart (scenario 5) must not leave a dead connection behind.
-    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
-    try:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-        yield admin_url.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        from webapi.db import dispose_engines
-
-        dispose_engines()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with databases.postgres_database(f"faceflow_faults_{os.getpid()}", admin_url) as url:
+        try:
+            yield url
+        finally:
+            dispose_engines()
 
 
 def restart_postgres() -> float:
@@ -133,23 +101,11 @@ class Harness:
     def service(self, name: str) -> Service:
         return self.stack.supervisor.get(name)
 
-    def wait_http(self, url: str, timeout_s: float = 120.0) -> float:
-        """Wait until ``url`` answers 200; returns the seconds waited."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            try:
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"{url} not answering after {timeout_s:.0f} s")
-
     def wait_api(self, timeout_s: float = 120.0) -> float:
-        return self.wait_http(f"{self.stack.config.api_url}/healthz", timeout_s)
+        return wait_http(f"{self.stack.config.api_url}/healthz", timeout_s)
 
     def wait_prefect(self, timeout_s: float = 120.0) -> float:
-        return self.wait_http(f"{self.prefect_api}/health", timeout_s)
+        return wait_http(f"{self.prefect_api}/health", timeout_s)
 
     def take_down(self, name: str, *, kill: bool = False) -> None:
         """SIGKILL (``kill``) or stop a service; the watchdog leaves it down until

@@ -25,7 +25,8 @@ POLL_S = 1.0
 MARGIN_S = 15.0
 
 
-def _parse(value: str | None) -> datetime | None:
+def parse_time(value: str | None) -> datetime | None:
+    """A job document's timestamp (ISO 8601, ``Z`` allowed), or None."""
     return None if value is None else datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
@@ -59,16 +60,16 @@ def settle(
             job = latest.get(job_id)
             if job is None:
                 continue
-            deadline = _parse(job.get("deadline_at"))
+            deadline = parse_time(job.get("deadline_at"))
             if deadline is None:
                 continue
             limit = deadline + timedelta(seconds=grace_s)
-            finished = _parse(job.get("finished_at"))
+            finished = parse_time(job.get("finished_at"))
             if (job.get("status") not in TERMINAL and now > limit) or (
                 finished is not None and finished > limit
             ):
                 late.add(job_id)
-        deadlines = [_parse((j or {}).get("deadline_at")) for j in latest.values()]
+        deadlines = [parse_time((j or {}).get("deadline_at")) for j in latest.values()]
         last_deadline = max((d for d in deadlines if d is not None), default=started)
         give_up = min(give_up, last_deadline + timedelta(seconds=grace_s + MARGIN_S))
         all_ended = len(latest) == len(owner) and all(

@@ -19,8 +19,13 @@ import httpx
 
 from faceflow.faults.harness import WORKER, Harness, restart_postgres
 from faceflow.faults.load import Load, LoadSpec, body_for, fire_together
-from faceflow.faults.observe import result_writers, settle
-from faceflow.faults.report import EVENT_OF, Submission, Tally, tally
+from faceflow.faults.observe import parse_time, result_writers, settle
+from faceflow.faults.report import EVENT_OF, Observation, Submission, Tally, tally
+from faceflow.testing.wait import poll
+
+# The grace after a deadline within which every job must be terminal: the relay reaps a
+# run still going at deadline + 30 s (RelayTimings.running_grace_s), plus a pass or two.
+GRACE_S = 45.0
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,6 @@ class Profile:
     interval_s: float
     deadline_s: int
     queue_timeout_s: int
-    grace_s: float
     worker_outage_s: float
     prefect_outage_s: float
     webapi_outage_s: float
@@ -43,10 +47,11 @@ class Profile:
     webhook_wait_s: float
     hang_deadline_s: int
     jobs_behind_hang: int
-    duplicates: int
     burst_users: int
     burst_extra: int
     postgres_restart: bool
+    grace_s: float = GRACE_S
+    duplicates: int = 20
     quota: int = 10
 
     def spec(self, **changes: Any) -> LoadSpec:
@@ -59,54 +64,31 @@ class Profile:
         return replace(base, **changes)
 
 
-# The grace after a deadline within which every job must be terminal: the relay reaps a
-# run still going at deadline + 30 s (RelayTimings.running_grace_s), plus a pass or two.
-GRACE_S = 45.0
+def _short_and_full(**sizes: tuple[Any, Any]) -> tuple[Profile, Profile]:
+    """The two profiles from each size's (short, full) pair."""
+    short = Profile(name="short", **{field: pair[0] for field, pair in sizes.items()})
+    full = Profile(name="full", **{field: pair[1] for field, pair in sizes.items()})
+    return short, full
 
-SHORT = Profile(
-    name="short",
-    users=2,
-    jobs=5,
-    interval_s=0.5,
-    deadline_s=30,
-    queue_timeout_s=25,
-    grace_s=GRACE_S,
-    worker_outage_s=3,
-    prefect_outage_s=8,
-    webapi_outage_s=3,
-    receiver_down_s=4,
-    receiver_error_s=4,
-    webhook_jobs=2,
-    webhook_wait_s=90,
-    hang_deadline_s=12,
-    jobs_behind_hang=1,
-    duplicates=20,
-    burst_users=2,
-    burst_extra=2,
-    postgres_restart=False,
-)
 
-FULL = Profile(
-    name="full",
-    users=8,
-    jobs=16,
-    interval_s=2.0,
-    deadline_s=120,
-    queue_timeout_s=60,
-    grace_s=GRACE_S,
-    worker_outage_s=10,
-    prefect_outage_s=30,
-    webapi_outage_s=10,
-    receiver_down_s=60,
-    receiver_error_s=30,
-    webhook_jobs=6,
-    webhook_wait_s=300,
-    hang_deadline_s=30,
-    jobs_behind_hang=3,
-    duplicates=20,
-    burst_users=8,
-    burst_extra=5,
-    postgres_restart=True,
+SHORT, FULL = _short_and_full(
+    users=(2, 8),
+    jobs=(5, 16),
+    interval_s=(0.5, 2.0),
+    deadline_s=(30, 120),
+    queue_timeout_s=(25, 60),
+    worker_outage_s=(3, 10),
+    prefect_outage_s=(8, 30),
+    webapi_outage_s=(3, 10),
+    receiver_down_s=(4, 60),
+    receiver_error_s=(4, 30),
+    webhook_jobs=(2, 6),
+    webhook_wait_s=(90, 300),
+    hang_deadline_s=(12, 30),
+    jobs_behind_hang=(1, 3),
+    burst_users=(2, 8),
+    burst_extra=(2, 5),
+    postgres_restart=(False, True),
 )
 
 
@@ -122,8 +104,10 @@ def finish(
     submissions: Sequence[Submission],
     notes: Iterable[str] = (),
     webhook_wait_s: float | None = None,
+    note_of: Callable[[Mapping[str, Observation]], str] | None = None,
 ) -> Tally:
-    """Watch the scenario's jobs to their end and compute its row."""
+    """Watch the scenario's jobs to their end and compute its row (``note_of`` adds a
+    note made from what was seen of the jobs)."""
     owners = {s.job_id: s.user for s in submissions if s.accepted and s.job_id}
 
     def webhooks_done(jobs: Mapping[str, Mapping[str, Any]]) -> bool:
@@ -158,21 +142,16 @@ def finish(
         writers=writers,
         notes=[*notes, *writer_notes, *h.take_restarts()],
     )
+    if note_of is not None:
+        row.notes.append(note_of(observations))
     row.untracked = len(untracked)
     return row
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float, interval_s: float = 0.3) -> bool:
-    """Poll ``check`` until it is true or ``timeout_s`` passes; returns the last answer."""
-    give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
-        try:
-            if check():
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(interval_s)
-    return False
+def wait_until(check: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll ``check`` every 0.3 s until it is true or ``timeout_s`` passes; whether it
+    became true (an HTTP error counts as not yet)."""
+    return poll(check, timeout_s, step_s=0.3, ignore=(httpx.HTTPError,))
 
 
 def running_job(h: Harness, load: Load) -> str | None:
@@ -399,7 +378,48 @@ def burst(h: Harness, p: Profile) -> Tally:
             )
             requests.append((sub, user, body))
     subs = fire_together(h.client, requests)
-    return finish(h, p, number="8", name="burst beyond capacity", submissions=subs)
+    return finish(
+        h,
+        p,
+        number="8",
+        name="burst beyond capacity",
+        submissions=subs,
+        note_of=lambda seen: admitted_share(
+            subs, seen, quota=p.quota, queue_timeout_s=p.queue_timeout_s
+        ),
+    )
+
+
+def admitted_share(
+    subs: Sequence[Submission],
+    observations: Mapping[str, Observation],
+    *,
+    quota: int,
+    queue_timeout_s: float,
+) -> str:
+    """What admission made of a burst (issue 24): the jobs it admitted against those that
+    could have started within the queue timeout, at the rate the pool then finished the
+    admitted ones (at most each user's quota)."""
+    per_user: dict[str, int] = {}
+    for sub in subs:
+        per_user[sub.user] = per_user.get(sub.user, 0) + 1
+    eligible = sum(min(count, quota) for count in per_user.values())
+    admitted = sum(1 for sub in subs if sub.accepted)
+    spans = [
+        (parse_time(job.get("started_at")), parse_time(job.get("finished_at")))
+        for observation in observations.values()
+        if (job := observation.job) is not None and job.get("status") == "succeeded"
+    ]
+    starts = [start for start, end in spans if start is not None and end is not None]
+    ends = [end for start, end in spans if start is not None and end is not None]
+    if len(ends) < 2:
+        return f"admitted {admitted} of {eligible} within quota"
+    rate = len(ends) / max((max(ends) - min(starts)).total_seconds(), 1e-3)
+    could = min(eligible, round(rate * queue_timeout_s))
+    return (
+        f"admitted {admitted} of {could} that could start within {queue_timeout_s:g} s "
+        f"({rate:.2f} jobs/s; {eligible} within quota): {admitted / max(could, 1):.0%}"
+    )
 
 
 SCENARIOS: dict[str, Callable[[Harness, Profile], Tally]] = {

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from faceflow.environ import patched_environ
 from faceflow.worker.memory import release_memory
 from faceflow.worker.protocol import (
     ChildSpec,
@@ -99,22 +100,16 @@ def process_gpu_memory_mb() -> float | None:
 @contextlib.contextmanager
 def run_environment(env: dict[str, str], working_dir: str | None) -> Iterator[None]:
     """Apply a run's environment variables and working directory, restored afterwards."""
-    saved = {key: os.environ.get(key) for key in env}
     cwd = os.getcwd()
-    os.environ.update(env)
-    if working_dir:
-        os.chdir(working_dir)
-        if working_dir not in sys.path:
-            sys.path.insert(0, working_dir)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        os.chdir(cwd)
+    with patched_environ(env):
+        if working_dir:
+            os.chdir(working_dir)
+            if working_dir not in sys.path:
+                sys.path.insert(0, working_dir)
+        try:
+            yield
+        finally:
+            os.chdir(cwd)
 
 
 class WarmChild:

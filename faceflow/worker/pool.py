@@ -67,7 +67,14 @@ class ChildGone:
     returncode: int | None
 
 
-RunMessage = RunStarted | RunFinished | ChildGone
+@dataclass(frozen=True)
+class CheckState:
+    """Read the run's state now (its ``Cancelling`` event arrived): the worker's own nudge."""
+
+    flow_run_id: str
+
+
+RunMessage = RunStarted | RunFinished | ChildGone | CheckState
 
 
 class NoChildReady(RuntimeError):

@@ -41,9 +41,10 @@ from prefect.workers.base import BaseWorker, BaseWorkerResult
 from faceflow.worker.claims import Claim, ClaimJournal, identity_slug, kill_stray_child
 from faceflow.worker.health import HealthServer, write_status_file
 from faceflow.worker.job import FaceFlowJobConfiguration, FaceFlowVariables
-from faceflow.worker.pool import ChildGone, ChildPool, NoChildReady, PoolLimits, Slot
+from faceflow.worker.pool import CheckState, ChildGone, ChildPool, NoChildReady, PoolLimits, Slot
 from faceflow.worker.protocol import RunFinished, RunRequest, RunStarted
 from faceflow.worker.settings import DEFAULT_ENTRYPOINT, WorkerSettings
+from tasks.error_codes import JobErrorCode
 
 if TYPE_CHECKING:
     from uuid import UUID
@@ -52,8 +53,12 @@ if TYPE_CHECKING:
     from prefect.client.schemas.responses import WorkerFlowRunResponse
 
 WORKER_TYPE = "faceflow-gpu"
-DEADLINE_CODE = "deadline_exceeded"
-LOST_CODE = "worker_lost"
+# The codes that open the message of a run this worker ends ``Crashed`` (for the Prefect UI:
+# the relay never reads a state's message, it reaps the run itself).
+DEADLINE_CODE = JobErrorCode.deadline_exceeded
+LOST_CODE = JobErrorCode.worker_lost
+SCHEDULED_EVENT = "prefect.flow-run.Scheduled"
+CANCELLING_EVENT = "prefect.flow-run.Cancelling"
 _KEEP_ON_KILL = frozenset({StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED})
 
 
@@ -409,26 +414,38 @@ class FaceFlowGpuWorker(
         self._poll_now.set()
 
     async def _event_pickup_loop(self) -> None:
-        """Poll at once when the pool gets a ``Scheduled`` flow run (websocket events)."""
+        """Poll at once when the pool gets a ``Scheduled`` flow run, and read a supervised
+        run's state at once when it is ``Cancelling`` (websocket events; the polls stay as
+        the fallback)."""
         from prefect.events.clients import get_events_subscriber
         from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
 
         while self._work_pool is None:
             await asyncio.sleep(0.1)
         event_filter = EventFilter(
-            event=EventNameFilter(name=["prefect.flow-run.Scheduled"]),
+            event=EventNameFilter(name=[SCHEDULED_EVENT, CANCELLING_EVENT]),
             any_resource=EventAnyResourceFilter(id=[f"prefect.work-pool.{self._work_pool.id}"]),
         )
         while True:
             try:
                 async with get_events_subscriber(filter=event_filter) as subscriber:
-                    async for _event in subscriber:
-                        self._poll_now.set()
+                    async for event in subscriber:
+                        if event.event == CANCELLING_EVENT:
+                            self._check_state_now(event.resource.id)
+                        else:
+                            self._poll_now.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self._logger.debug("event pickup unavailable (%s); polling only", exc)
                 await asyncio.sleep(5)
+
+    def _check_state_now(self, resource_id: str) -> None:
+        """Nudge the supervision of flow run ``prefect.flow-run.<id>``, if a child runs it."""
+        run_id = resource_id.removeprefix("prefect.flow-run.")
+        for slot in self.pool.slots:
+            if slot.flow_run_id == run_id:
+                slot.run_queue.put_nowait(CheckState(run_id))
 
     async def _poll_watchdog_loop(self) -> None:
         """While polls fail (Prefect unreachable), Prefect's poll loop backs off up to about
@@ -465,6 +482,10 @@ class FaceFlowGpuWorker(
         finally:
             if self._journal is not None:
                 self._journal.remove(str(flow_run.id))
+            # Prefect frees this run's limiter place right after ``run`` returns, with no
+            # await between: poll then, so a run scheduled while this one was finishing
+            # (its Scheduled event found no place) starts now, not at the next 1 s poll.
+            asyncio.get_running_loop().call_soon(self._poll_now.set)
 
     async def _run(
         self,
@@ -533,6 +554,8 @@ class FaceFlowGpuWorker(
                 message = await asyncio.wait_for(slot.run_queue.get(), timeout=max(wait, 0.0))
             if isinstance(message, RunStarted):
                 continue
+            if isinstance(message, CheckState):
+                next_check = 0.0  # a Cancelling event: read the run's state now
             if isinstance(message, RunFinished):
                 await self._finished(slot, flow_run, message)
                 return "finished"

@@ -7,11 +7,11 @@ import base64
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,13 +22,6 @@ from webapi.prefect_api import auth_headers
 
 BIN = Path(sys.executable).parent
 TERMINAL = {"succeeded", "failed", "expired", "cancelled"}
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def pids_with_home(home: Path) -> list[int]:
@@ -152,3 +145,43 @@ def pid_of(home: Path, word: bytes) -> int:
         except OSError:
             continue
     raise AssertionError(f"no stack process with {word!r} in its command line")
+
+
+@dataclass(frozen=True)
+class LocalStack:
+    """A ``faceflow up`` stack on loopback ports: its home, environment, API and Prefect
+    API URLs, process, and a Prefect API client with its credential."""
+
+    home: Path
+    env: dict[str, str]
+    api: str
+    prefect_api: str
+    process: subprocess.Popen[bytes]
+    prefect: httpx.Client
+
+
+@contextlib.contextmanager
+def local_stack(home: Path, **extra_env: str) -> Iterator[LocalStack]:
+    """Start ``faceflow up`` under ``home`` (settings saved in its blocks apply to the next
+    run: no block cache) with ``extra_env``; stop it, and close its client, on exit."""
+    from faceflow.testing.net import free_port
+
+    api_port, prefect_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "FACEFLOW_HOME": str(home),
+        "FACEFLOW_BLOCK_CACHE_TTL_S": "0",
+        "PYTHONUNBUFFERED": "1",
+        **extra_env,
+    }
+    env.pop("PREFECT_API_URL", None)
+    proc = start_stack(
+        home, ["--api-port", str(api_port), "--prefect-port", str(prefect_port)], env
+    )
+    prefect_api = f"http://127.0.0.1:{prefect_port}/api"
+    prefect = prefect_client(home, prefect_api)
+    try:
+        yield LocalStack(home, env, f"http://127.0.0.1:{api_port}", prefect_api, proc, prefect)
+    finally:
+        prefect.close()
+        stop_stack(proc)

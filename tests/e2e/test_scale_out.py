@@ -24,11 +24,12 @@ import pytest
 import redis
 from psycopg import sql
 
+from faceflow.testing.databases import postgres_unavailable
+from faceflow.testing.net import free_port
 from tests import samples
 from tests.e2e.harness import (
     create_user,
     data_uri,
-    free_port,
     pid_of,
     pids_with_home,
     prefect_client,
@@ -36,7 +37,6 @@ from tests.e2e.harness import (
     stop_stack,
     watch,
 )
-from tests.webapi.conftest import postgres_unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.postgres]
 

@@ -35,13 +35,10 @@ from tests import samples
 from tests.e2e.harness import (
     create_user,
     data_uri,
-    free_port,
+    local_stack,
     pid_of,
     pids_with_home,
     prefect_auth,
-    prefect_client,
-    start_stack,
-    stop_stack,
     watch,
 )
 from tests.onnx_builders import build_tiny_gfpgan
@@ -110,54 +107,48 @@ class RunningStack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     home = tmp_path_factory.mktemp("stack") / "home"
-    api_port, prefect_port = free_port(), free_port()
-    env = {
-        **os.environ,
-        "FACEFLOW_HOME": str(home),
-        "FACEFLOW_ALLOW_PRIVATE_URLS": "true",
-        "FACEFLOW_BLOCK_CACHE_TTL_S": "0",  # settings the tests save apply to the next run
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.pop("PREFECT_API_URL", None)
-    args = ["--api-port", str(api_port), "--prefect-port", str(prefect_port)]
-    proc = start_stack(home, args, env)
-    api = f"http://127.0.0.1:{api_port}"
-    prefect_api = f"http://127.0.0.1:{prefect_port}/api"
-    fields = create_user(env, "e2e")
-    receiver = _receiver()
-    running = RunningStack(
-        home=home,
-        api=api,
-        prefect_api=prefect_api,
-        api_key=fields["api key"],
-        webhook_secret=fields["webhook secret"],
-        process=proc,
-        receiver=receiver,
-        prefect=prefect_client(home, prefect_api),
-    )
-    try:
-        yield running
-    finally:
-        running.prefect.close()
-        receiver.server.shutdown()
-        stop_stack(proc)
+    with local_stack(home, FACEFLOW_ALLOW_PRIVATE_URLS="true") as local:
+        fields = create_user(local.env, "e2e")
+        receiver = _receiver()
+        try:
+            yield RunningStack(
+                home=home,
+                api=local.api,
+                prefect_api=local.prefect_api,
+                api_key=fields["api key"],
+                webhook_secret=fields["webhook secret"],
+                process=local.process,
+                receiver=receiver,
+                prefect=local.prefect,
+            )
+        finally:
+            receiver.server.shutdown()
+
+
+def _onto(target: str, **fields: object) -> dict[str, object]:
+    """A submit body: the astronaut's face onto ``target`` (a data URI), with ``fields``."""
+    return {"source": data_uri(samples.astronaut_jpeg_bytes()), "target": target, **fields}
+
+
+def _post(client: httpx.Client, body: dict[str, object]) -> str:
+    """Submit ``body`` (answered 202, with the job's ``Location``); the new job's id."""
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    assert response.headers["Location"].endswith(response.json()["id"])
+    return str(response.json()["id"])
 
 
 def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: RunningStack) -> None:
     with stack.client() as client:
-        response = client.post(
-            "/v1/jobs",
-            json={
-                "source": data_uri(samples.astronaut_jpeg_bytes()),
-                "target": data_uri(samples.grace_hopper_jpeg_bytes()),
-                "options": {"min_identity": 0.99},  # out of reach: the floor retries once
-                "callback_url": stack.receiver.url,
-                "callback_events": ["job.running", "job.succeeded", "job.failed"],
-            },
+        job_id = _post(
+            client,
+            _onto(
+                data_uri(samples.grace_hopper_jpeg_bytes()),
+                options={"min_identity": 0.99},  # out of reach: the floor retries once
+                callback_url=stack.receiver.url,
+                callback_events=["job.running", "job.succeeded", "job.failed"],
+            ),
         )
-        assert response.status_code == 202, response.text
-        assert response.headers["Location"].endswith(response.json()["id"])
-        job_id = response.json()["id"]
         job, seen = watch(client, job_id)
         assert job["status"] == "succeeded", job
         assert seen[0] == "queued" and "running" in seen and seen[-1] == "succeeded", seen
@@ -165,7 +156,14 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
         assert result.status_code == 200
         image = Image.open(io.BytesIO(result.content))
         assert image.size == (512, 600)
+        # Marked: the stack's development chain signed it, its root is the API's anchor.
+        octets = {"Content-Type": "application/octet-stream"}
+        marks = client.post("/v1/verify", content=result.content, headers=octets).json()
+        assert marks.get("made_by_this_service") and marks["manifest"]["trusted"], marks
+        assert marks["watermark"] == {"checked": True, "present": True, "job_id": job_id}
+    assert "c2pa: created a development signing chain" in (stack.home.parent / "up.log").read_text()
     quality = job["quality"]
+    assert quality["marks"] == ["c2pa", "watermark"]
     assert quality["identity_model"] == "dlib-resnet-v1" and quality["faces_lost"] == 0
     assert quality["faces"][0]["found"] and quality["source_similarity"] > 0.5
     assert quality["min_identity"] == 0.99 and quality["below_floor"]
@@ -213,15 +211,7 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
 
 def test_no_face_fails_without_retry(stack: RunningStack) -> None:
     with stack.client() as client:
-        response = client.post(
-            "/v1/jobs",
-            json={
-                "source": data_uri(samples.astronaut_jpeg_bytes()),
-                "target": data_uri(samples.no_face_jpeg_bytes()),
-            },
-        )
-        assert response.status_code == 202, response.text
-        job, _ = watch(client, response.json()["id"])
+        job, _ = watch(client, _post(client, _onto(data_uri(samples.no_face_jpeg_bytes()))))
     assert job["status"] == "failed"
     assert job["error"]["code"] == "no_face_found"
     assert job["attempts"] == 1
@@ -229,15 +219,8 @@ def test_no_face_fails_without_retry(stack: RunningStack) -> None:
 
 def test_moderation_blocks_a_flagged_target_without_retry(stack: RunningStack) -> None:
     with stack.client() as client:
-        response = client.post(
-            "/v1/jobs",
-            json={
-                "source": data_uri(samples.astronaut_jpeg_bytes()),
-                "target": data_uri(samples.encode(samples.colorwheel_rgb(), "PNG"), "image/png"),
-            },
-        )
-        assert response.status_code == 202, response.text
-        job, _ = watch(client, response.json()["id"])
+        flagged = data_uri(samples.encode(samples.colorwheel_rgb(), "PNG"), "image/png")
+        job, _ = watch(client, _post(client, _onto(flagged)))
     assert job["status"] == "failed"
     assert job["error"] == {
         "code": "content_blocked",
@@ -280,17 +263,17 @@ def test_enhancer_is_refused_until_pinned_then_restores_the_face(
     tiny = build_tiny_gfpgan(tmp_path / "models")
     options = {"color_transfer": False, "blend": "feather"}
     enhanced = {**options, "enhancer": "gfpgan", "enhancer_blend": 1.0}
-    body = {
-        "source": data_uri(samples.astronaut_jpeg_bytes()),
-        "target": data_uri(samples.grace_hopper_jpeg_bytes()),
-    }
+    body = _onto(data_uri(samples.grace_hopper_jpeg_bytes()))
     with stack.client() as client:
         with _operator_settings(stack, FusionSettings(model_dir=str(tiny.path.parent))):
             job, _ = watch(client, _submit(client, {**body, "options": enhanced}), timeout=600)
         assert job["status"] == "failed" and job["error"]["code"] == "model_unavailable", job
         assert job["attempts"] == 1
 
-        pinned = FusionSettings(model_dir=str(tiny.path.parent), model_pins=tiny.pins)
+        # Unmarked: each job's watermark carries its own id, and the pixels are compared.
+        pinned = FusionSettings(
+            model_dir=str(tiny.path.parent), model_pins=tiny.pins, marking="off"
+        )
         with _operator_settings(stack, pinned):
             ids = [_submit(client, {**body, "options": o}) for o in (options, enhanced)]
             jobs = [watch(client, job_id, timeout=600)[0] for job_id in ids]
@@ -352,14 +335,7 @@ def test_per_face_mapping_through_the_client(stack: RunningStack, tmp_path: Path
 
 def test_cancel_of_a_queued_job(stack: RunningStack) -> None:
     with stack.client() as client:
-        response = client.post(
-            "/v1/jobs",
-            json={
-                "source": data_uri(samples.astronaut_jpeg_bytes()),
-                "target": data_uri(samples.grace_hopper_jpeg_bytes()),
-            },
-        )
-        job_id = response.json()["id"]
+        job_id = _post(client, _onto(data_uri(samples.grace_hopper_jpeg_bytes())))
         cancel = client.post(f"/v1/jobs/{job_id}/cancel")
         assert cancel.status_code in (200, 202), cancel.text
         job, _ = watch(client, job_id, timeout=90)

@@ -8,18 +8,17 @@ use either are marked ``prefect`` automatically.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-from faceflow.supervisor import Service
+from faceflow.testing.databases import postgres_unavailable
+from faceflow.testing.inputs import put_input
+from faceflow.testing.prefect import PrefectServer, server_database
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -39,13 +38,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.prefect)
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class Home:
     """A FaceFlow home with saved default blocks, and a way to put inputs in its storage."""
@@ -58,13 +50,7 @@ class Home:
 
     def put_input(self, data: bytes, ext: str = "jpg") -> str:
         """Store ``data`` as the webapi would and return its key."""
-        from flows.params import input_key
-
-        key = input_key(hashlib.sha256(data).hexdigest(), ext)
-        target = self.storage / key
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        return key
+        return put_input(self.storage, data, ext)
 
 
 @pytest.fixture(scope="session")
@@ -73,22 +59,13 @@ def prefect_harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
     from prefect.testing.utilities import prefect_test_harness
 
     from blocks import init_default_blocks
-    from tests.webapi.relay_harness import drain_events
+    from faceflow.testing.relay import drain_events
 
     home = tmp_path_factory.mktemp("faceflow-home")
     with prefect_test_harness(server_startup_timeout=90):
         init_default_blocks(home)
         yield Home(home)
         drain_events()  # bounded: the harness's own drain waits for ever on a stuck worker
-
-
-@dataclass(frozen=True)
-class PrefectServer:
-    """A ``prefect server start`` subprocess and the environment that talks to it."""
-
-    api_url: str
-    env: dict[str, str]
-    home: Path
 
 
 @pytest.fixture(scope="session")
@@ -100,43 +77,15 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
     the worker tests' bursts of 20 runs met ``database is locked`` for over 12 s (503s past
     every client retry) in about one run of three.
     """
-    from bench.warm_worker import server_database
-    from tests.webapi.conftest import postgres_unavailable
-
     why = postgres_unavailable()
     if why is not None:
         print(f"prefect_server: {why}; the Prefect server runs on SQLite", file=sys.stderr)
-    with server_database("sqlite" if why else "postgresql") as database_env:
-        yield from _prefect_server(tmp_path_factory, database_env)
-
-
-def _prefect_server(
-    tmp_path_factory: pytest.TempPathFactory, database_env: dict[str, str]
-) -> Iterator[PrefectServer]:
+    workers = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1"}
     root = tmp_path_factory.mktemp("prefect-server")
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(root / "prefect"),
-        "PREFECT_API_URL": api_url,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PREFECT_WORKER_PREFETCH_SECONDS": "1",
-        "FACEFLOW_HOME": str(root / "faceflow"),
-        "PYTHONUNBUFFERED": "1",
-    }
-    server = Service(
-        "prefect-server",
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        log=root / "server.log",
-        env={**{k: v for k, v in env.items() if k != "PREFECT_API_URL"}, **database_env},
-    )
-    server.start()
-    try:
-        server.wait_ready(
-            lambda: httpx.get(f"{api_url}/health", timeout=2.0).status_code == 200, timeout=120
-        )
-        yield PrefectServer(api_url=api_url, env=env, home=root / "faceflow")
-    finally:
-        server.stop(grace=10)
+    with server_database("sqlite" if why else "postgresql") as database_env:
+        server = PrefectServer(root, client_extra=workers, server_env=database_env)
+        server.start(timeout_s=120)
+        try:
+            yield server
+        finally:
+            server.stop(grace=10)

@@ -20,8 +20,15 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import TaskRun
 
+from faceflow.testing.prefect import PrefectServer
 from flows.binding import signed_parameters, worker_keys
-from tests.orchestration.conftest import BIN, REPO_ROOT, PrefectServer
+from tasks.stages import STAGE_NAMES
+from tests.orchestration.conftest import BIN, REPO_ROOT
+
+STAGE_RUNS = set(STAGE_NAMES) - {"enhance"}
+"""The stage task runs of a job that asks for no enhancer."""
+TIMED_STAGES = STAGE_RUNS - {"store"}
+"""The stages such a job's ``ResultRef.timings_ms`` names (it is written before ``store``)."""
 
 
 def job_params(

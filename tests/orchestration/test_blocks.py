@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 from blocks import ALL_BLOCKS, FusionSettings, init_default_blocks
-from blocks.cache import TTL_ENV
+from blocks.cache import BLOCK_CACHE, TTL_ENV
 from blocks.settings import DEFAULT_BUDGETS_S, STAGE_NAMES, load_settings
+from blocks.signing import load_credentials
 from blocks.storage import (
     LOCAL_STORAGE_NAME,
     load_storage,
@@ -19,10 +20,12 @@ from blocks.storage import (
     read_bytes,
     write_bytes,
 )
-from flows.params import DEFAULT_SETTINGS_BLOCK, DEFAULT_STORAGE_BLOCK
+from faceflow.testing.prefect import PrefectServer
+from flows.params import DEFAULT_SETTINGS_BLOCK, DEFAULT_SIGNING_BLOCK, DEFAULT_STORAGE_BLOCK
 from tasks.errors import InvalidInput
 from tasks.options import FusionOptions
-from tests.orchestration.conftest import Home, PrefectServer
+from tasks.provenance import dev_root_path
+from tests.orchestration.conftest import Home
 from tests.orchestration.helpers import check_file_transfer, prefect_cli
 
 
@@ -83,6 +86,29 @@ def test_default_blocks_and_local_storage(prefect_harness: Home) -> None:
     assert uri == (prefect_harness.storage.resolve() / "results/x/attempt-1.png").as_uri()
     with pytest.raises(InvalidInput):
         read_bytes(DEFAULT_STORAGE_BLOCK, "inputs/zz/none.jpg")
+
+
+def test_default_signing_block_holds_a_development_chain(
+    prefect_harness: Home, tmp_path: Path
+) -> None:
+    """The harness made the chain at its first start; another call keeps it. A new home
+    gets a new chain, saved as the block, whose leaf C2PA accepts (tests/test_provenance.py
+    signs with it)."""
+    kept = init_default_blocks(prefect_harness.path)
+    assert kept.signing == DEFAULT_SIGNING_BLOCK and not kept.signing_created
+    assert kept.trust_anchor == dev_root_path(prefect_harness.path.resolve())
+    before = load_credentials(DEFAULT_SIGNING_BLOCK)
+    fresh = init_default_blocks(tmp_path)
+    try:
+        assert fresh.signing_created and fresh.trust_anchor.is_file()
+        assert (fresh.trust_anchor.parent / "signer.key").stat().st_mode & 0o077 == 0
+        BLOCK_CACHE.clear()
+        made = load_credentials(DEFAULT_SIGNING_BLOCK)
+        assert made != before and made.cert_chain_pem.endswith(fresh.trust_anchor.read_text())
+    finally:
+        init_default_blocks(prefect_harness.path)  # the session's blocks again
+        BLOCK_CACHE.clear()
+    assert load_credentials(DEFAULT_SIGNING_BLOCK) == before
 
 
 def test_local_storage_moves_files_by_path(prefect_harness: Home, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from faceflow.supervisor import Service
+from faceflow.testing.prefect import PrefectServer
 from flows.binding import sign, worker_keys
 from flows.params import (
     BATCH_DEPLOYMENT_NAME,
@@ -31,7 +32,7 @@ from flows.params import (
     result_meta_key,
 )
 from tasks.options import FusionOptions
-from tests.orchestration.conftest import BIN, REPO_ROOT, Home, PrefectServer
+from tests.orchestration.conftest import BIN, REPO_ROOT, Home
 from tests.orchestration.helpers import api, prefect_cli_concurrently
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes, grace_hopper_rgb
 from webapi.prefect_api import PrefectAPI

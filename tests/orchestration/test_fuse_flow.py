@@ -17,14 +17,30 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect.runtime import flow_run
 
 from blocks.settings import FusionSettings
+from blocks.signing import load_credentials, make_chain, save_credentials
 from blocks.storage import read_bytes
 from flows.fuse import fuse_faces
-from flows.params import DEFAULT_STORAGE_BLOCK, FuseFacesParams, ResultRef, result_meta_key
-from tasks import pipeline
+from flows.params import (
+    DEFAULT_SIGNING_BLOCK,
+    DEFAULT_STORAGE_BLOCK,
+    FuseFacesParams,
+    JobFailure,
+    ResultRef,
+    result_error_key,
+    result_meta_key,
+)
+from tasks import pipeline, watermark
 from tasks.models import MODEL_CACHE
 from tasks.options import ModerationPolicy
+from tasks.provenance import Credentials, dev_root_path, inspect_file
 from tests.orchestration.conftest import Home
-from tests.orchestration.helpers import job_params, probe_overlap, task_runs
+from tests.orchestration.helpers import (
+    STAGE_RUNS,
+    TIMED_STAGES,
+    job_params,
+    probe_overlap,
+    task_runs,
+)
 from tests.samples import (
     astronaut_jpeg_bytes,
     colorwheel_rgb,
@@ -56,20 +72,19 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     )
     assert ref.faces_replaced == 1
     assert np.abs(image.astype(int) - target.astype(int)).mean() > 0.5  # the face changed
+    marks = inspect_file(
+        read_bytes(DEFAULT_STORAGE_BLOCK, ref.key),
+        dev_root_path(prefect_harness.path).read_text(),
+    )
+    assert marks.manifest.valid and marks.manifest.trusted and marks.manifest.ours
+    assert marks.watermark == watermark.payload_for(params["job_id"])
+    assert ref.marks == ["c2pa", "watermark"]
     sidecar = json.loads(read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(params["job_id"], 1)))
     assert ResultRef.model_validate(sidecar) == ref
-    assert set(ref.timings_ms) == {
-        "load",
-        "moderate_inputs",
-        "detect",
-        "align",
-        "fuse",
-        "postprocess",
-        "quality",
-        "moderate_result",
-    }
+    assert set(ref.timings_ms) == TIMED_STAGES
     assert ref.moderation == []
     assert ref.quality is not None and ref.quality.faces_lost == 0
+    assert ref.quality.marks == ref.marks  # the job's public quality report says so too
     assert ref.quality.faces[0].found and ref.quality.source_similarity is not None
     assert len(ref.quality.attempts) == 1  # no floor set: no retry
 
@@ -86,6 +101,9 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     assert sorted(str(a.type) for a in artifacts) == ["markdown", "progress", "table"]
     assert ref.key in str(by_type["markdown"].data)
     assert "## Quality" in str(by_type["markdown"].data)
+    assert "Marked: signed C2PA Content Credentials, invisible watermark" in str(
+        by_type["markdown"].data
+    )
     assert '"identity_model": "dlib-resnet-v1"' in str(by_type["markdown"].data)
     table = by_type["table"].data
     rows = cast(list[dict[str, str]], json.loads(table) if isinstance(table, str) else table)
@@ -98,17 +116,7 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home) -> None:
     assert by_type["progress"].data == 100.0
     assert by_type["progress"].description == "Finished: succeeded."
     stage_runs = task_runs(run_id)
-    assert set(stage_runs) == {
-        "load",
-        "moderate_inputs",
-        "detect",
-        "align",
-        "fuse",
-        "postprocess",
-        "quality",
-        "moderate_result",
-        "store",
-    }
+    assert set(stage_runs) == STAGE_RUNS
     assert all(r.state is not None and r.state.is_completed() for r in stage_runs.values())
     # Stage task runs carry no per-job tags: Prefect acquires a tag concurrency lease for
     # every tag of every task run, a fresh one per job, which stalled warm runs ≈ 2 s.
@@ -200,6 +208,44 @@ def test_moderation_report_only_and_off(prefect_harness: Home) -> None:
     rows = cast(list[dict[str, str]], json.loads(table) if isinstance(table, str) else table)
     details = {row["item"]: row["detail"] for row in rows}
     assert details["moderate_inputs"] == details["moderate_result"] == "skipped"
+
+
+def test_marking_failure_fails_the_job_unless_marking_is_off(prefect_harness: Home) -> None:
+    keys = (
+        prefect_harness.put_input(astronaut_jpeg_bytes()),
+        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+    )
+    good = load_credentials(DEFAULT_SIGNING_BLOCK)
+    stranger = make_chain("someone else")[0]
+    save_credentials(
+        Credentials(good.cert_chain_pem, stranger.private_key_pem), "test-mismatched-key"
+    )
+    params = job_params(*keys, signing_block="secret/test-mismatched-key")
+    state = fuse_faces(**params, return_state=True)
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[marking_failed] ")
+    failure = JobFailure.model_validate_json(
+        read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(params["job_id"], 1))
+    )
+    assert (failure.code, failure.retryable, failure.stage) == ("marking_failed", False, "store")
+
+    missing = job_params(*keys, signing_block="secret/no-such-signing-block")
+    state = fuse_faces(**missing, return_state=True)
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[marking_failed] ")
+
+    FusionSettings(marking="off").save("test-unmarked", overwrite=True)
+    unmarked = job_params(
+        *keys,
+        signing_block="secret/no-such-signing-block",
+        settings_block="fusion-settings/test-unmarked",
+    )
+    state = fuse_faces(**unmarked, return_state=True)
+    assert state.is_completed(), state.message
+    ref = ResultRef.model_validate(state.result())
+    marks = inspect_file(read_bytes(DEFAULT_STORAGE_BLOCK, ref.key))
+    assert not marks.manifest.present and marks.watermark is None
+    assert ref.marks == []
 
 
 def test_past_deadline_fails_fast_without_models(prefect_harness: Home) -> None:

@@ -19,8 +19,8 @@ from prefect.context import FlowRunContext
 from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
+from faceflow.testing.prefect import PrefectServer
 from flows.artifacts import PROGRESS_DELAY_S, DeferredProgress
-from tests.orchestration.conftest import PrefectServer
 
 pytestmark = pytest.mark.prefect
 

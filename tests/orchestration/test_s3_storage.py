@@ -15,10 +15,11 @@ from PIL import Image
 
 from blocks.storage import load_storage, location_of, read_bytes, s3_storage, write_bytes
 from faceflow.supervisor import Service
+from faceflow.testing.net import free_port
 from flows.fuse import fuse_faces
 from flows.params import ResultRef, input_key, result_meta_key
 from tasks.errors import InvalidInput
-from tests.orchestration.conftest import BIN, Home, free_port
+from tests.orchestration.conftest import BIN, Home
 from tests.orchestration.helpers import check_file_transfer, job_params
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 

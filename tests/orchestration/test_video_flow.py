@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import c2pa
 import pytest
 
 from blocks.storage import fetch_to, load_storage
@@ -23,6 +26,7 @@ from flows.params import (
     result_meta_key,
 )
 from flows.video import fuse_video_flow
+from tasks.provenance import DIGITAL_SOURCE_TYPE, dev_root_path, read_manifest
 from tasks.video_io import frame_timestamps, probe_video
 from tests import samples
 from tests.orchestration.conftest import Home
@@ -108,6 +112,15 @@ def test_a_video_is_fused_with_one_task_run_per_chunk(
     sidecar = (prefect_harness.storage / result_meta_key(job_id, 1)).read_text()
     assert VideoResultRef.model_validate_json(sidecar) == ref
     assert len(first.chunks) == CHUNKS
+    root = dev_root_path(prefect_harness.path).read_text()
+    marks = read_manifest(result.read_bytes(), "video/mp4", root)  # the file, signed
+    assert marks.valid and marks.trusted and marks.ours, marks
+    assert ref.marks == ["c2pa"]
+    assert marks.digital_source_type == DIGITAL_SOURCE_TYPE
+    with c2pa.Reader("video/mp4", io.BytesIO(result.read_bytes())) as reader:
+        manifest = reader.get_active_manifest() or {}
+    hashes = {i["title"]: i["instance_id"] for i in manifest.get("ingredients", [])}
+    assert hashes["target"] == "sha256:" + hashlib.sha256(videos.story.read_bytes()).hexdigest()
 
 
 def test_a_second_attempt_renders_only_the_missing_chunk(

@@ -7,10 +7,10 @@ both migrated with Alembic. Every test using ``engine`` leaves the tables empty.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,28 +23,21 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
-from tests.webapi.relay_harness import PrefectServer, stand_in_server
-from webapi import crud
+from faceflow.testing.databases import job_store, postgres_unavailable
+from faceflow.testing.jobs import make_user
+from faceflow.testing.net import free_port
+from faceflow.testing.prefect import PrefectServer
+from faceflow.testing.relay import stand_in_server
+from webapi import capacity
 from webapi.config import Settings
-from webapi.db import dispose_engines, get_engine
+from webapi.crud import NewUser
+from webapi.db import get_engine
 from webapi.main import create_app
-from webapi.migrations import upgrade
 from webapi.relay.context import Relay
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 TABLES_CHILD_FIRST = ("webhook_deliveries", "outbox", "jobs", "api_keys", "users")
-
-
-def postgres_unavailable() -> str | None:
-    """Why PostgreSQL cannot be used here, or None when it can."""
-    try:
-        engine = sa.create_engine(PG_ADMIN_URL, connect_args={"connect_timeout": 3})
-        with engine.connect() as connection:
-            connection.execute(sa.text("SELECT 1"))
-        engine.dispose()
-    except Exception as exc:
-        return f"PostgreSQL at 127.0.0.1:5432/test is unreachable: {type(exc).__name__}: {exc}"
-    return None
+PREFECT_AUTH = f"faceflow:{secrets.token_urlsafe(32)}"
+"""The credential the ``locked`` Prefect server asks for."""
 
 
 @pytest.fixture(
@@ -55,40 +48,22 @@ def database_url(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """A migrated, empty job store for one test module."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('jobstore') / 'jobs.db'}"
-        upgrade(url)
-        yield url
-        dispose_engines()
-        return
-    reason = postgres_unavailable()
-    if reason:
+    if request.param == "postgresql" and (reason := postgres_unavailable()):
         pytest.skip(reason)
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(PG_ADMIN_URL)
-    with admin.begin() as connection:
-        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    url = f"{PG_ADMIN_URL}?options=-csearch_path%3D{schema}"
-    upgrade(url)
-    try:
+    with job_store(request.param, tmp_path_factory.mktemp("jobstore"), prefix="t") as url:
         yield url
-    finally:
-        dispose_engines()
-        with admin.begin() as connection:
-            connection.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
 
 
 @pytest.fixture
 def engine(database_url: str) -> Iterator[Engine]:
     """The job store's engine; every row is deleted after the test."""
     engine = get_engine(database_url)
-    crud.reset_service_time_cache()
+    capacity.reset_service_time_cache()
     yield engine
     with engine.begin() as connection:
         for table in TABLES_CHILD_FIRST:
             connection.execute(sa.text(f"DELETE FROM {table}"))
-    crud.reset_service_time_cache()
+    capacity.reset_service_time_cache()
 
 
 def make_settings(database_url: str, tmp_path: Path, **overrides: Any) -> Settings:
@@ -109,9 +84,20 @@ def make_settings(database_url: str, tmp_path: Path, **overrides: Any) -> Settin
     return Settings.model_validate(values)
 
 
+def app_client(database_url: str, tmp_path: Path, **overrides: Any) -> TestClient:
+    """A client of an app with ``make_settings`` and ``overrides``."""
+    return TestClient(create_app(make_settings(database_url, tmp_path, **overrides)))
+
+
 @pytest.fixture
 def settings(database_url: str, tmp_path: Path) -> Settings:
     return make_settings(database_url, tmp_path)
+
+
+@pytest.fixture
+def user(engine: Engine, settings: Settings) -> NewUser:
+    """A new user of the test's job store (``make_user``)."""
+    return make_user(engine, settings)
 
 
 @pytest.fixture
@@ -155,12 +141,6 @@ def live_url(app: FastAPI) -> Iterator[str]:
         yield url
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 with bucket ``faceflow``."""
@@ -182,6 +162,45 @@ def s3_endpoint() -> Iterator[str]:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="faceflow")
         yield endpoint
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """A Prefect server that asks for ``PREFECT_AUTH``, with the stand-in deployments (one
+    per test module); this process's Prefect client holds the credential meanwhile."""
+    with stand_in_server(
+        tmp_path_factory.mktemp("prefect-auth"), auth_string=PREFECT_AUTH
+    ) as server:
+        yield server
+
+
+@pytest.fixture
+def locked_settings(database_url: str, tmp_path: Path, locked: PrefectServer) -> Settings:
+    """Test settings whose relay talks to the ``locked`` server with its credential."""
+    return make_settings(
+        database_url, tmp_path, prefect_api_url=locked.api_url, prefect_api_auth_string=PREFECT_AUTH
+    )
+
+
+def stand_in_run(server: PrefectServer, name: str) -> dict[str, Any]:
+    """A new scheduled run of the stand-in ``fuse-faces`` deployment on ``server``, with
+    placeholder parameters (nothing runs it unless the test does)."""
+    deployment = server.rest.call("GET", "/deployments/name/fuse-faces/fuse-faces")
+    parameters = {
+        "job_id": "j1",
+        "owner_id": "alice",
+        "source_key": "inputs/alice/source",
+        "target_key": "inputs/alice/target",
+        "options": {},
+        "deadline_at": "2030-01-01T00:00:00+00:00",
+    }
+    return dict(
+        server.rest.call(
+            "POST",
+            f"/deployments/{deployment['id']}/create_flow_run",
+            {"name": name, "parameters": parameters},
+        )
+    )
 
 
 @pytest.fixture(scope="session")
@@ -220,7 +239,7 @@ def flow_relays(
     settings. Every relay made is closed after the test."""
     from dataclasses import replace
 
-    from tests.webapi.relay_harness import FAST, SCRIPT
+    from faceflow.testing.relay import FAST, SCRIPT
     from webapi.relay.runner import build_relay
     from webapi.storage import LocalObjectStore
 

@@ -19,8 +19,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel
 from typer.testing import CliRunner
 
+from faceflow.testing.jobs import auth, job_body, make_user
 from tests.webapi.conftest import make_settings
-from tests.webapi.utils import auth, job_body, make_user
 from webapi import crud
 from webapi.cli import app as cli_app
 from webapi.config import Settings, SettingsError
@@ -126,7 +126,7 @@ def test_healthz_and_readyz(
         assert down.status_code == 503
         assert down.json()["error"]["code"] == "not_ready"
         assert down.json()["checks"]["database"] == "ok"
-        assert down.json()["checks"]["prefect"].startswith("error")
+        assert down.json()["checks"]["prefect"].startswith("unreachable: GET health")
         assert client.get("/healthz").status_code == 200
 
 
@@ -206,7 +206,7 @@ def test_webapi_never_imports_torch_or_prefect(tmp_path: Path) -> None:
         from fastapi.testclient import TestClient
         from sqlmodel import Session
         from tests.webapi.conftest import make_settings
-        from tests.webapi.utils import auth, job_body, make_user
+        from faceflow.testing.jobs import auth, job_body, make_user
         from webapi.migrations import upgrade
         from pathlib import Path
 

@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from faceflow.testing.jobs import auth, make_user
 from tests.webapi.conftest import make_settings
-from tests.webapi.utils import auth, make_user
 from webapi.auth import KeyCache
 from webapi.main import create_app
 from webapi.models import ApiKey, User, utcnow

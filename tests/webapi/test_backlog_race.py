@@ -11,8 +11,9 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from faceflow.testing.jobs import make_user, source_jpeg, target_jpeg
+from faceflow.testing.threads import run_threads
 from tests.webapi.conftest import make_settings
-from tests.webapi.utils import make_user, source_jpeg, target_jpeg
 from webapi import crud
 from webapi.errors import Overloaded
 from webapi.inputs import store_image
@@ -55,11 +56,7 @@ def test_a_burst_from_many_users_never_queues_past_the_backlog_cap(
         with lock:
             outcomes.append(outcome)
 
-    threads = [threading.Thread(target=submit, args=(user,)) for user in users]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(submit, users)
     with Session(engine) as session:
         queued = crud.status_counts(session)[JobStatus.queued]
     assert sorted(outcomes) == ["503"] * (USERS - CAP) + ["created"] * CAP

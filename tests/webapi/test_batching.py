@@ -20,6 +20,9 @@ from typing import Any
 import pytest
 from sqlmodel import Session
 
+from faceflow.testing.jobs import make_user, new_job
+from faceflow.testing.prefect import PrefectServer
+from faceflow.testing.relay import job, submit, write_result
 from flows.params import (
     FuseBatchParams,
     result_key,
@@ -27,8 +30,6 @@ from flows.params import (
 )
 from tasks.errors import NoFaceFound
 from tests.samples import no_face_jpeg_bytes
-from tests.webapi.relay_harness import PrefectServer, job, submit, write_result
-from tests.webapi.utils import make_user, new_job
 from webapi import crud
 from webapi.config import Settings
 from webapi.inputs import store_image
@@ -78,7 +79,7 @@ def _end_run(relay: Relay, server: PrefectServer, lone: Job) -> None:
     stored = job(relay.engine, lone.id)
     assert isinstance(relay.store, LocalObjectStore)
     write_result(relay.store.basepath, str(lone.id), stored.attempts)
-    server.set_state(str(stored.flow_run_id), "COMPLETED")
+    server.rest.set_state(str(stored.flow_run_id), "COMPLETED")
 
 
 def _run(flow_run_id: uuid.UUID | str) -> str:
@@ -96,7 +97,7 @@ def _run(flow_run_id: uuid.UUID | str) -> str:
 
 def _batch_of(prefect_server: PrefectServer, flow_run_id: uuid.UUID | None) -> FuseBatchParams:
     assert flow_run_id is not None
-    return FuseBatchParams.model_validate(prefect_server.run(str(flow_run_id))["parameters"])
+    return FuseBatchParams.model_validate(prefect_server.rest.run(str(flow_run_id))["parameters"])
 
 
 def test_jobs_due_together_leave_in_one_batch_run(
@@ -110,7 +111,7 @@ def test_jobs_due_together_leave_in_one_batch_run(
     assert all(j.status is JobStatus.queued and j.attempts == 1 for j in stored)
     assert len({j.dispatch_key for j in stored}) == 1
     (run_id,) = run_ids
-    run = prefect_server.run(str(run_id))
+    run = prefect_server.rest.run(str(run_id))
     assert {f"job:{j.id}" for j in jobs} <= set(run["tags"])
     assert run["name"].endswith("+2")
     params = FuseBatchParams.model_validate(run["parameters"])
@@ -134,7 +135,7 @@ def test_a_lone_job_gets_a_run_of_its_own_at_once(
     assert dispatch.run_once(relay) == 1
     stored = job(relay.engine, lone.id)
     assert stored.flow_run_id is not None and stored.dispatch_key is None
-    run = prefect_server.run(str(stored.flow_run_id))
+    run = prefect_server.rest.run(str(stored.flow_run_id))
     assert run["name"] == str(lone.id)  # a fuse-faces run, as without batching
     assert run["idempotency_key"] == f"job-{lone.id}-attempt-1"
 
@@ -150,7 +151,7 @@ def test_runs_in_flight_hold_jobs_back_until_a_run_ends(
     assert dispatch.run_once(relay) == 0
     assert all(job(relay.engine, j.id).flow_run_id is None for j in waiting)
 
-    second_run = prefect_server.run(str(job(relay.engine, second.id).flow_run_id))
+    second_run = prefect_server.rest.run(str(job(relay.engine, second.id).flow_run_id))
     assert second_run["name"] == str(second.id)  # alone when it came: a run of its own
     _end_run(relay, prefect_server, first)
     sync.run_once(relay)  # the first run ended: a slot is free
@@ -258,7 +259,7 @@ def test_each_job_of_a_mixed_batch_ends_on_its_own(
     assert outcome.status is JobStatus.cancelled
     assert reap.cancel_runs(relay) == 1  # a stop marker, not a cancelled run
     assert relay.store.exists(stop_marker_key(str(cancelled.id), 1))
-    assert prefect_server.run(str(run_id))["state_type"] == "SCHEDULED"
+    assert prefect_server.rest.run(str(run_id))["state_type"] == "SCHEDULED"
     time.sleep(max(0.0, (late.deadline_at - job(relay.engine, late.id).created_at).total_seconds()))
 
     assert _run(run_id) == "COMPLETED"
@@ -311,12 +312,12 @@ def test_a_batch_declared_crashed_mid_way_reruns_only_unfinished_jobs_and_its_zo
         return real_fuse(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "fuse_stage", hanging_fuse)
-    from tests.webapi.relay_harness import in_thread
+    from faceflow.testing.relay import in_thread
 
     zombie = in_thread(lambda: _run(first_run), name="zombie")
     assert hung.wait(120), "the batch never reached its fuse stage"
     sync.run_once(relay)  # Running: the jobs are running
-    prefect_server.set_state(str(first_run), "CRASHED", "child SIGKILLed")
+    prefect_server.rest.set_state(str(first_run), "CRASHED", "child SIGKILLed")
     sync.run_once(relay)
     reap.run_once(relay)
 

@@ -6,6 +6,8 @@ the real relay against a real Prefect server, on SQLite and PostgreSQL job store
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,24 +19,27 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from tests.webapi.conftest import make_settings
-from tests.webapi.relay_harness import (
+from faceflow.testing.jobs import make_user, outbox_of, source_jpeg
+from faceflow.testing.net import free_port
+from faceflow.testing.prefect import PrefectServer
+from faceflow.testing.relay import (
     FAST,
     SCRIPT,
-    PrefectServer,
+    Receiver,
     Tarpit,
-    free_port,
     job,
     receiver,
     submit,
     tarpit,
-    wait_for,
 )
-from tests.webapi.utils import make_user, outbox_of, source_jpeg
+from faceflow.testing.wait import wait_for
+from tests.samples import flat_png
+from tests.videos import Videos
+from tests.webapi.conftest import make_settings
 from webapi import crud
 from webapi.config import Settings
-from webapi.models import JobStatus
-from webapi.relay import dispatch, fetch_lane
+from webapi.models import JobStatus, Outbox
+from webapi.relay import batches, dispatch, fetch_lane, runs
 from webapi.relay.context import Relay
 from webapi.relay.fetch_lane import FetchLane
 from webapi.relay.runner import RelayRunner, build_relay
@@ -253,3 +258,121 @@ def test_one_pass_finishes_every_fetch_it_started(relay: Relay, engine: Engine) 
     stored = [job(relay.engine, j) for j in jobs]
     assert all(s.source_key is not None for s in stored), [s.source_key for s in stored]
     assert dispatch.run_once(relay) == 4
+
+
+LARGE = (6000, 4000)  # 24 MP from a flat PNG of ≈ 30 KB: within the 40 MP per-image limit
+TARGET_PIXELS = 512 * 512  # the harness's stored target (faceflow.testing.jobs.target_jpeg)
+
+
+def serve_large(server: Receiver) -> str:
+    """The URL of a flat PNG of ``LARGE`` dimensions on ``server``."""
+    server.files["/large.png"] = (200, {"content-type": "image/png"}, flat_png(*LARGE))
+    return f"{server.url}/large.png"
+
+
+def test_a_fetched_input_counts_in_the_jobs_pixels_at_its_own_size(
+    relay: Relay, user_a: crud.NewUser
+) -> None:
+    """Submit counts an input URL at the per-image limit (40 MP); once the lane has fetched
+    it, ``input_pixels`` holds its own size, read from its header, and the batch planner
+    sees that: two such jobs (24.3 MP each) share a run under a 50 MP batch budget, which
+    the count at submit (40.3 MP each) kept apart."""
+    limits = relay.settings.image_limits
+    with receiver() as server:
+        url = serve_large(server)
+        jobs = [url_job(relay, user_a, url) for _ in range(2)]
+        submitted = {job(relay.engine, j).input_pixels for j in jobs}
+        assert fetch_lane.run_once(relay) == 2
+    assert submitted == {limits.max_pixels + TARGET_PIXELS}
+    fetched = [job(relay.engine, j) for j in jobs]
+    assert all(f.status is JobStatus.queued and f.source_key for f in fetched)
+    assert {f.input_pixels for f in fetched} == {LARGE[0] * LARGE[1] + TARGET_PIXELS}
+    planned = [(Outbox(kind="dispatch", job_id=f.id), runs.plan_of(f, 1)) for f in fetched]
+    budget = limits.model_copy(update={"max_batch_pixels": 50_000_000})
+    assert [len(chunk.plans) for chunk in batches.group(planned, 8, budget)] == [2]
+
+
+def test_fetched_images_past_the_job_budget_fail_the_job_with_job_too_large(
+    relay: Relay, user_a: crud.NewUser
+) -> None:
+    """Under the limits it was admitted with, a job's fetched images cannot pass its budget
+    (a URL counted at the per-image limit; a larger image is ``image_too_large``); the relay
+    checks them against the limits it holds now: a job queued before the budget was lowered
+    to 20 MP fails on its 24.3 MP with submit's permanent ``job_too_large``, fetched once,
+    never dispatched."""
+    with receiver() as server:
+        job_id = url_job(relay, user_a, serve_large(server))
+        limits = relay.settings.image_limits.model_copy(update={"max_job_pixels": 20_000_000})
+        relay.settings = relay.settings.model_copy(update={"image_limits": limits})
+        assert fetch_lane.run_once(relay) == 1
+        assert fetch_lane.run_once(relay) == 0  # nothing left to fetch, no retry
+        gets = [r.path for r in server.requests]
+    failed = job(relay.engine, job_id)
+    assert (failed.status, failed.error_code) == (JobStatus.failed, "job_too_large")
+    assert failed.error_message == (
+        "The job's images decode to 24.3 megapixels together, over the budget of 20.0 per job."
+    )
+    assert failed.flow_run_id is None and failed.source_key is None
+    assert gets == ["/large.png"]
+    [row] = outbox_of(relay.engine, job_id)
+    assert row.outcome == "done" and row.attempts == 0
+
+
+def test_a_target_url_that_serves_a_video_is_spooled_probed_and_sent_to_fuse_video(
+    relay: Relay,
+    settings: Settings,
+    user_a: crud.NewUser,
+    videos: Videos,
+    prefect_server: PrefectServer,
+) -> None:
+    """A target URL serving an MP4 (over loopback): streamed to a temporary file and hashed,
+    probed, stored by content as an upload is; the job becomes a video job (the video
+    deadline, chosen at submit from the URL's .mp4) and its run is created on the
+    fuse-video deployment. A truncated video fails invalid_video, one over the byte limit
+    video_too_large, as at upload; no temporary file is left."""
+    from fastapi.testclient import TestClient
+
+    from faceflow.testing.jobs import auth, data_uri
+    from faceflow.testing.relay import stand_in_flow
+    from flows.params import VIDEO_DEPLOYMENT_NAME, VIDEO_FLOW_NAME, input_key
+    from tasks.options import VideoLimits
+    from webapi.main import create_app
+
+    stand_in_flow(VIDEO_FLOW_NAME).to_deployment(name=VIDEO_DEPLOYMENT_NAME).apply()
+    data = videos.silent.read_bytes()
+    spools = set(Path(tempfile.gettempdir()).glob("faceflow-fetch-*"))
+    with receiver() as server, TestClient(create_app(settings)) as client:
+        server.files["/clip.mp4"] = (200, {"content-type": "video/mp4"}, data)
+        server.files["/cut.mp4"] = (200, {"content-type": "video/mp4"}, data[: len(data) // 2])
+
+        def post(path: str) -> uuid.UUID:
+            body = {"source": data_uri(source_jpeg()), "target": f"{server.url}{path}"}
+            response = client.post("/v1/jobs", json=body, headers=auth(user_a))
+            assert response.status_code == 202, response.text
+            return uuid.UUID(response.json()["id"])
+
+        good, cut = post("/clip.mp4"), post("/cut.mp4")
+        assert fetch_lane.run_once(relay) == 2
+        server.files["/big.mp4"] = server.files["/clip.mp4"]
+        big = post("/big.mp4")
+        limits = {"video_limits": VideoLimits(max_bytes=5000)}
+        assert fetch_lane.run_once(replace(relay, settings=settings.model_copy(update=limits))) == 1
+    fetched = job(relay.engine, good)
+    assert fetched.media == "video" and fetched.status is JobStatus.queued
+    assert fetched.target_key == input_key(hashlib.sha256(data).hexdigest(), "mp4")
+    assert relay.store.get(fetched.target_key) == data
+    assert fetched.video_input is not None and fetched.video_input["frame_count"] == 30
+    deadline_s = (fetched.deadline_at - fetched.created_at).total_seconds()
+    assert deadline_s == settings.default_video_deadline_seconds
+    assert (job(relay.engine, cut).status, job(relay.engine, cut).error_code) == (
+        JobStatus.failed,
+        "invalid_video",
+    )
+    assert job(relay.engine, big).error_code == "video_too_large"
+    assert set(Path(tempfile.gettempdir()).glob("faceflow-fetch-*")) == spools
+
+    assert dispatch.run_once(relay) == 1
+    [run] = prefect_server.rest.runs_of_job(good)
+    assert run["deployment_id"] == relay.prefect.deployment_id(
+        VIDEO_FLOW_NAME, VIDEO_DEPLOYMENT_NAME
+    )

@@ -14,8 +14,8 @@ import schemathesis
 from hypothesis import HealthCheck
 from sqlalchemy.engine import Engine
 
+from faceflow.testing.jobs import auth, data_uri, make_user, source_jpeg, target_jpeg
 from tests.webapi.conftest import make_settings
-from tests.webapi.utils import auth, data_uri, make_user, source_jpeg, target_jpeg
 from webapi.main import create_app
 
 EXAMPLES = 50

@@ -11,7 +11,8 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from tests.webapi.utils import auth, job_body, jobs_of, make_user, outbox_of
+from faceflow.testing.jobs import auth, job_body, jobs_of, make_user, outbox_of
+from faceflow.testing.threads import run_threads
 from webapi import crud
 from webapi.config import Settings
 from webapi.inputs import InputRef
@@ -34,11 +35,7 @@ def _race(
         with lock:
             responses.append(response)
 
-    threads = [threading.Thread(target=post, args=(body,)) for body in bodies]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(post, bodies)
     return responses
 
 

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from httpx import Response
 from sqlalchemy.engine import Engine
 
-from flows.params import input_key
-from tests.webapi.conftest import make_settings
-from tests.webapi.utils import (
+from faceflow.testing.jobs import (
     auth,
     clear_jobs,
     data_uri,
@@ -33,14 +35,12 @@ from tests.webapi.utils import (
     succeed,
     target_jpeg,
 )
+from flows.params import input_key
+from tests.webapi.conftest import app_client
 from webapi.config import Settings
-from webapi.main import create_app
+from webapi.crud import NewUser
 from webapi.models import JobStatus, utcnow
 from webapi.storage import LocalObjectStore
-
-
-def _client(database_url: str, tmp_path: Path, **overrides: object) -> TestClient:
-    return TestClient(create_app(make_settings(database_url, tmp_path, **overrides)))
 
 
 def _error(response) -> str:  # type: ignore[no-untyped-def]
@@ -102,9 +102,8 @@ def test_submit_multipart(client: TestClient, engine: Engine, settings: Settings
 
 
 def test_submit_https_url_input_is_stored_for_the_relay(
-    client: TestClient, engine: Engine, settings: Settings, monkeypatch: pytest.MonkeyPatch
+    client: TestClient, engine: Engine, user: NewUser, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    user = make_user(engine, settings)
     body = job_body(target="https://93.184.216.34/photo.jpg")
     response = client.post("/v1/jobs", json=body, headers=auth(user))
     assert response.status_code == 202, response.text
@@ -135,10 +134,7 @@ def test_unauthenticated_is_401(
         assert _error(response) == "unauthorized"
 
 
-def test_unsupported_content_type_is_415(
-    client: TestClient, engine: Engine, settings: Settings
-) -> None:
-    user = make_user(engine, settings)
+def test_unsupported_content_type_is_415(client: TestClient, engine: Engine, user: NewUser) -> None:
     response = client.post(
         "/v1/jobs", content=b"source=x", headers={**auth(user), "Content-Type": "text/plain"}
     )
@@ -155,9 +151,8 @@ def test_unsupported_content_type_is_415(
     ids=["declared-gif", "gif-bytes-declared-png", "bmp-bytes"],
 )
 def test_unsupported_image_format_is_415(
-    client: TestClient, engine: Engine, settings: Settings, source: str, code: str
+    client: TestClient, engine: Engine, user: NewUser, source: str, code: str
 ) -> None:
-    user = make_user(engine, settings)
     response = client.post("/v1/jobs", json=job_body(source=source), headers=auth(user))
     assert response.status_code == 415, response.text
     assert _error(response) == code
@@ -165,7 +160,7 @@ def test_unsupported_image_format_is_415(
 
 def test_too_large_is_413(database_url: str, tmp_path: Path, engine: Engine) -> None:
     limits = {"max_bytes": 20_000, "max_pixels": 100_000, "min_side": 16}
-    with _client(database_url, tmp_path, image_limits=limits) as client:
+    with app_client(database_url, tmp_path, image_limits=limits) as client:
         settings = client.app.state.settings  # type: ignore[attr-defined]
         user = make_user(engine, settings)
         # bytes: a real photo of ~60 KB against a 20 KB limit
@@ -214,17 +209,15 @@ def test_too_large_is_413(database_url: str, tmp_path: Path, engine: Engine) -> 
     ],
 )
 def test_invalid_fields_are_422(
-    client: TestClient, engine: Engine, settings: Settings, overrides: dict[str, object], code: str
+    client: TestClient, engine: Engine, user: NewUser, overrides: dict[str, object], code: str
 ) -> None:
-    user = make_user(engine, settings)
     response = client.post("/v1/jobs", json=job_body(**overrides), headers=auth(user))
     assert response.status_code == 422, response.text
     assert _error(response) == code
     assert jobs_of(engine) == []
 
 
-def test_malformed_json_is_422(client: TestClient, engine: Engine, settings: Settings) -> None:
-    user = make_user(engine, settings)
+def test_malformed_json_is_422(client: TestClient, engine: Engine, user: NewUser) -> None:
     for content in (b"{", b"[]", b'"x"', b"\xff\xfe"):
         response = client.post(
             "/v1/jobs", content=content, headers={**auth(user), "Content-Type": "application/json"}
@@ -248,7 +241,7 @@ def _refuse_connections(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 def test_blocked_callback_and_input_urls_are_422_without_connecting(
     database_url: str, tmp_path: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with _client(database_url, tmp_path, allow_private_urls=False) as client:
+    with app_client(database_url, tmp_path, allow_private_urls=False) as client:
         user = make_user(engine, client.app.state.settings)  # type: ignore[attr-defined]
         attempts = _refuse_connections(monkeypatch)
         for url in (
@@ -274,7 +267,7 @@ def test_callbacks_and_input_urls_are_https_on_the_allowed_ports(
 ) -> None:
     """Without FACEFLOW_ALLOW_PRIVATE_URLS (as production): https only, ports 443 and
     8443 (FACEFLOW_URL_PORTS), public addresses in every form; nothing is connected to."""
-    with _client(database_url, tmp_path, allow_private_urls=False) as client:
+    with app_client(database_url, tmp_path, allow_private_urls=False) as client:
         user = make_user(engine, client.app.state.settings)  # type: ignore[attr-defined]
         attempts = _refuse_connections(monkeypatch)
         for url, reason in (
@@ -308,9 +301,8 @@ def test_callbacks_and_input_urls_are_https_on_the_allowed_ports(
 
 
 def test_metadata_callbacks_are_refused_even_with_private_urls_allowed(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     for url in (
         "http://[::ffff:169.254.169.254]/latest",
         "http://[::a9fe:a9fe]/",
@@ -350,7 +342,7 @@ def test_quota_is_429_with_retry_after(
 def test_backlog_is_503_with_retry_after_from_service_time(
     database_url: str, tmp_path: Path, engine: Engine
 ) -> None:
-    with _client(
+    with app_client(
         database_url, tmp_path, default_service_seconds=30, worker_slots=1, admission_safety=1
     ) as client:
         user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
@@ -381,7 +373,7 @@ def test_admission_keeps_headroom_on_the_estimated_wait(
     settings = {"default_service_seconds": 1000, "worker_slots": 1}
     body = job_body(queue_timeout_seconds=45)
     for safety, accepted in ((1.0, 3), (1.5, 2)):
-        with _client(database_url, tmp_path, admission_safety=safety, **settings) as client:
+        with app_client(database_url, tmp_path, admission_safety=safety, **settings) as client:
             app_settings = client.app.state.settings  # type: ignore[attr-defined]
             user = make_user(engine, app_settings, quota=100)
             clear_jobs(engine)
@@ -392,7 +384,7 @@ def test_admission_keeps_headroom_on_the_estimated_wait(
                 client.post("/v1/jobs", json=body, headers=auth(user)).status_code for _ in range(4)
             ]
         assert codes == [202] * accepted + [503] * (4 - accepted), (safety, codes)
-    with _client(database_url, tmp_path, default_service_seconds=20, worker_slots=1) as client:
+    with app_client(database_url, tmp_path, default_service_seconds=20, worker_slots=1) as client:
         clear_jobs(engine)
         user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
         codes = [
@@ -404,16 +396,16 @@ def test_admission_keeps_headroom_on_the_estimated_wait(
 def test_service_time_is_the_median_of_recent_runs(
     database_url: str, tmp_path: Path, engine: Engine
 ) -> None:
-    from webapi import crud
+    from webapi import capacity
 
-    with _client(database_url, tmp_path, default_service_seconds=1000) as client:
+    with app_client(database_url, tmp_path, default_service_seconds=1000) as client:
         user = make_user(engine, client.app.state.settings, quota=100)  # type: ignore[attr-defined]
         ids = [submit(client, user) for _ in range(1)]
         # with a 1000 s default, a second job would be refused...
         assert client.post("/v1/jobs", json=job_body(), headers=auth(user)).status_code == 503
         # ...until a job has run: then the measured run time (~0 s, floored at 50 ms) is used
         succeed(engine, ids[0], result_key="results/x/attempt-1.png")
-        crud.reset_service_time_cache()
+        capacity.reset_service_time_cache()
         assert client.post("/v1/jobs", json=job_body(), headers=auth(user)).status_code == 202
 
 
@@ -444,9 +436,8 @@ def test_idempotency_key_replays_or_conflicts(
 
 
 def test_idempotent_multipart_matches_json_with_same_images(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     headers = {**auth(user), "Idempotency-Key": "same-images"}
     first = client.post("/v1/jobs", json=job_body(options={}), headers=headers)
     again = client.post(
@@ -461,9 +452,8 @@ def test_idempotent_multipart_matches_json_with_same_images(
 
 
 def test_prefer_wait_returns_current_object_after_timeout(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     started = time.monotonic()
     response = client.post("/v1/jobs", json=job_body(), headers={**auth(user), "Prefer": "wait=1"})
     elapsed = time.monotonic() - started
@@ -473,9 +463,8 @@ def test_prefer_wait_returns_current_object_after_timeout(
 
 
 def test_prefer_wait_returns_as_soon_as_the_job_is_terminal(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
 
     def finish_when_submitted() -> None:
         for _ in range(200):
@@ -498,6 +487,76 @@ def test_prefer_wait_returns_as_soon_as_the_job_is_terminal(
     job = response.json()
     assert job["status"] == "succeeded" and job["result"]["width"] == 64
     assert elapsed < 10
+
+
+def _wait_and_end(
+    client: TestClient, user: NewUser, end: Callable[[uuid.UUID], float | None]
+) -> tuple[Response, float]:
+    """POST a job with ``Prefer: wait=30``, have ``end`` end it from another thread 0.3 s
+    after it is stored; the response and how long after the end's commit it came (the
+    wall-clock time ``end`` returns, else when it returned)."""
+    ended_at: list[float] = []
+    engine = client.app.state.engine  # type: ignore[attr-defined]
+
+    def end_when_submitted() -> None:
+        for _ in range(200):
+            jobs = jobs_of(engine, user.user.id)
+            if jobs:
+                time.sleep(0.3)
+                committed = end(jobs[0].id)
+                ended_at.append(committed or time.time())
+                return
+            time.sleep(0.05)
+
+    worker = threading.Thread(target=end_when_submitted)
+    worker.start()
+    response = client.post("/v1/jobs", json=job_body(), headers={**auth(user), "Prefer": "wait=30"})
+    answered = time.time()
+    worker.join()
+    return response, answered - ended_at[0]
+
+
+_END_ELSEWHERE = (
+    "import sys, time, uuid\n"
+    "from sqlalchemy import create_engine\n"
+    "from faceflow.testing.jobs import succeed\n"
+    "job_id = uuid.UUID(sys.argv[2])\n"
+    "succeed(create_engine(sys.argv[1]), job_id, result_key=f'results/{job_id}.png')\n"
+    "print(time.time(), flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("where", ["this process", "another process"])
+def test_a_waiter_hears_of_its_jobs_end_at_once_not_at_its_poll(
+    database_url: str, tmp_path: Path, engine: Engine, where: str
+) -> None:
+    """Issue 24: the job store is read every 5 s here, yet the answer follows the end's
+    commit by milliseconds (the margin is for a loaded machine): in this process through
+    the session's commit, from another process (a relay run as its own service, another
+    replica) through PostgreSQL's NOTIFY in the ending transaction and the API's LISTEN."""
+    if where == "another process" and not database_url.startswith("postgresql"):
+        pytest.skip("only PostgreSQL carries job ends between processes (NOTIFY)")
+
+    def end(job_id: uuid.UUID) -> float | None:
+        if where == "this process":
+            succeed(engine, job_id, result_key=f"results/{job_id}.png")
+            return None
+        done = subprocess.run(
+            [sys.executable, "-c", _END_ELSEWHERE, database_url, str(job_id)],
+            check=True,
+            timeout=60,
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+        )
+        return float(done.stdout.split()[-1])
+
+    with app_client(database_url, tmp_path, wait_poll_seconds=5.0) as client:
+        user = make_user(engine, client.app.state.settings)  # type: ignore[attr-defined]
+        response, after = _wait_and_end(client, user, end)
+    assert response.status_code == 202 and response.json()["status"] == "succeeded"
+    assert after < 2.5, after
+    print(f"\nend committed in {where} -> answered: {after * 1000:.1f} ms (poll 5 s)")
 
 
 # --------------------------------------------------------------------------- read, list, ownership
@@ -558,13 +617,20 @@ def test_list_newest_first_with_cursor_and_status_filter(
 # --------------------------------------------------------------------------- cancel
 
 
+def _cancel(client: TestClient, user: NewUser, job_id: str) -> Response:
+    return client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
+
+
+def _not_cancellable(response: Response) -> bool:
+    return response.status_code == 409 and _error(response) == "job_not_cancellable"
+
+
 def test_cancel_queued_is_immediate_and_obsoletes_dispatch(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     body = job_body(callback_url="http://127.0.0.1:9/hook")
     job_id = client.post("/v1/jobs", json=body, headers=auth(user)).json()["id"]
-    response = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
+    response = _cancel(client, user, job_id)
     assert response.status_code == 200, response.text
     job = response.json()
     assert job["status"] == "cancelled" and job["finished_at"] is not None
@@ -573,54 +639,47 @@ def test_cancel_queued_is_immediate_and_obsoletes_dispatch(
     assert rows["dispatch"].outcome == "obsolete" and rows["dispatch"].done_at is not None
     assert rows["webhook"].payload["event"] == "job.cancelled"
     assert "cancel_run" not in rows  # never dispatched: no flow run to cancel
-    again = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
-    assert again.status_code == 409 and _error(again) == "job_not_cancellable"
+    assert _not_cancellable(_cancel(client, user, job_id))
 
 
 def test_cancel_dispatched_queued_job_cancels_its_flow_run(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     job_id = submit(client, user)
     flow_run_id = dispatch(engine, job_id)
-    assert (
-        client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user)).json()["status"] == "cancelled"
-    )
+    assert _cancel(client, user, job_id).json()["status"] == "cancelled"
     cancel_rows = [row for row in outbox_of(engine, uuid.UUID(job_id)) if row.kind == "cancel_run"]
     assert [row.payload for row in cancel_rows] == [{"flow_run_id": str(flow_run_id), "attempt": 1}]
 
 
 def test_cancel_running_requests_cancellation(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     job_id = submit(client, user)
     dispatch(engine, job_id)
     move(engine, job_id, JobStatus.running, JobStatus.queued)
-    response = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
+    response = _cancel(client, user, job_id)
     assert response.status_code == 202 and response.json()["status"] == "cancel_requested"
-    again = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
+    again = _cancel(client, user, job_id)
     assert again.status_code == 202 and again.json()["status"] == "cancel_requested"
     cancel_rows = [row for row in outbox_of(engine, uuid.UUID(job_id)) if row.kind == "cancel_run"]
     assert len(cancel_rows) == 1
     # the relay sees the run stop
     move(engine, job_id, JobStatus.cancelled, JobStatus.cancel_requested)
     assert client.get(f"/v1/jobs/{job_id}", headers=auth(user)).json()["status"] == "cancelled"
-    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user)).status_code == 409
+    assert _cancel(client, user, job_id).status_code == 409
 
 
 @pytest.mark.parametrize("terminal", [JobStatus.succeeded, JobStatus.failed, JobStatus.expired])
 def test_cancel_terminal_is_409(
-    client: TestClient, engine: Engine, settings: Settings, terminal: JobStatus
+    client: TestClient, engine: Engine, user: NewUser, terminal: JobStatus
 ) -> None:
-    user = make_user(engine, settings)
     job_id = submit(client, user)
     if terminal is JobStatus.succeeded:
         succeed(engine, job_id, result_key="results/a/attempt-1.png")
     else:
         move(engine, job_id, terminal, JobStatus.queued, error_code="x", error_message="y")
-    response = client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(user))
-    assert response.status_code == 409 and _error(response) == "job_not_cancellable"
+    assert _not_cancellable(_cancel(client, user, job_id))
 
 
 # --------------------------------------------------------------------------- result
@@ -713,32 +772,32 @@ def test_several_sources_and_references_are_stored_and_digested(
 
 
 def test_mapping_must_fit_the_images_given(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     one = data_uri(source_jpeg())
+    twice = [{"source": 0, "target": 1}, {"source": 1, "target": 1}]
     bad = [
-        _mapped_body(options={}),  # several sources, no mapping
-        _mapped_body(options={"mapping": [{"source": 2, "target": 0}]}),
-        _mapped_body(options={"mapping": [{"source": 0, "reference": 1}]}),
-        _mapped_body(options={"mapping": [{"source": 0, "target": 0}]}),  # unused reference
-        _mapped_body(source=one),  # source and sources
-        _mapped_body(options={"mapping": [{"source": 0}]}),  # no target nor reference
-        _mapped_body(options={"mapping": MAPPING, "face": "all"}),
-        _mapped_body(references=["https://93.184.216.34/ref.jpg"]),  # only inline
-        {**_mapped_body(), "sources": [one] * 9},
+        (_mapped_body(options={}), "invalid_mapping"),  # several sources, no mapping
+        (_mapped_body(options={"mapping": [{"source": 2, "target": 0}]}), "invalid_mapping"),
+        (_mapped_body(options={"mapping": [{"source": 0, "reference": 1}]}), "invalid_mapping"),
+        (_mapped_body(options={"mapping": [{"source": 0, "target": 0}]}), "invalid_mapping"),
+        (_mapped_body(options={"mapping": twice}, references=None), "invalid_mapping"),
+        (_mapped_body(source=one), "invalid_request"),  # source and sources
+        (_mapped_body(options={"mapping": [{"source": 0}]}), "invalid_request"),
+        (_mapped_body(options={"mapping": MAPPING, "face": "all"}), "invalid_request"),
+        (_mapped_body(references=["https://93.184.216.34/ref.jpg"]), "invalid_request"),
+        ({**_mapped_body(), "sources": [one] * 9}, "invalid_request"),
     ]
-    for body in bad:
+    for body, code in bad:
         response = client.post("/v1/jobs", json=body, headers=auth(user))
         assert response.status_code == 422, (body.get("options"), response.text)
-        assert _error(response) == "invalid_request", response.text
+        assert _error(response) == code, response.text
     assert jobs_of(engine, user.user.id) == []
 
 
 def test_mapping_over_multipart_repeats_the_source_part(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     response = client.post(
         "/v1/jobs",
         headers=auth(user),

@@ -10,7 +10,8 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from tests.webapi.utils import dispatch, make_user, move, new_job, outbox_of
+from faceflow.testing.jobs import dispatch, make_user, move, new_job, outbox_of
+from faceflow.testing.threads import run_threads
 from webapi.config import Settings
 from webapi.jobstate import ALLOWED, InvalidTransition, transition
 from webapi.models import TERMINAL_STATUSES, Job, JobStatus
@@ -198,10 +199,6 @@ def test_racing_writers_exactly_one_wins(engine: Engine, settings: Settings) -> 
             if transition(session, job_id=job.id, to=to, expected=S.queued):
                 wins.append(to)
 
-    threads = [threading.Thread(target=race, args=(to,)) for to in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(race, targets)
     assert len(wins) == 1
     assert _job(engine, job.id).status is wins[0]

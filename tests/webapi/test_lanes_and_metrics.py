@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
+from faceflow.testing.jobs import auth, job_body, make_user, move, new_job
 from tests.webapi.conftest import make_settings
-from tests.webapi.utils import auth, job_body, make_user, move, new_job
 from webapi import services
 from webapi.config import Settings
 from webapi.main import create_app

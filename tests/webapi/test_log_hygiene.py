@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
-from tests.webapi.utils import auth, job_body, make_user, source_jpeg
+from faceflow.testing.jobs import auth, job_body, make_user, source_jpeg
 from webapi.config import Settings
 from webapi.logs import JsonFormatter
 

@@ -16,9 +16,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
-from tests.samples import flat_png
-from tests.webapi.relay_harness import job as stored
-from tests.webapi.utils import (
+from faceflow.testing.jobs import (
     auth,
     data_uri,
     job_body,
@@ -28,10 +26,13 @@ from tests.webapi.utils import (
     source_jpeg,
     target_jpeg,
 )
+from faceflow.testing.relay import job as stored
+from tests.samples import flat_png
 from webapi.config import Settings
+from webapi.crud import NewUser
 from webapi.inputs import store_image
 from webapi.models import Job, Outbox
-from webapi.relay import batches, dispatch
+from webapi.relay import batches, runs
 from webapi.storage import LocalObjectStore
 
 MP40 = (8000, 5000)  # the default per-image limit exactly
@@ -57,9 +58,8 @@ def _error(response: Any) -> dict[str, str]:
 
 
 def test_the_amplification_job_is_refused_at_submit_before_it_queues(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     response = client.post("/v1/jobs", json=_body(8, 8), headers=auth(user))
     assert response.status_code == 413, response.text
     error = _error(response)
@@ -132,8 +132,7 @@ def test_the_planner_closes_a_batch_before_its_pixel_budget(
     with engine.begin() as connection:
         connection.execute(sa.update(Job).where(Job.id == legacy).values(input_pixels=None))
     planned = [
-        (Outbox(kind="dispatch", job_id=j.id), dispatch.plan_of(stored(engine, j.id), 1))
-        for j in jobs
+        (Outbox(kind="dispatch", job_id=j.id), runs.plan_of(stored(engine, j.id), 1)) for j in jobs
     ]
     assert planned[2][1].pixels is None
     chunks = batches.group(planned, 8, limits)

@@ -10,82 +10,47 @@ credential by its settings, dispatches a job's run, and a Prefect client holding
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from sqlalchemy.engine import Engine
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 from websockets.typing import Subprotocol
 
-from tests.webapi.conftest import make_settings
-from tests.webapi.relay_harness import (
-    FAST,
-    SCRIPT,
-    PrefectServer,
-    execute_run,
-    job,
-    stand_in_server,
-    submit,
-)
-from tests.webapi.utils import make_user
+from faceflow.testing.jobs import make_user
+from faceflow.testing.prefect import PrefectServer
+from faceflow.testing.relay import FAST, SCRIPT, execute_run, job, submit
+from tests.webapi.conftest import PREFECT_AUTH as AUTH
+from tests.webapi.conftest import stand_in_run
 from webapi.config import Settings
+from webapi.main import create_app
 from webapi.models import JobStatus
-from webapi.prefect_api import PrefectUnavailable, auth_headers
+from webapi.prefect_api import PrefectAPI, PrefectUnavailable, auth_headers
+from webapi.readiness import PrefectReadiness
 from webapi.relay import dispatch, sync
 from webapi.relay.runner import build_relay
 from webapi.storage import LocalObjectStore
 
 pytestmark = pytest.mark.prefect
 
-AUTH = f"faceflow:{secrets.token_urlsafe(32)}"
 PREFECT_WS = [Subprotocol("prefect")]
 
 
-@pytest.fixture(scope="module")
-def locked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    """A Prefect server that asks for ``AUTH``, with the stand-in deployments; this
-    process's Prefect client holds the credential while the module runs."""
-    with stand_in_server(tmp_path_factory.mktemp("prefect-auth"), auth_string=AUTH) as server:
-        yield server
-
-
 @pytest.fixture
-def settings(database_url: str, tmp_path: Path, locked: PrefectServer) -> Settings:
-    return make_settings(
-        database_url, tmp_path, prefect_api_url=locked.api_url, prefect_api_auth_string=AUTH
-    )
-
-
-def _scheduled_run(locked: PrefectServer) -> dict[str, Any]:
-    """A run of the stand-in deployment, created with the credential."""
-    parameters = {
-        "job_id": "j1",
-        "owner_id": "alice",
-        "source_key": "inputs/alice/source",
-        "target_key": "inputs/alice/target",
-        "options": {},
-        "deadline_at": "2030-01-01T00:00:00+00:00",
-    }
-    with httpx.Client(base_url=locked.api_url, headers=locked.headers, timeout=10) as owner:
-        deployment = owner.get("/deployments/name/fuse-faces/fuse-faces").json()
-        response = owner.post(
-            f"/deployments/{deployment['id']}/create_flow_run",
-            json={"name": "victim", "parameters": parameters},
-        )
-    assert response.status_code == 201, response.text
-    return dict(response.json())
+def settings(locked_settings: Settings) -> Settings:
+    return locked_settings
 
 
 def test_without_the_credential_nothing_is_read_or_changed(locked: PrefectServer) -> None:
-    run = _scheduled_run(locked)
+    run = stand_in_run(locked, "victim")  # created with the credential
     run_id = run["id"]
     pull_step = [{"prefect.deployments.steps.run_shell_script": {"script": "id > /tmp/pwned"}}]
     attempts = {
@@ -135,7 +100,7 @@ def test_without_the_credential_nothing_is_read_or_changed(locked: PrefectServer
         assert anonymous.get("/ready").status_code == 200
 
     # Nothing changed: the run is still scheduled with its own parameters.
-    after = locked.run(str(run_id))
+    after = locked.rest.run(str(run_id))
     assert after["state_type"] == "SCHEDULED"
     assert after["parameters"] == run["parameters"]
     with httpx.Client(base_url=locked.api_url, headers=locked.headers, timeout=10) as owner:
@@ -173,7 +138,7 @@ def test_the_relay_with_the_credential_dispatches_and_learns_the_outcome(
     stored = job(engine, new.id)
     assert stored.status is JobStatus.queued and stored.flow_run_id is None
     assert "HTTP 401" in caplog.text and "PREFECT_API_AUTH_STRING" in caplog.text
-    assert locked.runs_of_job(new.id) == []
+    assert locked.rest.runs_of_job(new.id) == []
     with pytest.raises(PrefectUnavailable, match="401"):
         relay.prefect.deployment_id()
     relay.close()
@@ -188,7 +153,7 @@ def test_the_relay_with_the_credential_dispatches_and_learns_the_outcome(
             time.sleep(0.1)
         stored = job(engine, new.id)
         assert stored.flow_run_id is not None
-        assert [r["id"] for r in locked.runs_of_job(new.id)] == [str(stored.flow_run_id)]
+        assert [r["id"] for r in locked.rest.runs_of_job(new.id)] == [str(stored.flow_run_id)]
         assert execute_run(str(stored.flow_run_id)) == "COMPLETED"
         sync.run_once(relay)
         assert job(engine, new.id).status is JobStatus.succeeded
@@ -210,3 +175,72 @@ def test_the_settings_take_the_credential_from_the_environment_and_never_show_it
     monkeypatch.setenv("FACEFLOW_PREFECT_API_AUTH_STRING", "faceflow:its-own")
     secret = Settings.model_validate({}).prefect_api_auth_string
     assert secret is not None and secret.get_secret_value() == "faceflow:its-own"
+
+
+def _readyz(settings: Settings) -> httpx.Response:
+    with TestClient(create_app(settings)) as client:
+        return client.get("/readyz")
+
+
+def test_readiness_tells_a_refused_credential_from_an_unreachable_api(
+    settings: Settings, locked: PrefectServer
+) -> None:
+    """``/readyz`` asks a route that wants the credential: ready with the server's, not
+    ready with a wrong one (``credential refused``), which reads apart from a Prefect API
+    that does not answer; the credential never shows."""
+    ready = _readyz(settings)
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["checks"] == {"database": "ok", "prefect": "ok"}
+
+    refused = _readyz(
+        settings.model_copy(update={"prefect_api_auth_string": SecretStr("faceflow:guess")})
+    )
+    assert refused.status_code == 503
+    body = refused.json()
+    assert body["error"]["code"] == "not_ready"
+    assert body["checks"]["database"] == "ok"
+    assert body["checks"]["prefect"].startswith("credential refused: GET admin/version: HTTP 401")
+    assert "credential refused" in body["error"]["message"]
+    assert "guess" not in refused.text and AUTH.split(":", 1)[1] not in refused.text
+
+    down = _readyz(settings.model_copy(update={"prefect_api_url": "http://127.0.0.1:9/api"}))
+    assert down.status_code == 503
+    assert down.json()["checks"]["prefect"].startswith("unreachable: GET admin/version")
+
+
+def test_an_api_that_runs_the_relay_without_the_credential_is_not_ready(
+    settings: Settings, locked: PrefectServer
+) -> None:
+    """The relay in the API process would get 401 on every call: the API is not ready.
+    Without the relay (and no credential) the API never calls Prefect: the open health
+    route is enough."""
+    bare = settings.model_copy(update={"prefect_api_auth_string": None})
+    with_relay = PrefectReadiness.from_settings(bare.model_copy(update={"run_relay": True}))
+    without = PrefectReadiness.from_settings(bare)
+    try:
+        assert asyncio.run(with_relay.check()).startswith("credential refused: ")
+        assert asyncio.run(without.check()) == "ok"
+    finally:
+        with_relay.close()
+        without.close()
+
+
+def test_the_readiness_answer_is_kept_briefly(settings: Settings, locked: PrefectServer) -> None:
+    """Probes within the cache's time get the last answer without asking Prefect; the
+    credential changing (a rotation gone wrong) shows once it has expired, and a failure
+    is kept for less time than a success."""
+    readiness = PrefectReadiness.from_settings(settings)
+    readiness.ok_ttl_s, readiness.failed_ttl_s = 1.0, 0.3
+    good = readiness.client
+    try:
+        assert asyncio.run(readiness.check()) == "ok"
+        readiness.client = PrefectAPI(locked.api_url, auth_string="faceflow:rotated-away")
+        assert asyncio.run(readiness.check()) == "ok"  # from the cache
+        time.sleep(1.1)
+        assert asyncio.run(readiness.check()).startswith("credential refused: ")
+        readiness.client.close()
+        readiness.client = good
+        time.sleep(0.4)
+        assert asyncio.run(readiness.check()) == "ok"
+    finally:
+        readiness.close()

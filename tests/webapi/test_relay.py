@@ -7,6 +7,7 @@ a time except in the end-to-end test, which runs the relay's background threads.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -25,13 +26,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from flows.params import FINAL_STAGE, FuseFacesParams, idempotency_key, result_key
-from tests.webapi.conftest import make_settings
-from tests.webapi.relay_harness import (
+from faceflow.testing.jobs import auth, job_body, make_user, outbox_of, source_jpeg, target_jpeg
+from faceflow.testing.prefect import PrefectServer
+from faceflow.testing.relay import (
     FAST,
     QUALITY,
     SCRIPT,
-    PrefectServer,
     body_json,
     execute_run,
     in_thread,
@@ -39,19 +39,27 @@ from tests.webapi.relay_harness import (
     job,
     receiver,
     submit,
-    wait_for,
     write_result,
 )
-from tests.webapi.utils import auth, job_body, make_user, outbox_of, source_jpeg, target_jpeg
+from faceflow.testing.wait import wait_for
+from flows.params import (
+    FINAL_STAGE,
+    FuseFacesParams,
+    idempotency_key,
+    result_error_key,
+    result_key,
+)
+from tests.webapi.conftest import make_settings
 from webapi import crud
 from webapi.config import Settings
 from webapi.main import create_app
 from webapi.models import JobStatus, Outbox, utcnow
-from webapi.prefect_api import FlowRun, PrefectAPI, StateType
+from webapi.prefect_api import FlowRun, PrefectAPI, PrefectUnavailable, StateType
 from webapi.relay import dispatch, expire, fetch_lane, reap, sync
 from webapi.relay.context import Relay
 from webapi.relay.metrics import METRICS
 from webapi.relay.runner import build_relay, reconcile_once, start_relay, stop_relay
+from webapi.relay.runs import plan_of
 from webapi.storage import LocalObjectStore
 
 pytestmark = pytest.mark.prefect
@@ -95,7 +103,7 @@ def running(
     """A dispatched job whose run a worker has started (then stopped reporting)."""
     job_id = dispatched(relay, owner, **fields)
     run_id = str(job(relay.engine, job_id).flow_run_id)
-    server.set_state(run_id, "RUNNING")
+    server.rest.set_state(run_id, "RUNNING")
     sync.run_once(relay)
     assert job(relay.engine, job_id).status is JobStatus.running
     return job_id, run_id
@@ -120,7 +128,7 @@ def test_dispatch_creates_one_flow_run_per_attempt(
 
     stored = job(relay.engine, new.id)
     assert stored.status is JobStatus.queued and stored.attempts == 1
-    runs = prefect_server.runs_of_job(new.id)
+    runs = prefect_server.rest.runs_of_job(new.id)
     assert [r["id"] for r in runs] == [str(stored.flow_run_id)]
     run = runs[0]
     assert run["name"] == str(new.id)
@@ -142,7 +150,7 @@ def test_dispatch_creates_one_flow_run_per_attempt(
         session.add(Outbox(kind="dispatch", job_id=new.id, payload={"attempt": 1}))
         session.commit()
     dispatch.run_once(relay)
-    assert len(prefect_server.runs_of_job(new.id)) == 1
+    assert len(prefect_server.rest.runs_of_job(new.id)) == 1
     assert outbox_of(relay.engine, new.id)[-1].outcome == "obsolete"
 
 
@@ -152,7 +160,7 @@ def test_a_job_without_options_leaves_every_option_to_the_flow(
     new = submit(relay.engine, relay.settings, relay.store, owner, options={})
     assert job(relay.engine, new.id).options == {}
     assert dispatch.run_once(relay) == 1
-    [run] = prefect_server.runs_of_job(new.id)
+    [run] = prefect_server.rest.runs_of_job(new.id)
     assert run["parameters"]["options"] == {}
 
 
@@ -175,7 +183,7 @@ def test_prefect_down_job_stays_queued_then_dispatched(
     finally:
         prefect_server.start()
     wait_for(lambda: dispatch.run_once(relay) > 0 and job(relay.engine, new.id).attempts == 1)
-    assert len(prefect_server.runs_of_job(new.id)) == 1
+    assert len(prefect_server.rest.runs_of_job(new.id)) == 1
 
 
 class CountingTransport(httpx.HTTPTransport):
@@ -266,7 +274,7 @@ def test_prefect_outage_defers_the_batch_after_one_try_and_recovery_makes_it_due
         )
         assert time.monotonic() - back < 5  # not after the rows' 10-20 s backoff
         assert not relay.outage.active
-        assert all(len(prefect_server.runs_of_job(j)) == 1 for j in jobs)
+        assert all(len(prefect_server.rest.runs_of_job(j)) == 1 for j in jobs)
         assert all([r.outcome for r in outbox_of(engine, j)] == ["done"] for j in jobs)
     finally:
         other.close()
@@ -367,11 +375,13 @@ def test_sync_maps_completed_failed_cancelled_and_running(
     SCRIPT.behaviours[str(bad)] = "fail"
     assert execute_run(str(job(relay.engine, ok).flow_run_id)) == "COMPLETED"
     assert execute_run(str(job(relay.engine, bad).flow_run_id)) == "FAILED"
-    prefect_server.set_state(str(job(relay.engine, stopped).flow_run_id), "CANCELLED")
-    prefect_server.set_state(str(job(relay.engine, busy).flow_run_id), "RUNNING", "stage: detect")
+    prefect_server.rest.set_state(str(job(relay.engine, stopped).flow_run_id), "CANCELLED")
+    prefect_server.rest.set_state(
+        str(job(relay.engine, busy).flow_run_id), "RUNNING", "stage: detect"
+    )
     staged_run = str(job(relay.engine, staged).flow_run_id)
-    prefect_server.set_state(staged_run, "RUNNING")
-    prefect_server.report_progress(staged_run, "Stage 4/6: fuse (attempt 1).")
+    prefect_server.rest.set_state(staged_run, "RUNNING")
+    prefect_server.rest.report_progress(staged_run, "Stage 4/6: fuse (attempt 1).")
 
     assert sync.run_once(relay) == 5
     done = job(relay.engine, ok)
@@ -395,16 +405,34 @@ def test_sync_maps_completed_failed_cancelled_and_running(
     running = job(relay.engine, busy)
     assert running.status is JobStatus.running and running.stage == "detect"
     assert job(relay.engine, staged).stage == "fuse"
-    prefect_server.report_progress(staged_run, "Stage 5/6: postprocess (attempt 1).")
+    prefect_server.rest.report_progress(staged_run, "Stage 5/6: postprocess (attempt 1).")
     assert sync.run_once(relay) == 1 and job(relay.engine, staged).stage == "postprocess"
     assert sync.run_once(relay) == 0  # nothing new
+
+
+def test_a_failure_record_with_an_unknown_code_fails_the_job_with_the_fallback(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """A ``JobFailure`` whose code this version does not list (written by a newer flow) is
+    still the job's outcome: failed ``internal_error`` with that code's public message, not
+    a lost run; the run's state message, which names the code, is not read."""
+    job_id = dispatched(relay, owner)
+    run_id = str(job(relay.engine, job_id).flow_run_id)
+    record = {"code": "code_of_a_newer_flow", "message": "internal detail", "flow_run_id": run_id}
+    relay.store.put(result_error_key(str(job_id), 1), json.dumps(record).encode())
+    prefect_server.rest.set_state(run_id, "FAILED", "[code_of_a_newer_flow] internal detail")
+
+    assert sync.run_once(relay) == 1
+    failed = job(relay.engine, job_id)
+    assert (failed.status, failed.attempts) == (JobStatus.failed, 1)
+    assert (failed.error_code, failed.error_message) == ("internal_error", "The job failed.")
 
 
 def test_stale_flow_run_late_result_is_ignored(
     relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
 ) -> None:
     job_id, first = running(relay, owner, prefect_server)
-    prefect_server.set_state(first, "CRASHED")
+    prefect_server.rest.set_state(first, "CRASHED")
     assert reap.run_once(relay) >= 1
     dispatch.run_once(relay)
     second = str(job(relay.engine, job_id).flow_run_id)
@@ -412,7 +440,7 @@ def test_stale_flow_run_late_result_is_ignored(
 
     # Attempt 1's zombie finishes now, with a result of its own: nothing changes.
     write_result(SCRIPT.storage(), str(job_id), 1)
-    prefect_server.set_state(first, "COMPLETED")
+    prefect_server.rest.set_state(first, "COMPLETED")
     sync.run_once(relay)
     stale = job(relay.engine, job_id)
     assert stale.status is JobStatus.queued and stale.result_key is None
@@ -436,7 +464,7 @@ def test_expire_without_creating_a_flow_run(
     assert expire.run_once(relay) == 1
     stored = job(relay.engine, new.id)
     assert stored.status is JobStatus.expired and stored.error_code == "queue_timeout"
-    assert stored.flow_run_id is None and prefect_server.runs_of_job(new.id) == []
+    assert stored.flow_run_id is None and prefect_server.rest.runs_of_job(new.id) == []
     assert all(row.done_at for row in outbox_of(relay.engine, new.id))
 
 
@@ -461,16 +489,16 @@ def test_reap_crashed_run_redispatches_then_stops_at_max_attempts(
     for attempt in (1, 2):
         run = flow_run_of(relay, job_id)
         assert run.idempotency_key == idempotency_key(str(job_id), attempt)
-        prefect_server.set_state(run.id, "RUNNING")
+        prefect_server.rest.set_state(run.id, "RUNNING")
         sync.run_once(relay)
         assert job(relay.engine, job_id).status is JobStatus.running
-        prefect_server.set_state(run.id, "CRASHED")
+        prefect_server.rest.set_state(run.id, "CRASHED")
         assert reap.run_once(relay) >= 1
         dispatch.run_once(relay)
 
     final = job(relay.engine, job_id)
     assert final.status is JobStatus.failed and final.error_code == "worker_lost"
-    assert final.attempts == 2 and len(prefect_server.runs_of_job(job_id)) == 2
+    assert final.attempts == 2 and len(prefect_server.rest.runs_of_job(job_id)) == 2
     kinds = [(row.kind, row.payload.get("attempt")) for row in outbox_of(relay.engine, job_id)]
     assert kinds.count(("dispatch", 2)) == 1 and ("dispatch", 3) not in kinds
 
@@ -479,12 +507,12 @@ def test_reap_lost_run_redispatches(
     relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
 ) -> None:
     job_id = dispatched(relay, owner)
-    prefect_server.delete_run(str(job(relay.engine, job_id).flow_run_id))
+    prefect_server.rest.delete_run(str(job(relay.engine, job_id).flow_run_id))
     assert reap.run_once(relay) >= 1
     dispatch.run_once(relay)
     stored = job(relay.engine, job_id)
     assert stored.status is JobStatus.queued and stored.attempts == 2
-    assert [r["idempotency_key"] for r in prefect_server.runs_of_job(job_id)] == [
+    assert [r["idempotency_key"] for r in prefect_server.rest.runs_of_job(job_id)] == [
         idempotency_key(str(job_id), 2)
     ]
 
@@ -518,7 +546,7 @@ def test_cancel_running_job_then_scheduled_job(
     assert relay.prefect.read_flow_run(busy_run).state_type is StateType.CANCELLING  # type: ignore[union-attr]
     assert flow_run_of(relay, waiting).state_type is StateType.CANCELLED
     assert job(relay.engine, busy).status is JobStatus.cancel_requested
-    prefect_server.set_state(busy_run, "CANCELLED")  # the worker stopped the process
+    prefect_server.rest.set_state(busy_run, "CANCELLED")  # the worker stopped the process
     sync.run_once(relay)
     assert job(relay.engine, busy).status is JobStatus.cancelled
 
@@ -723,19 +751,42 @@ def test_a_mapped_job_dispatches_alone_with_its_extra_images(
         )
     plain, plain_too = (submit(relay.engine, relay.settings, relay.store, owner) for _ in "ab")
     plans = [
-        (Outbox(kind="dispatch", job_id=j.id), dispatch.plan_of(job(relay.engine, j.id), 1))
+        (Outbox(kind="dispatch", job_id=j.id), plan_of(job(relay.engine, j.id), 1))
         for j in (mapped, plain, plain_too)
     ]
     chunks = {frozenset(p.job_id for p in c.plans) for c in batches.group(plans, 8)}
     assert chunks == {frozenset({mapped.id}), frozenset({plain.id, plain_too.id})}
 
     assert dispatch.run_once(relay) == 3
-    [run] = prefect_server.runs_of_job(mapped.id)
+    [run] = prefect_server.rest.runs_of_job(mapped.id)
     params = FuseFacesParams.model_validate(run["parameters"])
     assert params.extra_source_keys == [other.key] and params.reference_keys == [source.key]
     assert [m.model_dump() for m in params.options.mapping] == [
         {"source": 0, "target": 0, "reference": None},
         {"source": 1, "target": None, "reference": 0},
     ]
-    [plain_run] = prefect_server.runs_of_job(plain.id)
+    [plain_run] = prefect_server.rest.runs_of_job(plain.id)
     assert FuseFacesParams.model_validate(plain_run["parameters"]).extra_source_keys == []
+
+
+def test_a_busy_prefect_is_asked_again_before_it_counts_as_an_outage() -> None:
+    """Prefect on SQLite answers 503 for tens of milliseconds while a burst of writes holds
+    its database (a run ending): the relay asks again after 50 and 150 ms; only a 503 that
+    outlasts both pauses dispatch (issue 24: a job submitted right after another one ended
+    waited out the 1 s outage probe). The server is a stand-in here because a real one
+    cannot be made busy on cue."""
+    answers = iter([503, 503, 201])
+    seen: list[float] = []
+
+    def busy_then_free(request: httpx.Request) -> httpx.Response:
+        seen.append(time.monotonic())
+        return httpx.Response(next(answers), json={"id": "run"})
+
+    with PrefectAPI("http://127.0.0.1:9/api", transport=httpx.MockTransport(busy_then_free)) as api:
+        assert api._request("POST", "flow_runs/filter").status_code == 201
+        assert len(seen) == 3 and seen[2] - seen[0] >= 0.2
+        seen.clear()
+        always = httpx.MockTransport(lambda request: httpx.Response(503))
+        api._http = httpx.Client(base_url="http://127.0.0.1:9/api/", transport=always)
+        with pytest.raises(PrefectUnavailable, match="503"):
+            api._request("POST", "flow_runs/filter")

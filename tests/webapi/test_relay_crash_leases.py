@@ -11,9 +11,9 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from faceflow.testing.jobs import make_user
+from faceflow.testing.relay import submit
 from tests.webapi.conftest import make_settings
-from tests.webapi.relay_harness import submit
-from tests.webapi.utils import make_user
 from webapi.models import utcnow
 from webapi.prefect_api import PrefectAPI
 from webapi.relay import dispatch, leases

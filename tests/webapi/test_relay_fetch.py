@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.webapi.relay_harness import Receiver, free_port, receiver, tarpit
+from faceflow.testing.net import free_port
+from faceflow.testing.relay import Receiver, receiver, tarpit
 from webapi.relay.fetch import (
     Deadline,
     FetchRejected,

@@ -13,9 +13,10 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from faceflow.testing.jobs import make_user, outbox_of
+from faceflow.testing.relay import submit
+from faceflow.testing.threads import run_threads
 from tests.webapi.conftest import make_settings
-from tests.webapi.relay_harness import submit
-from tests.webapi.utils import make_user, outbox_of
 from webapi.config import Settings
 from webapi.models import Outbox, utcnow
 from webapi.relay import leases
@@ -92,11 +93,7 @@ def test_concurrent_claimers_get_disjoint_rows(engine: Engine, rows: list[uuid.U
             mine += [row.id for row in batch]
         got[name] = mine
 
-    threads = [threading.Thread(target=claimer, args=(f"r{i}",)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    run_threads(claimer, (f"r{i}" for i in range(4)), timeout_s=60)
     claimed = [row_id for ids in got.values() for row_id in ids]
     assert sorted(claimed) == sorted(rows)  # every row once, none twice
 

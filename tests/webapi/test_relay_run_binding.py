@@ -22,11 +22,12 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+from faceflow.testing.jobs import make_user, new_job, outbox_of
+from faceflow.testing.prefect import PrefectServer
+from faceflow.testing.relay import execute_run, job, submit
 from flows.binding import PREVIOUS_KEYS_ENV, SIGNING_KEY_ENV
 from flows.params import JobFailure, result_error_key, result_meta_key
 from tests.samples import astronaut_jpeg_bytes, no_face_jpeg_bytes
-from tests.webapi.relay_harness import PrefectServer, execute_run, job, submit
-from tests.webapi.utils import make_user, new_job, outbox_of
 from webapi import crud
 from webapi.inputs import store_image
 from webapi.models import Job, JobStatus
@@ -103,10 +104,10 @@ def test_a_run_patched_to_another_users_input_is_refused(
     theirs = new_job(relay.engine, relay.settings, victim, source=private, target=private)
     mine = submit(relay.engine, relay.settings, relay.store, owner)
     run_id = _dispatched(relay, mine)
-    parameters = prefect_server.run(run_id)["parameters"]
+    parameters = prefect_server.rest.run(run_id)["parameters"]
     assert parameters["binding"].startswith("v1=")
     _patch(prefect_server, run_id, parameters={**parameters, "source_key": theirs.source_key})
-    assert prefect_server.run(run_id)["parameters"]["source_key"] == theirs.source_key
+    assert prefect_server.rest.run(run_id)["parameters"]["source_key"] == theirs.source_key
 
     assert _fuse(run_id) == "FAILED"
     assert _task_runs(prefect_server, run_id) == []  # refused before loading anything
@@ -128,7 +129,7 @@ def test_job_variables_that_choose_the_keys_are_refused(
 
     mine = submit(relay.engine, relay.settings, relay.store, owner)
     run_id = _dispatched(relay, mine)
-    parameters = prefect_server.run(run_id)["parameters"]
+    parameters = prefect_server.rest.run(run_id)["parameters"]
     forged = signed_parameters({**parameters, "source_key": "inputs/00/other.jpg"}, "chosen")
     _patch(
         prefect_server,
@@ -157,7 +158,7 @@ def test_a_state_forced_over_the_api_is_a_lost_run(
 ) -> None:
     new = submit(relay.engine, relay.settings, relay.store, owner)
     first = _dispatched(relay, new)
-    prefect_server.set_state(first, state, message)
+    prefect_server.rest.set_state(first, state, message)
     assert sync.run_once(relay) == 1
 
     requeued = job(relay.engine, new.id)
@@ -171,7 +172,7 @@ def test_a_state_forced_over_the_api_is_a_lost_run(
 
     second = _dispatched(relay, new)  # attempts are capped (2): the next one fails the job
     assert second != first
-    prefect_server.set_state(second, state, message)
+    prefect_server.rest.set_state(second, state, message)
     sync.run_once(relay)
     assert _failed_with(relay, new.id) == (JobStatus.failed, "worker_lost")
 
@@ -183,8 +184,8 @@ def test_a_failure_recorded_by_another_run_is_not_the_jobs(
     failure it records for that attempt is ignored: it is not the run the job holds."""
     new = submit(relay.engine, relay.settings, relay.store, owner)
     held = _dispatched(relay, new)
-    parameters = {**prefect_server.run(held)["parameters"], "source_key": "inputs/00/x.jpg"}
-    deployment = prefect_server.run(held)["deployment_id"]
+    parameters = {**prefect_server.rest.run(held)["parameters"], "source_key": "inputs/00/x.jpg"}
+    deployment = prefect_server.rest.run(held)["deployment_id"]
     created = httpx.post(
         f"{prefect_server.api_url}/deployments/{deployment}/create_flow_run",
         json={"parameters": parameters, "name": "forged"},
@@ -198,7 +199,7 @@ def test_a_failure_recorded_by_another_run_is_not_the_jobs(
 
     sync.run_once(relay)
     assert job(relay.engine, new.id).status is JobStatus.queued  # its own run: Scheduled
-    prefect_server.set_state(held, "FAILED", f"[{BINDING}] forged")
+    prefect_server.rest.set_state(held, "FAILED", f"[{BINDING}] forged")
     sync.run_once(relay)
     lost = job(relay.engine, new.id)
     assert (lost.status, lost.error_code, lost.flow_run_id) == (JobStatus.queued, None, None)
@@ -232,7 +233,7 @@ def test_a_batch_refuses_only_the_tampered_job(
     faceless = _faceless(relay, owner)
     run_id = _dispatched(relay, tampered)
     assert str(job(relay.engine, faceless.id).flow_run_id) == run_id  # one batch run
-    parameters = prefect_server.run(run_id)["parameters"]
+    parameters = prefect_server.rest.run(run_id)["parameters"]
     jobs = parameters["jobs"]
     assert all(entry["binding"].startswith("v1=") for entry in jobs)
     index = [entry["job_id"] for entry in jobs].index(str(tampered.id))

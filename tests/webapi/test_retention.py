@@ -4,6 +4,7 @@ theirs; shared inputs and jobs that have not ended are never touched."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -13,9 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from flows.params import result_key, result_meta_key
-from tests.webapi.conftest import make_settings
-from tests.webapi.utils import (
+from faceflow.testing.jobs import (
     auth,
     image_bytes,
     jobs_of,
@@ -26,6 +25,14 @@ from tests.webapi.utils import (
     succeed,
     target_jpeg,
 )
+from flows.params import (
+    chunks_manifest_key,
+    progress_key,
+    result_error_key,
+    result_key,
+    result_meta_key,
+)
+from tests.webapi.conftest import make_settings
 from webapi import crud
 from webapi.config import Settings
 from webapi.errors import InputsPurged
@@ -211,7 +218,9 @@ def test_result_keys_cover_every_attempt_and_format() -> None:
     job_id = uuid.uuid4()
     keys = result_keys(job_id, 2)
     assert result_key(str(job_id), 2, "webp") in keys and result_meta_key(str(job_id), 1) in keys
-    assert len(keys) == 2 * 4
+    assert result_key(str(job_id), 2, "mp4") in keys  # a video's result
+    assert result_error_key(str(job_id), 1) in keys and progress_key(str(job_id), 2) in keys
+    assert len(keys) == 2 * (4 + 3)
 
 
 def test_a_retention_pass_over_many_jobs_touches_only_what_is_due(
@@ -288,3 +297,25 @@ def test_a_mapping_job_s_other_sources_and_references_expire_unless_still_used(
     with Session(engine, expire_on_commit=False) as session:
         (admission,) = crud.submit_jobs(session, submissions=[late], settings=settings, store=store)
     assert isinstance(admission.error, InputsPurged)
+
+
+def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
+    engine: Engine, settings: Settings, store: ObjectStore
+) -> None:
+    """A cancelled video job's attempts listed their chunks: the first pass after its end
+    deletes them and the lists; another job's chunk stays."""
+    user = make_user(engine, settings)
+    job = new_job(engine, settings, user)
+    mine = [f"video-chunks/{uuid.uuid4().hex}-{i}.mp4" for i in range(3)]
+    other = f"video-chunks/{uuid.uuid4().hex}-other.mp4"
+    for key in [*mine, other]:
+        store.put(key, b"segment")
+    store.put(chunks_manifest_key(str(job.id), 1), json.dumps(mine[:2]).encode())
+    store.put(chunks_manifest_key(str(job.id), 2), json.dumps(mine[1:]).encode())
+    move(engine, job.id, JobStatus.queued, JobStatus.queued, flow_run_id=uuid.uuid4(), attempts=2)
+    move(engine, job.id, JobStatus.cancelled, JobStatus.queued)
+    report = run_pass(engine, store, settings, now=utcnow() + timedelta(seconds=1))
+    assert report.input_jobs == 1
+    assert not any(store.exists(key) for key in mine)
+    assert not store.exists(chunks_manifest_key(str(job.id), 1))
+    assert store.exists(other)

@@ -1,4 +1,4 @@
-"""The service time behind 503 admission (``crud.service_seconds``).
+"""The service time behind 503 admission (``capacity.service_seconds``).
 
 Regression (fault suite, scenario 8): run times alone (started → finished, ≈ 1.2-1.6 s)
 missed dispatch, worker pick-up, sync and a host shared with the API; under a burst jobs
@@ -10,6 +10,7 @@ finishes (times the worker slots) is what each queued job costs the ones behind 
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,16 +18,16 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from faceflow.testing.jobs import finished_job, make_user
 from tests.webapi.conftest import make_settings
-from tests.webapi.utils import finished_job, make_user
-from webapi import crud
+from webapi import capacity
 from webapi.models import utcnow
 
 
 def _service_s(engine: Engine, **settings: object) -> float:
-    crud.reset_service_time_cache()
+    capacity.reset_service_time_cache()
     with Session(engine) as session:
-        return crud.service_seconds(session, settings=make_settings(**settings))  # type: ignore[arg-type]
+        return capacity.service_seconds(session, settings=make_settings(**settings))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("slots", [1, 2])
@@ -84,3 +85,39 @@ def test_the_jobs_of_one_batch_run_share_its_cost(
             )
     value = _service_s(engine, database_url=database_url, tmp_path=tmp_path, worker_slots=slots)
     assert value == pytest.approx(2.0 * slots, rel=0.01)
+
+
+@pytest.mark.parametrize("batch_max_jobs", [32, 1])
+def test_with_batching_a_queue_drains_by_runs_and_compute_not_by_latencies(
+    database_url: str, tmp_path: Path, engine: Engine, batch_max_jobs: int
+) -> None:
+    """Issue 24: jobs seen one at a time on an idle system each took 1.1 s end to end, of
+    which 0.1 s was their stages' compute. A burst of 64 under batching leaves in 2 runs of
+    32: about 2 runs x 1.0 s of overhead + 64 x 0.1 s of compute, not 64 x 1.1 s, so it is
+    admitted within a 60 s queue timeout; without batching each job is a run of its own."""
+    settings = make_settings(database_url, tmp_path, batch_max_jobs=batch_max_jobs)
+    user = make_user(engine, settings, quota=1000)
+    t0 = utcnow() - timedelta(minutes=5)
+    for i in range(6):
+        created = t0 + timedelta(seconds=10 * i)
+        finished_job(engine, settings, user, created=created, started=created,
+                     finished=created + timedelta(seconds=1.1),
+                     timings={"detect": 60.0, "fuse": 40.0})  # fmt: skip
+    capacity.reset_service_time_cache()
+    with Session(engine) as session:
+        load = capacity.backlog(session, settings=settings)
+    assert load.service_s == pytest.approx(1.1)
+    burst = replace(load, queued_by_lane={"normal": 64, "high": 0})
+    if batch_max_jobs == 1:
+        assert load.drain is None
+        assert burst.wait_s("normal") == pytest.approx(64 * 1.1)
+        return
+    assert load.drain == capacity.Drain(overhead_s=pytest.approx(1.0), compute_s=0.1,
+                                        batch_jobs=32)  # fmt: skip
+    assert burst.wait_s("normal") == pytest.approx(2 * 1.0 + 64 * 0.1)
+    capacity.check_capacity(active=0, owner=user.user, load=burst, lane="normal",
+                            queue_timeout_s=60, settings=settings)  # fmt: skip
+    # one more job that needs a third run costs that run's overhead too
+    assert replace(burst, queued_by_lane={"normal": 65}).wait_s("normal") == pytest.approx(
+        3 * 1.0 + 65 * 0.1
+    )

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.hostile_body import deep, many_keys
-from tests.webapi.utils import make_user, stack_webapi
+from faceflow.testing.bodies import deep, many_keys
+from faceflow.testing.jobs import make_user, stack_webapi
 from webapi.config import Settings
 from webapi.db import create_engine
 from webapi.migrations import upgrade

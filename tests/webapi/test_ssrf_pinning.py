@@ -29,9 +29,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from sqlalchemy.engine import Engine
 
+from faceflow.testing.jobs import make_user, outbox_of, succeed
+from faceflow.testing.relay import FAST, independent_verify, submit
 from tests.webapi.conftest import make_settings
-from tests.webapi.relay_harness import FAST, independent_verify, submit
-from tests.webapi.utils import make_user, outbox_of, succeed
 from webapi.relay import notify
 from webapi.relay.fetch import FetchRejected, FetchUnavailable, fetch_url
 from webapi.relay.runner import build_relay

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from faceflow.testing.jobs import data_uri, image_bytes, source_jpeg
 from flows.params import input_key
 from tasks.errors import ImageTooLarge, ImageTooSmall, InvalidInput, UnsupportedFormat
 from tasks.options import ImageLimits
-from tests.webapi.utils import data_uri, image_bytes, source_jpeg
 from webapi.errors import BlockedUrl, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from webapi.inputs import InputRef, accept_input, decode_data_uri, store_image
 from webapi.storage import (
+    READ_PIECE,
     LocalObjectStore,
     ObjectNotFound,
     ObjectStore,
@@ -124,3 +125,21 @@ def test_accept_input_kinds(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest):
         accept("http://93.184.216.34/a.jpg")
     assert accept("http://127.0.0.1:8000/a.jpg", private=True).url == "http://127.0.0.1:8000/a.jpg"
+
+
+def test_files_go_in_streamed_and_come_out_by_ranges(store: ObjectStore, tmp_path: Path) -> None:
+    """``put_file``, ``size`` and ``read_range`` (a video upload and a result download with
+    Range) on the local store and on S3, in pieces of at most ``READ_PIECE`` bytes."""
+    data = bytes(range(256)) * (READ_PIECE // 256 * 2 + 3)  # two pieces and a bit
+    path = tmp_path / "video.bin"
+    path.write_bytes(data)
+    store.put_file("inputs/vi/video.mp4", path, content_type="video/mp4")
+    assert store.size("inputs/vi/video.mp4") == len(data)
+    pieces = list(store.read_range("inputs/vi/video.mp4", 0, len(data) - 1))
+    assert b"".join(pieces) == data and max(map(len, pieces)) <= READ_PIECE
+    middle = b"".join(store.read_range("inputs/vi/video.mp4", 1000, READ_PIECE + 999))
+    assert middle == data[1000 : READ_PIECE + 1000]
+    with pytest.raises(ObjectNotFound):
+        store.size("inputs/vi/missing.mp4")
+    with pytest.raises(ObjectNotFound):
+        store.read_range("inputs/vi/missing.mp4", 0, 10)

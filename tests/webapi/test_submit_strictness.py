@@ -14,8 +14,7 @@ from PIL import Image
 from sqlalchemy.engine import Engine
 
 from faceflow.client import FaceFlowAPIError, FaceFlowClient
-from tests.webapi.conftest import make_settings, serve
-from tests.webapi.utils import (
+from faceflow.testing.jobs import (
     auth,
     data_uri,
     job_body,
@@ -24,8 +23,10 @@ from tests.webapi.utils import (
     source_jpeg,
     target_jpeg,
 )
+from tests.webapi.conftest import make_settings, serve
 from webapi.bodies import check_json_shape
 from webapi.config import Settings
+from webapi.crud import NewUser
 from webapi.errors import JsonTooComplex
 from webapi.main import create_app
 
@@ -90,9 +91,8 @@ def test_truncated_images_are_422_at_submit(
     ],
 )
 def test_numbers_and_booleans_are_strict(
-    client: TestClient, engine: Engine, settings: Settings, overrides: dict[str, Any]
+    client: TestClient, engine: Engine, user: NewUser, overrides: dict[str, Any]
 ) -> None:
-    user = make_user(engine, settings)
     response = client.post("/v1/jobs", json=job_body(**overrides), headers=auth(user))
     assert response.status_code == 422, response.text
     assert response.json()["error"]["code"] == "invalid_request"
@@ -100,9 +100,8 @@ def test_numbers_and_booleans_are_strict(
 
 
 def test_json_numbers_of_the_right_kind_are_accepted(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     body = job_body(
         deadline_seconds=120,
         queue_timeout_seconds=30,

@@ -21,8 +21,7 @@ from sqlmodel import Session, col, select
 from typer.testing import CliRunner, Result
 
 from faceflow.cli import app as faceflow_app
-from tests.webapi.conftest import make_settings
-from tests.webapi.utils import (
+from faceflow.testing.jobs import (
     auth,
     dispatch,
     job_body,
@@ -32,6 +31,7 @@ from tests.webapi.utils import (
     submit,
     succeed,
 )
+from tests.webapi.conftest import app_client
 from webapi import crud
 from webapi.auth import KeyCache
 from webapi.config import Settings, get_settings
@@ -62,10 +62,6 @@ def cli(
     get_settings.cache_clear()
 
 
-def app_client(database_url: str, tmp_path: Path, ttl: float) -> TestClient:
-    return TestClient(create_app(make_settings(database_url, tmp_path, auth_cache_seconds=ttl)))
-
-
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -89,7 +85,7 @@ def test_disable_cancels_jobs_refuses_submits_at_once_and_keys_within_the_cache_
     database_url: str, tmp_path: Path, engine: Engine, cli: Callable[..., Result]
 ) -> None:
     ttl = 5.0
-    with app_client(database_url, tmp_path, ttl) as client:
+    with app_client(database_url, tmp_path, auth_cache_seconds=ttl) as client:
         settings: Settings = client.app.state.settings  # type: ignore[attr-defined]
         alice = make_user(engine, settings, name="alice")
         bob = make_user(engine, settings, name="bob")
@@ -161,7 +157,7 @@ def test_keys_are_listed_by_id_and_a_revoked_key_stops_within_the_cache_time(
     database_url: str, tmp_path: Path, engine: Engine, cli: Callable[..., Result]
 ) -> None:
     ttl = 1.0
-    with app_client(database_url, tmp_path, ttl) as client:
+    with app_client(database_url, tmp_path, auth_cache_seconds=ttl) as client:
         settings: Settings = client.app.state.settings  # type: ignore[attr-defined]
         carol = make_user(engine, settings, name="carol")
         listed = cli("keys", "list", "carol").output
@@ -195,7 +191,7 @@ def test_rotate_keeps_the_old_key_for_the_grace_period_only(
     looked up during its grace is cached only until its end (an entry cached before
     the rotation lasts its ``ttl``; the grace is normally far longer)."""
     ttl, grace = 2.0, 3.0
-    with app_client(database_url, tmp_path, ttl) as client:
+    with app_client(database_url, tmp_path, auth_cache_seconds=ttl) as client:
         settings: Settings = client.app.state.settings  # type: ignore[attr-defined]
         dave = make_user(engine, settings, name="dave")
         assert client.get("/v1/jobs", headers=auth(dave)).status_code == 200  # cached

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.webapi.utils import stack_webapi
+from faceflow.testing.jobs import stack_webapi
 from webapi.migrations import upgrade
 
 

@@ -1,6 +1,6 @@
 """Standard Webhooks signing, and the relay's notify step against a real loopback receiver.
 
-Signatures are checked with ``independent_verify`` (tests/webapi/relay_harness.py), which
+Signatures are checked with ``independent_verify`` (faceflow/testing/relay.py), which
 is written from the spec and shares no code with ``webapi.webhooks``.
 """
 
@@ -20,9 +20,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from faceflow.testing.jobs import auth, make_user, outbox_of, succeed
+from faceflow.testing.relay import FAST, Receiver, independent_verify, receiver, submit
 from tests.webapi.conftest import make_settings
-from tests.webapi.relay_harness import FAST, Receiver, independent_verify, receiver, submit
-from tests.webapi.utils import auth, make_user, outbox_of, succeed
 from webapi import crud, webhooks
 from webapi.main import create_app
 from webapi.models import Outbox, WebhookDelivery, utcnow

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,16 +19,16 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.warm_worker import FINAL, PrefectRest
 from faceflow.supervisor import Service
+from faceflow.testing.net import free_port
+from faceflow.testing.prefect import FINAL, PREFECT, PrefectRest, PrefectServer
 from flows.binding import signed_parameters, worker_keys
-from tests.orchestration.conftest import Home, PrefectServer, free_port, prefect_server
+from tests.orchestration.conftest import Home, prefect_server
 
 __all__ = ["prefect_server"]  # the orchestration tests' server fixture, shared here
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "work_pools" / "faceflow-gpu.json"
-PREFECT_BIN = str(Path(sys.executable).with_name("prefect"))
 PROBE_ENTRYPOINT = "tests/worker/probe_flow.py:warm_probe"
 FUSE_ENTRYPOINT = "flows/fuse.py:fuse_faces"
 
@@ -57,10 +59,6 @@ class Api(PrefectRest):
             if time.monotonic() > end:
                 raise AssertionError(f"run {run_id}: {run['state_type']} {message!r}")
             time.sleep(0.05)
-
-    def set_state(self, run_id: str, state_type: str, force: bool = False) -> None:
-        body = {"state": {"type": state_type}, "force": force}
-        self.call("POST", f"/flow_runs/{run_id}/set_state", body)
 
 
 @pytest.fixture(scope="session")
@@ -193,7 +191,7 @@ def start_warm_worker(
     argv = (
         [sys.executable, "-m", "faceflow.worker.cli", "start", "--pool", pool]
         if via_faceflow_cli
-        else [PREFECT_BIN, "worker", "start", "--pool", pool, "--type", "faceflow-gpu"]
+        else [PREFECT, "worker", "start", "--pool", pool, "--type", "faceflow-gpu"]
     )
     if name is not None:
         argv += ["--name", name]
@@ -220,6 +218,34 @@ def warm_worker(prefect_api: Api, tmp_path_factory: pytest.TempPathFactory) -> I
         yield worker
     finally:
         worker.service.stop(grace=15)
+
+
+@contextmanager
+def live_relay(prefect_api: Api, tmp_path: Path, **overrides: Any) -> Iterator[Any]:
+    """The webapi's relay on a fresh SQLite job store in ``tmp_path``, sharing the flows'
+    local storage (``overrides``: further settings); closed when the block ends."""
+    from faceflow.testing.relay import FAST
+    from tests.webapi.conftest import make_settings
+    from webapi.db import dispose_engines, get_engine
+    from webapi.migrations import upgrade
+    from webapi.relay.runner import build_relay
+    from webapi.storage import LocalObjectStore
+
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    upgrade(url)
+    storage = prefect_api.home.storage
+    settings = make_settings(
+        url, tmp_path, prefect_api_url=prefect_api.url, storage_url=storage.as_uri(), **overrides
+    )
+    timings = dataclasses.replace(FAST, pending_timeout_s=120.0, running_grace_s=30.0)
+    instance = build_relay(
+        settings, engine=get_engine(url), store=LocalObjectStore(storage), timings=timings
+    )
+    try:
+        yield instance
+    finally:
+        instance.close()
+        dispose_engines()
 
 
 def pid_alive(pid: int) -> bool:

@@ -9,7 +9,6 @@ worker runs in its child, on real photos.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 from sqlmodel import Session
 
+from faceflow.testing.wait import poll
 from flows.params import (
     BATCH_DEPLOYMENT_NAME,
     BATCH_FLOW_NAME,
@@ -29,7 +29,7 @@ from flows.params import (
     result_key,
     stop_marker_key,
 )
-from tests.worker.conftest import FUSE_ENTRYPOINT, Api, WarmWorker
+from tests.worker.conftest import FUSE_ENTRYPOINT, Api, WarmWorker, live_relay
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -40,42 +40,17 @@ BATCH_ENTRYPOINT = "flows/batch.py:fuse_batch"
 def relay(prefect_api: Api, warm_worker: WarmWorker, tmp_path: Path) -> Iterator[Any]:
     """The webapi's relay on a fresh SQLite job store, sharing the flows' local storage,
     batching on; both job flows are deployed into the warm worker's pool."""
-    from tests.webapi.conftest import make_settings
-    from tests.webapi.relay_harness import FAST
-    from webapi.db import dispose_engines, get_engine
-    from webapi.migrations import upgrade
-    from webapi.relay.runner import build_relay
-    from webapi.storage import LocalObjectStore
-
     prefect_api.deploy(FLOW_NAME, FUSE_ENTRYPOINT, warm_worker.pool, name=DEPLOYMENT_NAME)
     prefect_api.deploy(
         BATCH_FLOW_NAME, BATCH_ENTRYPOINT, warm_worker.pool, name=BATCH_DEPLOYMENT_NAME
     )
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    upgrade(url)
-    storage = prefect_api.home.storage
-    settings = make_settings(
-        url,
-        tmp_path,
-        prefect_api_url=prefect_api.url,
-        storage_url=storage.as_uri(),
-        batch_max_jobs=8,
-        batch_linger_ms=0,
-    )
-    timings = dataclasses.replace(FAST, pending_timeout_s=120.0, running_grace_s=30.0)
-    instance = build_relay(
-        settings, engine=get_engine(url), store=LocalObjectStore(storage), timings=timings
-    )
-    try:
+    with live_relay(prefect_api, tmp_path, batch_max_jobs=8, batch_linger_ms=0) as instance:
         yield instance
-    finally:
-        instance.close()
-        dispose_engines()
 
 
 def _faceless(relay: Any, owner: Any) -> Any:
+    from faceflow.testing.jobs import new_job
     from tests.samples import no_face_jpeg_bytes
-    from tests.webapi.utils import new_job
     from webapi.inputs import store_image
 
     limits = relay.settings.image_limits
@@ -83,20 +58,11 @@ def _faceless(relay: Any, owner: Any) -> Any:
     return new_job(relay.engine, relay.settings, owner, source=cup, target=cup)
 
 
-def _wait_for(condition: Any, timeout: float, step: float = 0.002) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(step)
-    return False
-
-
 def test_a_batch_on_the_warm_worker_ends_each_job_on_its_own(
     relay: Any, prefect_api: Api, warm_worker: WarmWorker
 ) -> None:
-    from tests.webapi.relay_harness import job, submit
-    from tests.webapi.utils import make_user
+    from faceflow.testing.jobs import make_user
+    from faceflow.testing.relay import job, submit
     from webapi import crud
     from webapi.models import JobStatus
     from webapi.relay import dispatch, reap, sync
@@ -111,7 +77,7 @@ def test_a_batch_on_the_warm_worker_ends_each_job_on_its_own(
     run_id = str(job(relay.engine, faceless.id).flow_run_id)
     assert {str(job(relay.engine, j.id).flow_run_id) for j in [*good, cancelled, late]} == {run_id}
 
-    assert _wait_for(lambda: prefect_api.state(run_id) == "RUNNING", 60)
+    assert poll(lambda: prefect_api.state(run_id) == "RUNNING", 60, step_s=0.002)
     os.kill(pid, signal.SIGSTOP)  # hold the batch while its jobs are cancelled / time out
     try:
         sync.run_once(relay)
@@ -143,8 +109,8 @@ def test_a_batch_on_the_warm_worker_ends_each_job_on_its_own(
 def test_a_child_killed_mid_batch_reruns_only_the_unfinished_jobs(
     relay: Any, prefect_api: Api, warm_worker: WarmWorker
 ) -> None:
-    from tests.webapi.relay_harness import job, submit
-    from tests.webapi.utils import make_user
+    from faceflow.testing.jobs import make_user
+    from faceflow.testing.relay import job, submit
     from webapi.models import JobStatus
     from webapi.relay import dispatch, reap, sync
 
@@ -157,7 +123,7 @@ def test_a_child_killed_mid_batch_reruns_only_the_unfinished_jobs(
         dispatch.run_once(relay)
         run_id = str(job(relay.engine, faceless.id).flow_run_id)
         failure = storage / result_error_key(str(faceless.id), 1)
-        if _wait_for(failure.exists, 120):
+        if poll(failure.exists, 120, step_s=0.002):
             os.kill(pid, signal.SIGSTOP)  # after detection, before the others are stored
             if not any((storage / result_key(str(j.id), 1, "png")).exists() for j in good):
                 break

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 
 from flows.params import DEPLOYMENT_NAME, FLOW_NAME, result_key
-from tests.worker.conftest import FUSE_ENTRYPOINT, Api, WarmWorker
+from tests.worker.conftest import FUSE_ENTRYPOINT, Api, WarmWorker, live_relay
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -24,29 +23,9 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 def relay(prefect_api: Api, warm_worker: WarmWorker, tmp_path: Path) -> Iterator[Any]:
     """The webapi's relay on a fresh SQLite job store, sharing the flow's local storage;
     ``fuse-faces/fuse-faces`` is deployed into the warm worker's pool."""
-    from tests.webapi.conftest import make_settings
-    from tests.webapi.relay_harness import FAST
-    from webapi.db import dispose_engines, get_engine
-    from webapi.migrations import upgrade
-    from webapi.relay.runner import build_relay
-    from webapi.storage import LocalObjectStore
-
     prefect_api.deploy(FLOW_NAME, FUSE_ENTRYPOINT, warm_worker.pool, name=DEPLOYMENT_NAME)
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    upgrade(url)
-    storage = prefect_api.home.storage
-    settings = make_settings(
-        url, tmp_path, prefect_api_url=prefect_api.url, storage_url=storage.as_uri()
-    )
-    timings = dataclasses.replace(FAST, pending_timeout_s=120.0, running_grace_s=30.0)
-    instance = build_relay(
-        settings, engine=get_engine(url), store=LocalObjectStore(storage), timings=timings
-    )
-    try:
+    with live_relay(prefect_api, tmp_path) as instance:
         yield instance
-    finally:
-        instance.close()
-        dispose_engines()
 
 
 def _stop_child_while_running(api: Api, run_id: str, pid: int) -> bool:
@@ -66,8 +45,8 @@ def _stop_child_while_running(api: Api, run_id: str, pid: int) -> bool:
 def test_sigkilled_child_is_crashed_then_redispatched(
     relay: Any, prefect_api: Api, warm_worker: WarmWorker
 ) -> None:
-    from tests.webapi.relay_harness import job, submit
-    from tests.webapi.utils import make_user
+    from faceflow.testing.jobs import make_user
+    from faceflow.testing.relay import job, submit
     from webapi.models import JobStatus
     from webapi.relay import dispatch, reap, sync
 

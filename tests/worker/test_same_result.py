@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from blocks.settings import FusionSettings
 from faceflow.supervisor import Service
+from faceflow.testing.prefect import PREFECT
 from flows.params import ResultRef, result_key, result_meta_key
 from tests.worker.conftest import FUSE_ENTRYPOINT, REPO, Api, WarmWorker, fuse_params
 
@@ -34,22 +36,25 @@ def test_warm_worker_result_matches_the_process_worker(
     template = json.loads((REPO / "work_pools" / "gpu-process.json").read_text())
     prefect_api.create_pool(pool, "process", template)
     deployment_id = prefect_api.deploy("fuse-faces", FUSE_ENTRYPOINT, pool)
-    prefect = str(Path(sys.executable).with_name("prefect"))
     worker = Service(
         "process-worker",
-        [prefect, "worker", "start", "--pool", pool, "--type", "process", "--limit", "1"],
+        [PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--limit", "1"],
         log=tmp_path / "process-worker.log",
         env=prefect_api.server.env,
         cwd=REPO,
     )
-    params = fuse_params(*inputs)
+    # Unmarked: each job's watermark carries its own id, and the pixels are compared.
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api.server.api_url}):
+        FusionSettings(marking="off").save("same-result-unmarked", overwrite=True)
+    unmarked = {"settings_block": "fusion-settings/same-result-unmarked"}
+    params = fuse_params(*inputs, **unmarked)
     worker.start()
     try:
         run_id = prefect_api.create_run(deployment_id, params)
         assert prefect_api.wait_final(run_id, timeout=300)["state_type"] == "COMPLETED"
     finally:
         worker.stop(grace=15)
-    warm_id, warm_job = warm_worker.submit_fuse(*inputs)
+    warm_id, warm_job = warm_worker.submit_fuse(*inputs, **unmarked)
     assert warm_worker.api.wait_final(warm_id, timeout=180)["state_type"] == "COMPLETED"
 
     process_image, process_ref = _result(prefect_api, params["job_id"])

@@ -7,23 +7,15 @@ flight. The failure is delivered the way Prefect delivers it: the observer's own
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 
 import pytest
 
+from faceflow.testing.wait import wait_for
 from faceflow.worker.suspension import SharedSuspensionObserver
 from tests.worker.conftest import Api
 
 pytestmark = pytest.mark.prefect
-
-
-def _wait(check: Callable[[], bool], timeout: float = 20) -> None:
-    end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_the_shared_suspension_observer_restarts_after_prefects_gives_up(
@@ -36,9 +28,9 @@ def test_the_shared_suspension_observer_restarts_after_prefects_gives_up(
         assert shared.start()
     run_id = uuid.uuid4()
     with shared.observe(run_id, suspension_request=object()):
-        _wait(lambda: run_id in shared.in_flight())
+        wait_for(lambda: run_id in shared.in_flight(), 20)
         first = shared._observer
         first._handle_unavailable(RuntimeError("Service exceeded error threshold."))
-        _wait(lambda: shared._observer not in (None, first) and run_id in shared.in_flight())
+        wait_for(lambda: shared._observer not in (None, first) and run_id in shared.in_flight(), 20)
         assert shared.starts == 2
-    _wait(lambda: run_id not in shared.in_flight())
+    wait_for(lambda: run_id not in shared.in_flight(), 20)

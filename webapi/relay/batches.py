@@ -25,7 +25,8 @@ With ``batch_max_jobs`` > 1 (``webapi.config``) a dispatch pass
    stopped wanting the run meanwhile gets a stop marker (the run skips it), and a run no
    member wants is cancelled.
 
-Prefect outages and refusals are handled as for single runs (``webapi.relay.dispatch``).
+Creating and recording runs, Prefect outages and refusals are shared with single runs
+(``webapi.relay.runs``).
 """
 
 from __future__ import annotations
@@ -40,14 +41,12 @@ from typing import get_args
 import sqlalchemy as sa
 from sqlmodel import col, select
 
-from flows.params import FuseBatchParams, JobAttempt, stop_marker_key
+from flows.params import FuseBatchParams, stop_marker_key
 from tasks.options import ImageLimits
-from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, Priority, utcnow
-from webapi.prefect_api import PrefectRejected, PrefectUnavailable
-from webapi.relay import dispatch, leases
+from webapi.relay import leases, runs
 from webapi.relay.context import Relay
-from webapi.relay.dispatch import COUNTER, DISPATCH_REJECTED, Plan
+from webapi.relay.runs import COUNTER, Plan
 
 log = logging.getLogger(__name__)
 
@@ -83,23 +82,23 @@ def run_once(relay: Relay) -> int:
         if rows and len(rows) < limit:
             rows += _linger(relay, rows, [lane], limit, _linger_s(relay, free, lane))
         handled += len(rows)
-        if rows and not _dispatch(relay, rows, runs=free[lane]):
+        if rows and not _dispatch(relay, rows, max_runs=free[lane]):
             break  # Prefect unreachable: the rest waits for the outage to end
     return handled
 
 
-def _dispatch(relay: Relay, rows: list[Outbox], *, runs: int) -> bool:
-    """Send one lane's rows as at most ``runs`` runs (jobs that cannot share a run beyond
+def _dispatch(relay: Relay, rows: list[Outbox], *, max_runs: int) -> bool:
+    """Send one lane's rows as at most ``max_runs`` runs (jobs that cannot share a run beyond
     those wait for the next pass); False when Prefect was unreachable."""
     settings = relay.settings
-    chunks = group(dispatch.plans(relay, rows), settings.batch_max_jobs, settings.image_limits)
+    chunks = group(runs.plans(relay, rows), settings.batch_max_jobs, settings.image_limits)
     for index, chunk in enumerate(chunks):
-        if index >= runs:
+        if index >= max_runs:
             hold_back(relay, [row for later in chunks[index:] for row in later.rows.values()])
             return True
         if not send(relay, chunk):
             rest = [row for later in chunks[index + 1 :] for row in later.rows.values()]
-            dispatch.defer_untried(relay, rest, "Prefect unavailable")
+            runs.defer_untried(relay, rest, "Prefect unavailable")
             return False
     return True
 
@@ -142,7 +141,7 @@ def claim(relay: Relay, lanes: list[str], limit: int) -> list[Outbox]:
             owner=relay.owner,
             limit=limit,
             lease_s=relay.timings.dispatch_lease_s,
-            job_filter=sa.and_(col(Job.priority).in_(lanes), dispatch.INPUTS_STORED),
+            job_filter=sa.and_(col(Job.priority).in_(lanes), runs.INPUTS_STORED),
         )
 
 
@@ -196,7 +195,7 @@ def group(
             chunk.plans.append(plan)
             chunk.rows[plan.job_id] = row
             continue
-        if plan.mapped:  # its extra images need fuse-faces: a run of its own
+        if plan.alone:  # a mapping's extra images or a video: a run of its own
             chunks_alone.append(Chunk([plan], {plan.job_id: row}))
             continue
         key = (plan.priority, plan.options.get("detector"), plan.options.get("fuser"))
@@ -232,42 +231,20 @@ def send(relay: Relay, chunk: Chunk) -> bool:
     """Dispatch one chunk; False when Prefect was unreachable (the chunk is deferred)."""
     if chunk.key is None and len(chunk.plans) == 1:
         (plan,) = chunk.plans
-        return dispatch.send_single(relay, chunk.rows[plan.job_id], plan)
+        return runs.send_single(relay, chunk.rows[plan.job_id], plan)
     key = chunk.key or f"{BATCH_KEY_PREFIX}{uuid.uuid4().hex}"
     members = _members(relay, chunk, key)
     if not members:
         return True
-    latest = max(plan.deadline_at for plan in members)
-    params = FuseBatchParams(
-        jobs=[dispatch.bound_attempt(relay, plan, JobAttempt) for plan in members],
-        deadline_at=latest,
-        storage_block=dispatch.DEFAULT_STORAGE_BLOCK,
-        settings_block=dispatch.DEFAULT_SETTINGS_BLOCK,
+    params = runs.batch_params(relay, members)
+    # A chunk holds one lane (``group`` groups by it): the lane's work queue.
+    return runs.create(
+        relay,
+        members,
+        chunk.rows,
+        lambda queue: relay.prefect.create_batch_run(params, key=key, work_queue_name=queue),
+        lambda run_id: record(relay, chunk, members, run_id, params),
     )
-    rows = list(chunk.rows.values())
-    try:
-        # A chunk holds one lane (``plan_chunks`` groups by it): the lane's work queue.
-        queue = dispatch.work_queue(relay, members[0])
-        run = relay.prefect.create_batch_run(params, key=key, work_queue_name=queue)
-    except PrefectUnavailable as exc:
-        dispatch.prefect_down(relay, rows[0], str(exc))
-        dispatch.defer_untried(relay, rows[1:], str(exc))
-        return False
-    except PrefectRejected as exc:
-        log.error("batch dispatch rejected", extra={"detail": exc.detail, "jobs": len(members)})
-        for plan in members:
-            dispatch.fail(
-                relay,
-                chunk.rows.get(plan.job_id),
-                plan,
-                DISPATCH_REJECTED,
-                "The job could not be scheduled.",
-                str(exc),
-            )
-        return True
-    relay.outage.dispatched()
-    record(relay, chunk, members, uuid.UUID(run.id), params)
-    return True
 
 
 def _members(relay: Relay, chunk: Chunk, key: str) -> list[Plan]:
@@ -294,13 +271,13 @@ def _members(relay: Relay, chunk: Chunk, key: str) -> list[Plan]:
                 col(Job.dispatch_key) == key,
             )
         ).all()
-        members = [dispatch.plan_of(job, job.attempts + 1) for job in holders]
+        members = [runs.plan_of(job, job.attempts + 1) for job in holders]
         session.commit()
     given = {plan.job_id: plan for plan in chunk.plans}
     members = [given.get(plan.job_id, plan) for plan in members]  # keep fetched inputs
     gone = [row for job_id, row in chunk.rows.items() if job_id not in {p.job_id for p in members}]
     for row in gone:
-        dispatch.close(relay, row, "obsolete")
+        runs.close(relay, row, "obsolete")
     ready = [plan for plan in members if plan.source_key and plan.target_key]
     return sorted(ready, key=lambda plan: plan.deadline_at)
 
@@ -315,16 +292,8 @@ def record(
     recorded: list[Plan] = []
     with relay.session() as session:
         for plan in members:
-            if transition(
-                session,
-                job_id=plan.job_id,
-                to=JobStatus.queued,
-                expected=JobStatus.queued,
-                expected_flow_run_id=None,
-                flow_run_id=run_id,
-                attempts=plan.attempt,
-                commit=False,
-                now=now,
+            if runs.update_queued(
+                session, plan, flow_run_id=run_id, attempts=plan.attempt, commit=False, now=now
             ):
                 recorded.append(plan)
         done = {plan.job_id for plan in recorded}
@@ -342,7 +311,7 @@ def record(
     )
     unwanted = [job for job in params.jobs if uuid.UUID(job.job_id) not in done]
     if not recorded:
-        dispatch.cancel_orphan(relay, run_id)
+        runs.cancel_orphan(relay, run_id)
         return
     for job in unwanted:
         stop(relay, job.job_id, job.attempt)

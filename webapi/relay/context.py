@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from webapi import crud
+from webapi import capacity
 from webapi.config import Settings
 from webapi.db import session_scope
 from webapi.models import Outbox, OutboxKind
@@ -34,6 +34,9 @@ class RelayTimings:
 
     dispatch_interval_s: float = 0.2
     sync_interval_s: float = 0.5
+    # While Prefect's flow-run events arrive (webapi.relay.run_events) sync runs on each
+    # event and polls only this often, as the safety net for a missed event.
+    sync_safety_net_s: float = 5.0
     expire_interval_s: float = 1.0
     reap_interval_s: float = 1.0
     notify_interval_s: float = 0.5
@@ -75,6 +78,7 @@ class Relay:
     owner: str = field(default_factory=replica_id)
     metrics: RelayMetrics = METRICS
     outage: PrefectOutage = field(default_factory=PrefectOutage)
+    reading_progress: bool = False  # a video job runs: sync polls fast for its progress
     http: httpx.Client = field(default_factory=lambda: httpx.Client(follow_redirects=False))
     wake: Callable[[str], None] = field(default=lambda _step: None)
     """Run a relay step's loop now (set by ``RelayRunner``; a no-op for single passes)."""
@@ -108,7 +112,7 @@ class Relay:
         """Time one attempt is expected to need (median of recent runs, else the setting):
         no re-dispatch starts with less time left."""
         with self.session() as session:
-            value = crud.service_seconds(session, settings=self.settings)
+            value = capacity.service_seconds(session, settings=self.settings)
             session.commit()
         return value
 

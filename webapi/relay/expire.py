@@ -12,6 +12,7 @@ import logging
 
 from sqlmodel import col, select
 
+from tasks.error_codes import JobErrorCode
 from webapi.jobstate import transition
 from webapi.models import Job, JobStatus, utcnow
 from webapi.prefect_api import PrefectUnavailable, StateType
@@ -19,7 +20,6 @@ from webapi.relay.context import Relay
 
 log = logging.getLogger(__name__)
 
-QUEUE_TIMEOUT = "queue_timeout"
 QUEUE_TIMEOUT_MESSAGE = "The job did not start before its queue timeout."
 STARTED = frozenset({StateType.PENDING, StateType.RUNNING})
 
@@ -61,7 +61,7 @@ def run_once(relay: Relay) -> int:
                 to=JobStatus.expired,
                 expected=JobStatus.queued,
                 expected_flow_run_id=run_id,
-                error_code=QUEUE_TIMEOUT,
+                error_code=JobErrorCode.queue_timeout,
                 error_message=QUEUE_TIMEOUT_MESSAGE,
             ):
                 expired += 1

@@ -2,7 +2,7 @@
 
 A job submitted with an input URL is queued without that input's storage key; its
 ``dispatch`` outbox row belongs to the fetch lane until the input is stored (dispatch
-leases only rows whose job has both inputs stored: ``dispatch.INPUTS_STORED``), so a slow
+leases only rows whose job has both inputs stored: ``runs.INPUTS_STORED``), so a slow
 input server never delays anyone's dispatch. Each relay replica runs one lane of
 ``fetch_concurrency`` threads. A pass leases due rows of such jobs, one per free thread,
 and never more than ``fetch_per_user`` of one user in flight at once over every replica:
@@ -13,12 +13,19 @@ that dies mid-fetch leaves the row to another at ``lease_until``.
 
 A job's input fetches share one ``fetch.Deadline`` of ``fetch_deadline_seconds`` (never
 past the job's queue deadline) for connecting, TLS, headers, redirects and bodies
-together. A fetched input is validated and stored as a submitted one is; its key is
-written on the job and the row handed to dispatch in one transaction, and dispatch is
-woken. An input that can never be used fails the job (``input_fetch_failed`` or the
-image's own code); a transient failure (deadline passed, connection refused or dropped,
-HTTP 5xx) backs the row off, and after ``fetch_tries`` tries the job fails with
-``input_fetch_timeout`` (the last try ran out of time) or ``input_fetch_failed``.
+together. A fetched input is validated and stored as a submitted one is (a target that
+turns out to be a video is spooled to a temporary file, hashed as it arrives, probed
+against the video limits and stored as an upload; the job becomes a video job, which
+dispatch sends to ``fuse-video``); its key is written on the job and the row handed to
+dispatch in one transaction, and dispatch is woken. In that transaction the job's
+``input_pixels`` (which counted the URL input at the per-image limit:
+``webapi.inputs.job_pixels``) takes the image's own size from its header, so the batch
+planner sees what the job decodes to. An input that can never be used fails
+the job (``input_fetch_failed`` or the image's own code), and so do images that together
+pass the per-job budget (``job_too_large``, as at submit); a transient failure (deadline
+passed, connection refused or dropped, HTTP 5xx) backs the row off, and after
+``fetch_tries`` tries the job fails with ``input_fetch_timeout`` (the last try ran out of
+time) or ``input_fetch_failed``.
 
 The queue deadline still applies: a job waiting for a fetch expires (``expire``) like any
 queued job and no fetch starts for it past that deadline; the fetch of a job that is
@@ -39,15 +46,24 @@ import sqlalchemy as sa
 from sqlalchemy.orm import aliased
 from sqlmodel import col, select
 
+from tasks.error_codes import JobErrorCode
 from tasks.errors import FaceFlowError
 from webapi import crud
 from webapi.errors import ApiError
-from webapi.inputs import store_image
+from webapi.inputs import InputRef, pixels_once_fetched, store_image, store_spooled_video
 from webapi.models import Job, JobStatus, Outbox, utcnow
-from webapi.relay import dispatch, leases
+from webapi.relay import leases, runs
 from webapi.relay.context import Relay
-from webapi.relay.dispatch import Plan
-from webapi.relay.fetch import Deadline, FetchError, FetchRejected, FetchTimedOut, fetch_url
+from webapi.relay.fetch import (
+    Deadline,
+    FetchError,
+    FetchRejected,
+    FetchTimedOut,
+    Spool,
+    fetch_into,
+    fetch_url,
+)
+from webapi.relay.runs import Plan
 from webapi.urls import UrlPolicy
 
 log = logging.getLogger(__name__)
@@ -213,7 +229,7 @@ def fetch_row(
     """Fetch, validate and store the URL inputs of a leased row's job within one deadline
     (``track`` is told it, so that the lane can cut it), then hand the row to dispatch,
     fail the job, or back the row off."""
-    plan = dispatch.plan_row(relay, row)
+    plan = runs.plan_row(relay, row)
     if plan is None:  # the job no longer wants a run: the row is closed
         return
     now = utcnow()
@@ -233,26 +249,34 @@ def fetch_row(
 
 def _fetch_inputs(relay: Relay, row: Outbox, plan: Plan, deadline: Deadline) -> None:
     fetched_at = utcnow()  # before any input is found already stored
+    limits = relay.settings.image_limits
+    refs: dict[str, InputRef] = {}
     try:
-        source_key = plan.source_key or _fetch_and_store(relay, plan.source_url, "source", deadline)
-        target_key = plan.target_key or _fetch_and_store(relay, plan.target_url, "target", deadline)
+        for name, key, url in (
+            ("source", plan.source_key, plan.source_url),
+            ("target", plan.target_key, plan.target_url),
+        ):
+            if key is None:
+                refs[name] = _fetch_and_store(relay, url, name, deadline)
+        pixels = plan.pixels
+        if pixels is not None:  # None: a job from before input_pixels (counted at the budget)
+            pixels = pixels_once_fetched(pixels, list(refs.values()), limits)
+            limits.check_job_pixels(pixels)  # job_too_large, as at submit
     except FetchRejected as exc:
         _reject(relay, row, plan, exc.code, exc.public_message, str(exc))
         return
-    except FaceFlowError as exc:  # the fetched bytes are not an acceptable image
+    except FaceFlowError as exc:  # not an acceptable image, or the job's past its budget
         _reject(relay, row, plan, exc.code, exc.public_message, str(exc))
         return
     except ApiError as exc:  # empty or too large
-        _reject(relay, row, plan, exc.code, exc.message, str(exc))
+        _reject(relay, row, plan, JobErrorCode.parse(exc.code), exc.message, str(exc))
         return
     except FetchError as exc:
         _retry_or_fail(relay, row, plan, exc, deadline)
         return
-    fetched = [
-        key
-        for key, had in ((source_key, plan.source_key), (target_key, plan.target_key))
-        if not had
-    ]
+    source_key = plan.source_key or refs["source"].key
+    target_key = plan.target_key or refs["target"].key
+    fetched = [ref.key for ref in refs.values() if ref.key is not None]
     with relay.session() as session:
         # Under the admission lock, like a submit: retention may have deleted an input that
         # was found already stored; then fetch it again later.
@@ -262,8 +286,15 @@ def _fetch_inputs(relay: Relay, row: Outbox, plan: Plan, deadline: Deadline) -> 
             session.rollback()
             _back_off(relay, row, "an input was deleted by retention while it was stored")
             return
-        stored = dispatch.update_queued(
-            session, plan, source_key=source_key, target_key=target_key, commit=False
+        video = refs["target"].video if "target" in refs else None
+        stored = runs.update_queued(
+            session,
+            plan,
+            source_key=source_key,
+            target_key=target_key,
+            input_pixels=pixels,
+            commit=False,
+            **({"media": "video", "video_input": video} if video is not None else {}),
         )
         if stored:
             leases.release(session, row, owner=relay.owner)
@@ -276,25 +307,36 @@ def _fetch_inputs(relay: Relay, row: Outbox, plan: Plan, deadline: Deadline) -> 
     relay.wake("dispatch")
 
 
-def _fetch_and_store(relay: Relay, url: str | None, name: str, deadline: Deadline) -> str:
+def _fetch_and_store(relay: Relay, url: str | None, name: str, deadline: Deadline) -> InputRef:
+    """Fetch and store one input: a source image in memory; a target, which may be a
+    video, through a ``Spool`` (a video is probed and stored as an upload is)."""
     if url is None:
         raise FetchRejected(f"The job has no {name} image.")
     settings = relay.settings
-    data = fetch_url(
-        relay.http,
-        url,
-        max_bytes=settings.image_limits.max_bytes,
-        urls=UrlPolicy.from_settings(settings),
-        max_redirects=relay.timings.fetch_max_redirects,
-        deadline=deadline,
-    )
-    ref = store_image(data, name=name, limits=settings.image_limits, store=relay.store)
-    assert ref.key is not None
-    return ref.key
+    urls, hops = UrlPolicy.from_settings(settings), relay.timings.fetch_max_redirects
+    images = settings.image_limits
+    if name != "target":
+        data = fetch_url(
+            relay.http, url, max_bytes=images.max_bytes, urls=urls, max_redirects=hops,
+            deadline=deadline,
+        )  # fmt: skip
+        return store_image(data, name=name, limits=images, store=relay.store)
+    videos = settings.video_limits
+    with Spool(image_bytes=images.max_bytes, video_bytes=videos.max_bytes) as spool:
+        fetch_into(relay.http, url, spool, urls=urls, max_redirects=hops, deadline=deadline)
+        spool.finish()
+        if spool.is_video:
+            digest = spool.sha256.hexdigest()
+            return store_spooled_video(
+                spool.path, digest, name=name, limits=videos, store=relay.store
+            )
+        return store_image(spool.read(), name=name, limits=images, store=relay.store)
 
 
-def _reject(relay: Relay, row: Outbox, plan: Plan, code: str, message: str, detail: str) -> None:
-    dispatch.fail(relay, row, plan, code, message, detail)
+def _reject(
+    relay: Relay, row: Outbox, plan: Plan, code: JobErrorCode, message: str, detail: str
+) -> None:
+    runs.fail(relay, row, plan, code, message, detail)
     relay.metrics.inc(COUNTER, "rejected")
 
 
@@ -320,7 +362,7 @@ def _retry_or_fail(
 
 def _back_off(relay: Relay, row: Outbox, error: str) -> None:
     """Release ``row`` to be tried again after its exponential backoff (one try more)."""
-    delay = dispatch.reschedule_after_backoff(relay, row, error, counter=COUNTER)
+    delay = runs.reschedule_after_backoff(relay, row, error, counter=COUNTER)
     log.warning(
         "input fetch deferred: %s",
         error,

@@ -8,7 +8,7 @@ when attempts remain and the time left exceeds the expected cost of an attempt â
 with ``worker_lost`` / ``deadline_exceeded``. Clearing ``flow_run_id`` fences the old run.
 A run that ended (``Failed``, ``Cancelled``, ``Completed``) without storing an outcome for
 the job was ended by someone else: ``sync`` takes it as lost the same way
-(``retry_or_fail``, reason ``no_outcome``).
+(``outcomes.retry_or_fail``, reason ``no_outcome``).
 
 Cancellation: ``cancel_run`` outbox rows set the run CANCELLED (not started) or
 CANCELLING (running); a ``cancel_requested`` job becomes ``cancelled`` when its run is
@@ -20,27 +20,26 @@ from __future__ import annotations
 import logging
 import uuid
 from datetime import datetime, timedelta
-from typing import Any
 
 from sqlmodel import col, select
 
-from tasks.errors import DeadlineExceeded
+from tasks.error_codes import JobErrorCode
 from webapi.jobstate import transition
-from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, OutboxKind, utcnow
+from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, utcnow
 from webapi.prefect_api import FlowRun, PrefectRejected, PrefectUnavailable, StateType
-from webapi.relay import batches, dispatch, leases
+from webapi.relay import batches, leases, runs
 from webapi.relay.context import Relay
-from webapi.relay.sync import Watched, observe, settle
+from webapi.relay.outcomes import (
+    MESSAGES,
+    REAPED,
+    TRANSITIONS,
+    Watched,
+    observe,
+    retry_or_fail,
+    settle,
+)
 
 log = logging.getLogger(__name__)
-
-WORKER_LOST = "worker_lost"
-DEADLINE_EXCEEDED = DeadlineExceeded.code
-MESSAGES = {
-    WORKER_LOST: "The worker running the job was lost.",
-    DEADLINE_EXCEEDED: DeadlineExceeded.default_message,
-}
-COUNTER = "faceflow_relay_reaped_total"
 
 
 def run_once(relay: Relay) -> int:
@@ -64,7 +63,7 @@ def cancel_runs(relay: Relay) -> int:
     (one failed connection and one warning, not one per row); recovery makes them due."""
     if relay.outage.active:
         return 0
-    return dispatch.until_prefect_down(relay, relay.claim("cancel_run"), _cancel_row)
+    return runs.until_prefect_down(relay, relay.claim("cancel_run"), _cancel_row)
 
 
 def _cancel_row(relay: Relay, row: Outbox) -> bool:
@@ -87,7 +86,7 @@ def _cancel_row(relay: Relay, row: Outbox) -> bool:
             else None
         )
     except PrefectUnavailable as exc:
-        dispatch.prefect_down(relay, row, str(exc))
+        runs.prefect_down(relay, row, str(exc))
         return False
     except PrefectRejected as exc:
         error = str(exc)
@@ -163,7 +162,7 @@ def stop_in_shared_run(
             expected_flow_run_id=flow_run_id,
         )
     if changed:
-        relay.metrics.inc("faceflow_relay_transitions_total", JobStatus.cancelled.value)
+        relay.metrics.inc(TRANSITIONS, JobStatus.cancelled.value)
     return changed
 
 
@@ -192,67 +191,8 @@ def _check_cancel(relay: Relay, job: Watched, run: FlowRun | None, *, now: datet
             expected_flow_run_id=job.flow_run_id,
         )
     if changed:
-        relay.metrics.inc("faceflow_relay_transitions_total", JobStatus.cancelled.value)
+        relay.metrics.inc(TRANSITIONS, JobStatus.cancelled.value)
     return changed
-
-
-def retry_or_fail(
-    relay: Relay,
-    job: Watched,
-    run: FlowRun | None,
-    *,
-    reason: str,
-    now: datetime,
-    failure: tuple[str, str] | None = None,
-) -> bool:
-    """Fence off ``job``'s current run (and cancel it, or stop the job in it when the run
-    carries other jobs), then re-dispatch or fail the job. ``failure`` is the (code,
-    message) a job fails with when it cannot run again (default ``worker_lost``)."""
-    time_left = (job.deadline_at - now).total_seconds()
-    enough_time = time_left > relay.expected_cost_s()
-    can_retry = reason != "overdue" and job.attempts < job.max_attempts and enough_time
-    fields: dict[str, Any]
-    if can_retry:  # back to queued without a run: the old run is fenced off
-        to = JobStatus.queued
-        fields = {"flow_run_id": None, "stage": None, "dispatch_key": None}
-    else:
-        code = WORKER_LOST if reason != "overdue" and enough_time else DEADLINE_EXCEEDED
-        code, message = failure if failure and code == WORKER_LOST else (code, MESSAGES[code])
-        to, fields = JobStatus.failed, {"error_code": code, "error_message": message}
-    with relay.session() as session:
-        changed = transition(
-            session,
-            job_id=job.job_id,
-            to=to,
-            expected=job.status,
-            expected_flow_run_id=job.flow_run_id,
-            commit=False,
-            now=now,
-            **fields,
-        )
-        if changed and can_retry:
-            session.add(_outbox("dispatch", job.job_id, {"attempt": job.attempts + 1}, now))
-        if changed and run is not None and not run.state_type.is_final:
-            payload = {"flow_run_id": run.id, "attempt": job.attempts}
-            session.add(_outbox("cancel_run", job.job_id, payload, now))
-        session.commit()
-    if changed:
-        outcome = "redispatched" if can_retry else "failed"
-        relay.metrics.inc(COUNTER, f"{reason}_{outcome}")
-        log.warning(
-            "flow run reaped",
-            extra={
-                "job_id": str(job.job_id),
-                "attempt": job.attempts,
-                "reason": reason,
-                "outcome": outcome,
-            },
-        )
-    return changed
-
-
-def _outbox(kind: OutboxKind, job_id: uuid.UUID, payload: dict[str, Any], now: datetime) -> Outbox:
-    return Outbox(kind=kind, job_id=job_id, payload=payload, created_at=now, next_attempt_at=now)
 
 
 # --------------------------------------------------------------------------- no run
@@ -287,9 +227,9 @@ def reap_runless(relay: Relay) -> int:
                 to=to,
                 expected=status,
                 expected_flow_run_id=None,
-                error_code=None if cancelling else DEADLINE_EXCEEDED,
-                error_message=None if cancelling else MESSAGES[DEADLINE_EXCEEDED],
+                error_code=None if cancelling else JobErrorCode.deadline_exceeded,
+                error_message=None if cancelling else MESSAGES[JobErrorCode.deadline_exceeded],
             ):
                 ended += 1
-                relay.metrics.inc(COUNTER, f"runless_{to.value}")
+                relay.metrics.inc(REAPED, f"runless_{to.value}")
     return ended

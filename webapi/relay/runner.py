@@ -26,6 +26,7 @@ from webapi.migrations import check_migrated
 from webapi.prefect_api import PrefectAPI
 from webapi.relay import dispatch, expire, fetch_lane, notify, reap, sync
 from webapi.relay.context import Relay, RelayTimings
+from webapi.relay.run_events import RunEvents
 from webapi.storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,35 @@ class RelayRunner:
             name: _Loop(name, step, intervals[name], threading.Event())
             for name, step in steps.items()
         }
+        self.events = self._run_events(relay)
+
+    def _run_events(self, relay: Relay) -> RunEvents | None:
+        """The flow-run event stream that wakes sync (``settings.relay_run_events``)."""
+        if not relay.settings.relay_run_events:
+            return None
+        auth = relay.settings.prefect_api_auth_string
+
+        def changed(_run_id: str, state: str) -> None:
+            self.wake("sync", "reap") if state == "CRASHED" else self.wake("sync")
+
+        return RunEvents(
+            relay.settings.prefect_api_url,
+            auth_string=auth.get_secret_value() if auth else None,
+            on_change=changed,
+            on_connect=lambda: self.wake("sync"),
+        )
+
+    def _interval(self, loop: _Loop) -> float:
+        """The loop's poll interval: sync's is the safety net while events arrive and no
+        running video's progress is to be read."""
+        if (
+            loop.name == "sync"
+            and self.events is not None
+            and self.events.connected
+            and not self.relay.reading_progress
+        ):
+            return max(loop.interval_s, self.relay.timings.sync_safety_net_s)
+        return loop.interval_s
 
     @property
     def running(self) -> bool:
@@ -108,6 +138,8 @@ class RelayRunner:
                 target=self._run, args=(loop,), name=f"faceflow-relay-{loop.name}", daemon=True
             )
             loop.thread.start()
+        if self.events is not None:
+            self.events.start()
         log.info("relay started", extra={"owner": self.relay.owner})
 
     def wake(self, *names: str) -> None:
@@ -119,6 +151,8 @@ class RelayRunner:
         """Stop the loops (each finishes its current pass), cut the input fetches in flight
         (their rows are handed back) and close the HTTP clients."""
         self._stop.set()
+        if self.events is not None:
+            self.events.stop()
         for loop in self._loops.values():
             loop.wake.set()
         for loop in self._loops.values():
@@ -138,7 +172,7 @@ class RelayRunner:
                 self.relay.metrics.inc("faceflow_relay_loop_errors_total", loop.name)
             if handled >= self.relay.timings.batch:
                 continue  # more is due: go again at once
-            loop.wake.wait(loop.interval_s)
+            loop.wake.wait(self._interval(loop))
             loop.wake.clear()
 
 

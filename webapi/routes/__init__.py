@@ -1,1 +1,2 @@
-"""HTTP routes: ``jobs`` (the /v1 API) and ``health`` (/healthz, /readyz, /metrics)."""
+"""HTTP routes: ``jobs`` (the /v1 jobs API), ``verify`` (/v1/verify) and ``health``
+(/healthz, /readyz, /metrics)."""

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import sqlalchemy as sa
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from webapi.deps import EngineDep, SettingsDep
+from webapi.deps import EngineDep
 from webapi.errors import error_body
 from webapi.metrics import ApiMetrics
+from webapi.readiness import OK, PrefectReadiness
 
 router = APIRouter(tags=["health"])
-
-PREFECT_TIMEOUT_S = 2.0
 
 
 @router.get("/healthz", summary="The process is alive")
@@ -26,18 +24,22 @@ async def healthz() -> dict[str, str]:
 
 @router.get(
     "/readyz",
-    summary="The database and the Prefect API are reachable",
-    responses={503: {"description": "A dependency is unreachable."}},
+    summary="The database and the Prefect API can be used",
+    description="The database answers, and so does the Prefect API: to this API's "
+    "credential when it runs the relay (`credential refused` on 401 or 403, apart from "
+    "`unreachable`). The Prefect check is cached for a few seconds.",
+    responses={503: {"description": "A dependency is unreachable or refuses this API."}},
 )
-async def readyz(engine: EngineDep, settings: SettingsDep) -> JSONResponse:
+async def readyz(request: Request, engine: EngineDep) -> JSONResponse:
+    prefect: PrefectReadiness = request.app.state.prefect_readiness
     checks = {
         "database": await run_in_threadpool(_database_check, engine),
-        "prefect": await _prefect_check(settings.prefect_api_url),
+        "prefect": await prefect.check(),
     }
-    if all(value == "ok" for value in checks.values()):
+    if all(value == OK for value in checks.values()):
         return JSONResponse({"status": "ready", "checks": checks})
-    failed = ", ".join(name for name, value in checks.items() if value != "ok")
-    body: dict[str, Any] = error_body("not_ready", f"Unreachable: {failed}.")
+    failed = "; ".join(f"{name}: {value}" for name, value in checks.items() if value != OK)
+    body: dict[str, Any] = error_body("not_ready", f"Not ready: {failed}.")
     body["checks"] = checks
     return JSONResponse(body, status_code=503)
 
@@ -55,13 +57,4 @@ def _database_check(engine: sa.Engine) -> str:
             connection.execute(sa.text("SELECT 1"))
     except Exception as exc:
         return f"error: {type(exc).__name__}"
-    return "ok"
-
-
-async def _prefect_check(api_url: str) -> str:
-    try:
-        async with httpx.AsyncClient(timeout=PREFECT_TIMEOUT_S) as client:
-            response = await client.get(f"{api_url.rstrip('/')}/health")
-    except httpx.HTTPError as exc:
-        return f"error: {type(exc).__name__}"
-    return "ok" if response.status_code == 200 else f"error: HTTP {response.status_code}"
+    return OK

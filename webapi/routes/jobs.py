@@ -3,27 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Sequence
+from typing import IO, Annotated, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 
+from flows.params import JobProgress
 from tasks.options import MAX_REFERENCES, MAX_SOURCES
 from tasks.report import QualityReport
 from webapi import crud
-from webapi.admission import Admitter
-from webapi.bodies import parse_json_model, read_limited
+from webapi.bodies import limited_stream, parse_json_model, read_limited
 from webapi.config import Settings
 from webapi.db import read_only
 from webapi.deps import CurrentUser, EngineDep, ReadSessionDep, SessionDep, SettingsDep, StoreDep
@@ -31,13 +33,16 @@ from webapi.errors import (
     ApiError,
     BlockedUrl,
     InputsPurged,
+    InvalidMapping,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
     ResultExpired,
     UnsupportedMediaType,
 )
+from webapi.group_commit import Admitted, GroupCommit
 from webapi.inputs import InputRef, accept_input, job_pixels
+from webapi.job_ends import JOB_ENDS
 from webapi.logs import log_context
 from webapi.metrics import ApiMetrics
 from webapi.models import (
@@ -51,15 +56,21 @@ from webapi.models import (
     JobStatus,
     JobUrls,
     User,
+    VideoInputPublic,
+    VideoReportPublic,
     WebhookDelivery,
     utcnow,
 )
+from webapi.ranges import byte_range
 from webapi.storage import ObjectNotFound, ObjectStore
 from webapi.urls import UrlPolicy
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
+#: One input as the request gave it: a data: URI or URL, a file's bytes, or a spooled file
+#: (a multipart target, which may be a video).
+RawInput = str | bytes | IO[bytes]
 #: Times a submit stores its inputs again when retention deleted one meanwhile.
 PURGED_INPUT_RETRIES = 3
 _WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*(\d+)", re.IGNORECASE)
@@ -77,7 +88,10 @@ SUBMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
         "together than a job may hold (job_too_large)."
     },
     415: {"description": "Unsupported content type or image format."},
-    422: {"description": "Invalid fields, image, or a blocked URL."},
+    422: {
+        "description": "Invalid fields, image or video, a blocked URL, or an options.mapping "
+        "that does not fit the images given (invalid_mapping)."
+    },
     429: {"description": "Over the quota of unfinished jobs (Retry-After)."},
     503: {"description": "Backlog too long to start within the queue timeout (Retry-After)."},
 }
@@ -135,31 +149,18 @@ async def create_job(
     metrics: ApiMetrics = request.app.state.metrics
     started = time.perf_counter()
     try:
-        create, sources, target, references = await _read_submission(request, settings)
-        work = functools.partial(
-            _prepare,
-            store=store,
-            settings=settings,
-            user=user,
-            create=create,
-            raw_source=sources[0],
-            raw_target=target,
-            idempotency_key=idempotency_key,
-            raw_extra_sources=sources[1:],
-            raw_references=references,
-        )
-        admitter: Admitter = request.app.state.admitter
-        for _ in range(PURGED_INPUT_RETRIES):
-            # A few threads, not the shared pool: validating inputs is CPU work, and more
-            # threads only contend for the GIL.
-            submission = await anyio.to_thread.run_sync(
-                work, limiter=request.app.state.submit_limiter
+        async with _submission(request, settings) as (create, sources, target, references):
+            admitted = await _admit(
+                request,
+                store=store,
+                settings=settings,
+                user=user,
+                create=create,
+                sources=sources,
+                target=target,
+                references=references,
+                idempotency_key=idempotency_key,
             )
-            admitted = await asyncio.wrap_future(admitter.submit(submission))
-            if not isinstance(admitted.admission.error, InputsPurged):
-                break  # else retention deleted an input meanwhile: store it again
-        if admitted.admission.error is not None:
-            raise admitted.admission.error
         assert admitted.admission.job is not None
         created = admitted.admission.created
         public = to_public(
@@ -186,24 +187,72 @@ async def create_job(
     return JSONResponse(public.model_dump(mode="json"), status_code=status_code, headers=headers)
 
 
+async def _admit(
+    request: Request,
+    *,
+    store: ObjectStore,
+    settings: Settings,
+    user: User,
+    create: JobCreate,
+    sources: list[RawInput],
+    target: RawInput,
+    references: list[RawInput],
+    idempotency_key: str | None,
+) -> Admitted:
+    """Validate and store the inputs in a worker thread, then admit the submission (group
+    commit); an input retention deleted meanwhile is stored again."""
+    work = functools.partial(
+        _prepare,
+        store=store,
+        settings=settings,
+        user=user,
+        create=create,
+        raw_source=sources[0],
+        raw_target=target,
+        idempotency_key=idempotency_key,
+        raw_extra_sources=sources[1:],
+        raw_references=references,
+    )
+    group_commit: GroupCommit = request.app.state.group_commit
+    for _ in range(PURGED_INPUT_RETRIES):
+        # A few threads, not the shared pool: validating inputs is CPU work, and more
+        # threads only contend for the GIL.
+        submission = await anyio.to_thread.run_sync(work, limiter=request.app.state.submit_limiter)
+        admitted = await asyncio.wrap_future(group_commit.submit(submission))
+        if not isinstance(admitted.admission.error, InputsPurged):
+            break  # else retention deleted an input meanwhile: store it again
+        _rewind(target)
+    if admitted.admission.error is not None:
+        raise admitted.admission.error
+    return admitted
+
+
+def _rewind(raw: RawInput) -> None:
+    """Read a multipart file again from its start (to store it again)."""
+    if not isinstance(raw, str | bytes):
+        raw.seek(0)
+
+
 def _prepare(
     *,
     store: ObjectStore,
     settings: Settings,
     user: User,
     create: JobCreate,
-    raw_source: str | bytes,
-    raw_target: str | bytes,
+    raw_source: RawInput,
+    raw_target: RawInput,
     idempotency_key: str | None,
-    raw_extra_sources: Sequence[str | bytes] = (),
-    raw_references: Sequence[str | bytes] = (),
+    raw_extra_sources: Sequence[RawInput] = (),
+    raw_references: Sequence[RawInput] = (),
 ) -> crud.Submission:
     """Check the callback URL, validate and store the inputs: a submission to admit, whose
     images decode to at most the per-job pixel budget together (an input given as a URL
     counts at the per-image limit until the relay has fetched it).
 
     A per-face mapping's extra sources and references must be given inline (data: URIs or
-    files): only the first source and the target may be URLs the relay fetches."""
+    files): only the first source and the target may be URLs the relay fetches. The target
+    may be a video (probed against the video limits), with a mapping as for a photo
+    (docs/video.md: a target number counts the faces of the key frame)."""
     prepared_at = utcnow()  # before any input is found already stored
     urls = UrlPolicy.from_settings(settings)
     if create.callback_url is not None:
@@ -213,7 +262,12 @@ def _prepare(
             raise BlockedUrl(f"callback_url: {exc.message}") from exc
     common = {"limits": settings.image_limits, "store": store, "urls": urls}
     source = accept_input(raw_source, name="source", **common)  # type: ignore[arg-type]
-    target = accept_input(raw_target, name="target", **common)  # type: ignore[arg-type]
+    target = accept_input(
+        raw_target,
+        name="target",
+        video_limits=settings.video_limits,
+        **common,  # type: ignore[arg-type]
+    )
     extras = [
         _inline(accept_input(raw, name=f"sources[{i + 1}]", **common))  # type: ignore[arg-type]
         for i, raw in enumerate(raw_extra_sources)
@@ -245,35 +299,42 @@ def _inline(ref: InputRef) -> InputRef:
     return ref
 
 
-async def _read_submission(
+@contextlib.asynccontextmanager
+async def _submission(
     request: Request, settings: Settings
-) -> tuple[JobCreate, list[str | bytes], str | bytes, list[str | bytes]]:
+) -> AsyncIterator[tuple[JobCreate, list[RawInput], RawInput, list[RawInput]]]:
     """The request's options, its sources (one, or several for a mapping), its target and
-    its reference images."""
+    its reference images; multipart files stay spooled (on disk past 1 MiB) until the
+    block ends."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     is_json = content_type == "application/json" or content_type.endswith("+json")
     if not is_json and content_type != "multipart/form-data":
         raise UnsupportedMediaType()
-    limit = settings.max_json_bytes if is_json else settings.max_request_bytes
-    body = await read_limited(request, limit)
-    sources: list[str | bytes]
-    references: list[str | bytes]
-    target: str | bytes | None
-    if is_json:  # parsed in a worker thread: the event loop keeps serving meanwhile
-        create = await anyio.to_thread.run_sync(
-            _parse_create, body, settings, limiter=request.app.state.submit_limiter
-        )
-        sources = list(create.sources or ([create.source] if create.source is not None else []))
-        target, references = create.target, list(create.references or [])
-    else:
-        create, sources, target, references = await _read_multipart(request, settings)
-    if not sources or target is None:
-        missing = " and ".join(n for n, v in (("source", sources), ("target", target)) if not v)
-        raise InvalidRequest(f"{missing}: required.")
-    problem = create.mapping_problem(len(sources), len(references))
-    if problem is not None:
-        raise InvalidRequest(problem)
-    return create, sources, target, references
+    sources: list[RawInput]
+    references: list[RawInput]
+    target: RawInput | None
+    form: FormData | None = None
+    try:
+        if is_json:  # parsed in a worker thread: the event loop keeps serving meanwhile
+            body = await read_limited(request, settings.max_json_bytes)
+            create = await anyio.to_thread.run_sync(
+                _parse_create, body, settings, limiter=request.app.state.submit_limiter
+            )
+            sources = list(create.sources or ([create.source] if create.source is not None else []))
+            target, references = create.target, list(create.references or [])
+        else:
+            form = await _parse_multipart(request, settings)
+            create, sources, target, references = await _read_multipart(form, settings)
+        if not sources or target is None:
+            missing = " and ".join(n for n, v in (("source", sources), ("target", target)) if not v)
+            raise InvalidRequest(f"{missing}: required.")
+        problem = create.mapping_problem(len(sources), len(references))
+        if problem is not None:
+            raise InvalidMapping(problem)
+        yield create, sources, target, references
+    finally:
+        if form is not None:
+            await form.close()
 
 
 def _parse_create(raw: bytes | str, settings: Settings) -> JobCreate:
@@ -282,46 +343,65 @@ def _parse_create(raw: bytes | str, settings: Settings) -> JobCreate:
     )
 
 
-async def _read_multipart(
-    request: Request, settings: Settings
-) -> tuple[JobCreate, list[str | bytes], str | bytes | None, list[str | bytes]]:
-    """``params`` (JSON) and the files: ``source`` (repeat it for several sources, in
-    order), ``target`` and ``reference`` (repeatable)."""
+async def _parse_multipart(request: Request, settings: Settings) -> FormData:
+    """The multipart body parsed as it streams in (``limited_stream``: at most
+    ``max_request_bytes`` plus a video's bytes); its files spill to disk past 1 MiB."""
     most = MAX_SOURCES + MAX_REFERENCES + 1
-    async with request.form(max_files=most, max_fields=most + 1, max_part_size=1024 * 1024) as form:
-        field = form.get("params")
-        params = (await field.read()) if isinstance(field, UploadFile) else field
-        create = _parse_create(params or "{}", settings)
-        if any(v is not None for v in (create.source, create.sources, create.target)) or (
-            create.references is not None
-        ):
-            raise InvalidRequest("params: give the images as multipart files.")
-        parts: dict[str, list[str | bytes]] = {}
-        for name in ("source", "target", "reference"):
-            parts[name] = []
-            for part in form.getlist(name):
-                if isinstance(part, UploadFile):
-                    data = await part.read(settings.image_limits.max_bytes + 1)
-                    if len(data) > settings.image_limits.max_bytes:
-                        raise PayloadTooLarge(f"{name}: the image exceeds the size limit.")
-                    parts[name].append(data)
-                else:
-                    parts[name].append(part)
+    limit = settings.max_request_bytes + settings.video_limits.max_bytes
+    parser = MultiPartParser(
+        request.headers,
+        limited_stream(request, limit),
+        max_files=most,
+        max_fields=most + 1,
+        max_part_size=1024 * 1024,
+    )
+    try:
+        return await parser.parse()
+    except MultiPartException as exc:
+        raise InvalidRequest(f"The multipart body is malformed: {exc.message}") from exc
+
+
+async def _read_multipart(
+    form: FormData, settings: Settings
+) -> tuple[JobCreate, list[RawInput], RawInput | None, list[RawInput]]:
+    """``params`` (JSON) and the files: ``source`` (repeat it for several sources, in
+    order), ``target`` (a photo or a video, left spooled) and ``reference`` (repeatable)."""
+    field = form.get("params")
+    params = (await field.read()) if isinstance(field, UploadFile) else field
+    create = _parse_create(params or "{}", settings)
+    if any(v is not None for v in (create.source, create.sources, create.target)) or (
+        create.references is not None
+    ):
+        raise InvalidRequest("params: give the images as multipart files.")
+    parts: dict[str, list[RawInput]] = {}
+    for name in ("source", "target", "reference"):
+        parts[name] = []
+        for part in form.getlist(name):
+            if isinstance(part, UploadFile) and name == "target":
+                parts[name].append(part.file)  # a video streams on from here
+            elif isinstance(part, UploadFile):
+                data = await part.read(settings.image_limits.max_bytes + 1)
+                if len(data) > settings.image_limits.max_bytes:
+                    raise PayloadTooLarge(f"{name}: the image exceeds the size limit.")
+                parts[name].append(data)
+            else:
+                parts[name].append(part)
     if len(parts["source"]) > MAX_SOURCES or len(parts["reference"]) > MAX_REFERENCES:
         raise InvalidRequest(
             f"At most {MAX_SOURCES} source and {MAX_REFERENCES} reference images per job."
         )
     if len(parts["target"]) > 1:
-        raise InvalidRequest("target: give one target image.")
+        raise InvalidRequest("target: give one target image or video.")
     target = parts["target"][0] if parts["target"] else None
     return create, parts["source"], target, parts["reference"]
 
 
-def _wake_relay(request: Request) -> None:
-    """Nudge an in-process relay to dispatch now instead of at its next tick."""
+def _wake_relay(request: Request, *loops: str) -> None:
+    """Nudge an in-process relay's ``loops`` (default: fetch, dispatch, notify) to run now
+    instead of at their next tick."""
     wake = getattr(getattr(request.app.state, "relay", None), "wake", None)
     if callable(wake):
-        wake()
+        wake(*loops)
 
 
 def _wait_seconds(prefer: str | None) -> int:
@@ -337,13 +417,16 @@ async def _wait_for(
     public: JobPublic,
     wait_s: int,
 ) -> JobPublic:
-    """Poll the job store until the job is terminal or ``wait_s`` pass (never an error)."""
+    """Wait until the job is terminal or ``wait_s`` pass (never an error): woken when its
+    end commits (``webapi.job_ends``), reading the job store every ``wait_poll_seconds``
+    as the safety net."""
     deadline = time.monotonic() + wait_s
     status: JobStatus | None = public.status
     while status is not None and not status.is_terminal and time.monotonic() < deadline:
         if await request.is_disconnected():
             break
-        await asyncio.sleep(min(settings.wait_poll_seconds, max(0.0, deadline - time.monotonic())))
+        left = max(0.0, deadline - time.monotonic())
+        await JOB_ENDS.wait(public.id, min(settings.wait_poll_seconds, left))
         status = await run_in_threadpool(_poll_status, engine, public.id)
     if status == public.status:
         return public
@@ -359,9 +442,13 @@ def _poll_status(engine: Engine, job_id: uuid.UUID) -> JobStatus | None:
 
 def _read_public(engine: Engine, user: User, job_id: uuid.UUID, base_url: str) -> JobPublic:
     with Session(read_only(engine), expire_on_commit=False) as session:
-        job = crud.get_job(session, owner=user, job_id=job_id)
-        callbacks = crud.callbacks_for(session, job_ids=[job.id])
-        return to_public(job, base_url=base_url, callbacks=callbacks.get(job.id, []))
+        return _public_one(session, crud.get_job(session, owner=user, job_id=job_id), base_url)
+
+
+def _public_one(session: Session, job: Job, base_url: str) -> JobPublic:
+    """The public view of one job, with its webhook deliveries."""
+    callbacks = crud.callbacks_for(session, job_ids=[job.id])
+    return to_public(job, base_url=base_url, callbacks=callbacks.get(job.id, []))
 
 
 # --------------------------------------------------------------------------- read, list
@@ -376,10 +463,7 @@ def read_job(
     job_id: uuid.UUID,
 ) -> JobPublic:
     job = crud.get_job(session, owner=user, job_id=job_id)
-    callbacks = crud.callbacks_for(session, job_ids=[job.id])
-    return to_public(
-        job, base_url=_base_url(request, settings), callbacks=callbacks.get(job.id, [])
-    )
+    return _public_one(session, job, _base_url(request, settings))
 
 
 @router.get("", summary="List the caller's jobs, newest first", responses={401: _ERRORS[401]})
@@ -426,27 +510,33 @@ def cancel_job(
     job_id: uuid.UUID,
 ) -> JSONResponse:
     job = crud.cancel_job(session, owner=user, job_id=job_id)
-    callbacks = crud.callbacks_for(session, job_ids=[job.id])
-    public = to_public(
-        job, base_url=_base_url(request, settings), callbacks=callbacks.get(job.id, [])
-    )
+    public = _public_one(session, job, _base_url(request, settings))
+    if job.status in (JobStatus.cancel_requested, JobStatus.cancelled):
+        _wake_relay(request, "reap")  # its cancel_run row, if any: the run is cancelled now
     status_code = 202 if job.status is JobStatus.cancel_requested else 200
     return JSONResponse(public.model_dump(mode="json"), status_code=status_code)
 
 
 @router.get(
     "/{job_id}/result",
-    summary="Download the result image",
+    summary="Download the result image or video",
     response_class=Response,
     responses={
         **_ERRORS,
-        200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}},
+        200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}, "video/mp4": {}}},
+        206: {"description": "The byte range asked for with Range (players seek with it)."},
         410: {"description": "The result was deleted: its retention period is over."},
+        416: {"description": "The Range lies outside the result."},
     },
 )
 def read_result(
-    session: ReadSessionDep, user: CurrentUser, store: StoreDep, job_id: uuid.UUID
+    session: ReadSessionDep,
+    user: CurrentUser,
+    store: StoreDep,
+    job_id: uuid.UUID,
+    range_header: Annotated[str | None, Header(alias="range")] = None,
 ) -> Response:
+    """The result, streamed from storage; ``Range: bytes=a-b`` (one range) answers 206."""
     job = crud.get_job(session, owner=user, job_id=job_id)
     session.commit()
     if job.result_expired_at is not None:
@@ -456,17 +546,29 @@ def read_result(
         )
     if job.status is not JobStatus.succeeded or not job.result_key:
         raise NotFound(f"The job has no result (it is {job.status.value}).")
+    key = job.result_key
     try:
-        data = store.get(job.result_key)
+        size = store.size(key)
+        wanted = byte_range(range_header, size)
+        start, end = wanted or (0, size - 1)
+        pieces = store.read_range(key, start, end) if size else iter(())
     except ObjectNotFound as exc:
         with log_context(job=job.id, attempt_no=job.attempts):
-            log.error("result object missing: %s", job.result_key)
+            log.error("result object missing: %s", key)
         raise NotFound("The result is no longer available.") from exc
-    filename = f"{job.id}.{job.result_key.rsplit('.', 1)[-1]}"
-    return Response(
-        data,
+    headers = {
+        "Content-Disposition": f'inline; filename="{job.id}.{key.rsplit(".", 1)[-1]}"',
+        "Accept-Ranges": "bytes",
+        "Content-Length": str(end - start + 1 if size else 0),
+        "ETag": f'"{key.rsplit("/", 1)[-1]}-{size}"',
+    }
+    if wanted is not None:
+        headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    return StreamingResponse(
+        pieces,
+        status_code=206 if wanted is not None else 200,
         media_type=job.result_content_type or "application/octet-stream",
-        headers={"Content-Disposition": f'inline; filename="{filename}"'},
+        headers=headers,
     )
 
 
@@ -494,6 +596,12 @@ def to_public(job: Job, *, base_url: str, callbacks: Sequence[WebhookDelivery] =
         stage=job.stage,
         attempts=job.attempts,
         priority=job.priority,
+        media=job.media,
+        progress=JobProgress.model_validate(job.progress) if job.progress else None,
+        video=VideoInputPublic.model_validate(job.video_input) if job.video_input else None,
+        video_report=(
+            VideoReportPublic.model_validate(job.video_report) if job.video_report else None
+        ),
         options=job.fusion_options,
         created_at=job.created_at,
         queue_deadline_at=job.queue_deadline_at,
@@ -509,18 +617,7 @@ def to_public(job: Job, *, base_url: str, callbacks: Sequence[WebhookDelivery] =
         urls=JobUrls(self=self_url, cancel=f"{self_url}/cancel", result=f"{self_url}/result"),
         callback_url=job.callback_url,
         callback_events=job.callback_events or [],
-        callbacks=[
-            JobCallback(
-                event=d.event,
-                webhook_id=d.webhook_id,
-                attempt=d.attempt,
-                at=d.at,
-                status_code=d.status_code,
-                outcome=d.outcome,
-                error=d.error,
-            )
-            for d in callbacks
-        ],
+        callbacks=[JobCallback.model_validate(d, from_attributes=True) for d in callbacks],
     )
 
 

@@ -1,7 +1,5 @@
 """Initial job store: users, api_keys, jobs, outbox, webhook_deliveries.
 
-Revision ID: 0001
-Revises: (none)
 Create Date: 2026-12-02 16:42:18.802732
 """
 
@@ -12,8 +10,6 @@ from alembic import op
 
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -3,8 +3,6 @@
 Jobs that had already ended get purge times from the defaults (inputs at their end,
 results 24 h after it), so the first retention pass treats them like new ones.
 
-Revision ID: 0005
-Revises: 0004
 Create Date: 2026-12-03 15:10:00.000000
 """
 
@@ -17,8 +15,6 @@ from alembic import op
 
 revision = "0005"
 down_revision = "0004"
-branch_labels = None
-depends_on = None
 
 DEFAULT_RESULT_RETENTION_S = 86400
 BACKFILL_BATCH = 1000

@@ -1,9 +1,10 @@
-"""Real services for the relay tests: a Prefect server, a stand-in ``fuse-faces`` flow run
-in-process (a deterministic worker), a loopback HTTP receiver, and job factories.
+"""Real services for the relay's tests and benches: a Prefect server, a stand-in
+``fuse-faces`` flow run in-process (a deterministic worker), a loopback HTTP receiver, and
+job factories.
 
-The Prefect server is ``prefect server start`` in a subprocess (own PREFECT_HOME, SQLite,
-127.0.0.1, stopped by PID through ``faceflow.supervisor``) so a test can stop and restart
-it. Prefect is imported lazily: importing this module stays cheap.
+The Prefect server is ``faceflow.testing.prefect.PrefectServer``: ``prefect server start``
+in a subprocess (own PREFECT_HOME, SQLite, 127.0.0.1, stopped by PID) so a test can stop
+and restart it. Prefect is imported lazily: importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import hmac
 import json
 import select
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -27,24 +27,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from faceflow.supervisor import Service
+from faceflow.testing.jobs import image_bytes, new_job, source_jpeg, target_jpeg
+from faceflow.testing.prefect import PrefectServer
 from flows.params import JobFailure, ResultRef, result_error_key, result_key, result_meta_key
 from tasks.errors import FaceFlowError
 from tasks.report import FaceQuality, FuserSettings, PoseAngles, QualityReport
-from tests.webapi.utils import image_bytes, new_job, source_jpeg, target_jpeg
 from webapi import crud
 from webapi.config import Settings
 from webapi.inputs import InputRef, store_image
 from webapi.models import Job
-from webapi.prefect_api import auth_headers
 from webapi.relay.context import RelayTimings
 from webapi.storage import ObjectStore
 
-PREFECT_BIN = Path(sys.executable).with_name("prefect")
 #: Relay timings for tests: short intervals, backoffs and grace periods.
 FAST = RelayTimings(
     dispatch_interval_s=0.05,
@@ -60,107 +57,6 @@ FAST = RelayTimings(
     webhook_backoff_base_s=0.1,
     webhook_backoff_cap_s=0.3,
 )
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-# --------------------------------------------------------------------------- Prefect server
-
-
-class PrefectServer:
-    """``prefect server start`` on 127.0.0.1 with its own home; restartable on one port.
-    With ``auth_string`` the API asks for it (HTTP basic auth) and the helpers send it."""
-
-    def __init__(self, home: Path, auth_string: str | None = None) -> None:
-        self.home = home
-        self.port = free_port()
-        self.auth_string = auth_string
-        self.headers = auth_headers(auth_string=auth_string)
-        auth = {"PREFECT_SERVER_API_AUTH_STRING": auth_string} if auth_string else {}
-        self.service = Service(
-            name="prefect-server",
-            argv=[
-                str(PREFECT_BIN),
-                "server",
-                "start",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--no-services",
-                "--no-ui",
-            ],
-            log=home / "server.log",
-            env={
-                "PREFECT_HOME": str(home),
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_API_URL": self.api_url,
-                "PREFECT_LOGGING_LEVEL": "WARNING",
-                **auth,
-            },
-        )
-
-    @property
-    def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api"
-
-    def healthy(self) -> bool:
-        return httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200
-
-    def start(self, timeout_s: float = 120) -> None:
-        self.service.start()
-        self.service.wait_ready(self.healthy, timeout_s)
-
-    def stop(self) -> None:
-        self.service.stop(grace=10)
-
-    def set_state(self, flow_run_id: str, state_type: str, message: str | None = None) -> None:
-        """Force a flow run into a state (what a crashed or stopped worker leaves behind)."""
-        response = httpx.post(
-            f"{self.api_url}/flow_runs/{flow_run_id}/set_state",
-            json={"state": {"type": state_type, "message": message}, "force": True},
-            headers=self.headers,
-            timeout=10,
-        )
-        response.raise_for_status()
-
-    def report_progress(self, flow_run_id: str, description: str) -> None:
-        """A progress artifact on the run, as the fuse-faces flow writes one per stage."""
-        body = {
-            "type": "progress",
-            "data": 40.0,
-            "description": description,
-            "flow_run_id": flow_run_id,
-        }
-        httpx.post(
-            f"{self.api_url}/artifacts/", json=body, headers=self.headers, timeout=10
-        ).raise_for_status()
-
-    def delete_run(self, flow_run_id: str) -> None:
-        httpx.delete(
-            f"{self.api_url}/flow_runs/{flow_run_id}", headers=self.headers, timeout=10
-        ).raise_for_status()
-
-    def runs_of_job(self, job_id: uuid.UUID | str) -> list[dict[str, Any]]:
-        """Every flow run tagged ``job:<id>``."""
-        body = {"flow_runs": {"tags": {"all_": [f"job:{job_id}"]}}, "limit": 50}
-        response = httpx.post(
-            f"{self.api_url}/flow_runs/filter", json=body, headers=self.headers, timeout=10
-        )
-        response.raise_for_status()
-        return list(response.json())
-
-    def run(self, flow_run_id: str) -> dict[str, Any]:
-        response = httpx.get(
-            f"{self.api_url}/flow_runs/{flow_run_id}", headers=self.headers, timeout=10
-        )
-        response.raise_for_status()
-        return dict(response.json())
 
 
 # --------------------------------------------------------------------------- stand-in flow
@@ -318,7 +214,12 @@ def stand_in_server(home: Path, auth_string: str | None = None) -> Iterator[Pref
         temporary_settings,
     )
 
-    server = PrefectServer(home, auth_string=auth_string)
+    server = PrefectServer(
+        home,
+        server_env={"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_UI_ENABLED": "false"},
+        services=False,
+        auth_string=auth_string,
+    )
     server.start()
     try:
         with temporary_settings(
@@ -542,18 +443,6 @@ def tarpit(*, mode: str = "body", interval_s: float = 1.0) -> Iterator[Tarpit]:
         yield instance
     finally:
         instance.close()
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 0.05) -> float:
-    """Poll until ``check()``; returns the seconds waited (fails the test on timeout)."""
-    import pytest
-
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout_s:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        time.sleep(step_s)
-    return time.monotonic() - started
 
 
 # --------------------------------------------------------------------------- jobs

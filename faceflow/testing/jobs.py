@@ -1,4 +1,5 @@
-"""Factories for the webapi tests: users, images, request bodies, jobs in a given state."""
+"""Factories for the webapi's tests and benches: users, images, request bodies, jobs in a
+given state."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from PIL import Image
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from faceflow.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 from faceflow.supervisor import Service
-from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
-from webapi import crud
+from webapi import capacity, crud
 from webapi.config import Settings
 from webapi.inputs import InputRef
 from webapi.jobstate import transition
@@ -200,18 +201,20 @@ def finished_job(
     started: datetime,
     finished: datetime,
     flow_run_id: uuid.UUID | None = None,
+    timings: Mapping[str, float] | None = None,
 ) -> uuid.UUID:
     """A succeeded job with the given submit, start and finish times (service-time tests),
-    and the flow run that carried it (a batch run carries several jobs)."""
+    the flow run that carried it (a batch run carries several jobs) and its stage
+    timings (ms)."""
     job_id = new_job(engine, settings, user).id
-    succeed(engine, job_id, result_key=f"results/{job_id}/attempt-1.png")
+    succeed(engine, job_id, result_key=f"results/{job_id}/attempt-1.png", timings=timings)
     values: dict[str, Any] = {"created_at": created, "started_at": started, "finished_at": finished}
     if flow_run_id is not None:
         values["flow_run_id"] = flow_run_id
     with Session(engine) as session:
         session.execute(sa.update(Job).where(col(Job.id) == job_id).values(**values))
         session.commit()
-    crud.reset_service_time_cache()
+    capacity.reset_service_time_cache()
     return job_id
 
 
@@ -221,7 +224,7 @@ def clear_jobs(engine: Engine) -> None:
         session.execute(sa.delete(Outbox))
         session.execute(sa.delete(Job))
         session.commit()
-    crud.reset_service_time_cache()
+    capacity.reset_service_time_cache()
 
 
 def stack_webapi(home: Path, database_url: str, **env: str) -> tuple[Service, str]:
@@ -229,7 +232,7 @@ def stack_webapi(home: Path, database_url: str, **env: str) -> tuple[Service, st
     loopback port, against ``database_url`` and an unreachable Prefect, ``env`` on top
     (not started): the service and its base URL."""
     from faceflow.stack import REPO_ROOT, StackConfig, webapi_argv
-    from tests.webapi.relay_harness import free_port
+    from faceflow.testing.net import free_port
 
     config = StackConfig(home=home, api_port=free_port(), external_prefect=None)
     service = Service(

@@ -1,9 +1,9 @@
 """Group commit of submits: one thread admits waiting submissions together.
 
 Under load, many requests wait for the job store's write lock (SQLite) or the backlog lock
-(PostgreSQL) only to run the same few statements each. ``Admitter`` keeps one thread per
-app that takes every submission waiting at that moment (up to ``max_batch``) and admits
-them in one transaction with ``crud.submit_jobs``: one backlog count, one quota count per
+(PostgreSQL) only to run the same few statements each. ``GroupCommit`` keeps one thread
+per app that takes every submission waiting at that moment (up to ``max_batch``) and
+admits them in one transaction with ``crud.submit_jobs``: one backlog count, one quota count per
 owner, one insert per table, one commit. A submission alone is admitted at once (nothing
 waits to fill a batch), and each caller gets its answer only after the commit that holds
 its job (invariant 1).
@@ -40,8 +40,9 @@ class Admitted:
     callbacks: Sequence[WebhookDelivery] = field(default_factory=tuple)
 
 
-class Admitter:
-    """Admits submissions in batches on one daemon thread (started on first use)."""
+class GroupCommit:
+    """Admits submissions in groups, one transaction each, on one daemon thread (started
+    on first use)."""
 
     def __init__(
         self,
@@ -69,7 +70,7 @@ class Admitter:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
-                    target=self._run, name="faceflow-admitter", daemon=True
+                    target=self._run, name="faceflow-group-commit", daemon=True
                 )
                 self._thread.start()
         self._queue.put((submission, future))
@@ -100,11 +101,11 @@ class Admitter:
                     stop = True
                     break
                 batch.append(more)
-            self._admit(batch)
+            self._commit(batch)
             if stop:
                 return
 
-    def _admit(self, batch: list[tuple[crud.Submission, Future[Admitted]]]) -> None:
+    def _commit(self, batch: list[tuple[crud.Submission, Future[Admitted]]]) -> None:
         try:
             with Session(self.engine, expire_on_commit=False) as session:
                 admissions = crud.submit_jobs(

@@ -1,4 +1,4 @@
-"""Group commit of submits (``crud.submit_jobs`` and ``webapi.admission.Admitter``).
+"""Group commit of submits (``crud.submit_jobs`` and ``webapi.group_commit.GroupCommit``).
 
 A batch must answer each submission exactly as if it had been submitted alone, in order:
 replays and 409s by idempotency key (also between members of one batch), the owner's
@@ -15,11 +15,12 @@ from pathlib import Path
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from faceflow.testing.jobs import jobs_of, make_user, outbox_of
+from faceflow.testing.threads import run_threads
 from tests.webapi.conftest import make_settings
-from tests.webapi.utils import jobs_of, make_user, outbox_of
 from webapi import crud
-from webapi.admission import Admitter
 from webapi.errors import IdempotencyKeyReused, Overloaded, QuotaExceeded
+from webapi.group_commit import GroupCommit
 from webapi.inputs import InputRef
 from webapi.models import JobCreate, JobStatus
 
@@ -99,7 +100,7 @@ def test_concurrent_submits_form_batches_and_all_commit(
 ) -> None:
     settings = make_settings(database_url, tmp_path)
     users = [make_user(engine, settings, quota=100) for _ in range(4)]
-    admitter = Admitter(engine, settings)
+    group_commit = GroupCommit(engine, settings)
     barrier = threading.Barrier(40)
     results: list[crud.Admission] = []
     lock = threading.Lock()
@@ -108,20 +109,16 @@ def test_concurrent_submits_form_batches_and_all_commit(
         user = users[i % len(users)]
         barrier.wait()
         key = "k0" if i % 5 == 0 else None
-        admitted = admitter.submit(_submission(user, key=key, tag=str(i))).result(60)
+        admitted = group_commit.submit(_submission(user, key=key, tag=str(i))).result(60)
         with lock:
             results.append(admitted.admission)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    admitter.close()
+    run_threads(one, range(40), timeout_s=120)
+    group_commit.close()
     # key "k0" for i in {0, 5, ..., 35}: two threads per user (i % 4), with different
     # inputs → one job each and one idempotency conflict each → 36 jobs in all
     created = [a for a in results if a.created]
     conflicts = [a for a in results if isinstance(a.error, IdempotencyKeyReused)]
     assert len(results) == 40 and len(created) == 36 and len(conflicts) == 4
     assert len(jobs_of(engine)) == 36
-    assert admitter.admitted == 40
+    assert group_commit.admitted == 40

@@ -1,9 +1,10 @@
-"""CPU seconds from Linux /proc, for the benchmarks' per-component CPU figures."""
+"""CPU and memory figures from Linux /proc, for the benchmarks' per-component figures."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -72,8 +73,6 @@ def wait_until_quiet(
     """Wait until ``pid``'s process tree uses under ``share`` of a core over ``window_s``
     (a Prefect server still working through an earlier mode's events would otherwise take
     CPU from the next one); returns the seconds waited (``timeout_s`` at most)."""
-    import time
-
     start = time.monotonic()
     before = process_tree_cpu_s(pid)
     while time.monotonic() - start < timeout_s:
@@ -83,3 +82,48 @@ def wait_until_quiet(
             break
         before = now
     return time.monotonic() - start
+
+
+class CpuMeter:
+    """CPU seconds per component over one phase: each named process tree, PostgreSQL
+    (``postgres``), this process (``bench``), and how busy the whole machine was."""
+
+    def __init__(
+        self, pids: Mapping[str, int | Sequence[int] | None], *, postgres: bool = True
+    ) -> None:
+        self.pids = dict(pids)
+        self.postgres = postgres
+        self.start = self._read()
+
+    def _read(self) -> dict[str, float]:
+        out = {name: process_tree_cpu_s(pid) for name, pid in self.pids.items()}
+        if self.postgres:
+            out["postgres"] = postgres_cpu_s()
+        out["bench"] = sum(os.times()[:2])
+        out["machine_busy"], out["machine_total"] = machine_busy_s()
+        return out
+
+    def per_job_ms(self, jobs: int) -> dict[str, float]:
+        """CPU ms per job by component, ``other`` (the rest of the machine's busy time)
+        and ``machine_busy_share`` (the machine's busy share of all cores)."""
+        end = self._read()
+        delta = {k: end[k] - self.start[k] for k in end}
+        total = delta.pop("machine_total")
+        busy = delta.pop("machine_busy")
+        out = {name: round(v * 1e3 / jobs, 1) for name, v in delta.items()}
+        out["other"] = round((busy - sum(delta.values())) * 1e3 / jobs, 1)
+        out["machine_busy_share"] = round(busy / total, 3) if total else 0.0
+        return out
+
+
+def memory_kb(pid: int) -> dict[str, int]:
+    """``VmRSS`` (resident now) and ``VmHWM`` (peak resident so far) of ``pid`` in KiB."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return {k: int(fields[k].split()[0]) for k in ("VmRSS", "VmHWM")}
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set size so far (``VmHWM``), MiB."""
+    return memory_kb(pid)["VmHWM"] / 1024.0

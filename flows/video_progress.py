@@ -1,0 +1,139 @@
+"""How far a ``fuse-video`` attempt is: a ``JobProgress`` record in storage for the relay
+(``progress_key``: the job's ``progress`` field, the ``job.progress`` webhook, the CLI's
+bar) and the run's progress artifact for the Prefect UI.
+
+Frames count as done when rendered or when their chunk was found stored by an earlier
+attempt; frames per second are this attempt's rendered frames over the time since its
+first render began, and the ETA is the frames left at that rate. The record is rewritten
+at most once per ``min_interval_s`` while frames advance, and at once on a new step or a
+finished chunk. A record that cannot be written is logged and never fails the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from blocks.storage import ByteStore, write_to
+from flows.artifacts import DeferredProgress, artifact_key, start_progress
+from flows.params import JobProgress, progress_key
+
+logger = logging.getLogger("faceflow.flows.video_progress")
+
+STEPS = ("probe", "analyse", "render_chunk", "join", "report", "store")
+"""The steps of a video attempt in order (``flows.video.VIDEO_STAGES``' keys)."""
+MIN_INTERVAL_S = 1.0
+"""Least time between two records written while frames advance."""
+
+
+class VideoProgress:
+    """The progress of one video job attempt, written as it advances."""
+
+    def __init__(
+        self,
+        store: ByteStore,
+        job_id: str,
+        attempt: int,
+        *,
+        min_interval_s: float = MIN_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        artifact: DeferredProgress | None = None,
+    ) -> None:
+        self.store, self.key, self.attempt = store, progress_key(job_id, attempt), attempt
+        self.min_interval_s, self.clock, self.artifact = min_interval_s, clock, artifact
+        self.step = STEPS[0]
+        self.frames_total = self.chunks_total = 0
+        self.frames_done = self.chunks_done = self.rendered = 0
+        self.render_started: float | None = None
+        self.written_at: float | None = None
+        self.writes = 0
+
+    @classmethod
+    def of_run(cls, store: ByteStore, job_id: str, attempt: int) -> VideoProgress:
+        """The progress of the current flow run's attempt, with its progress artifact."""
+        return cls(
+            store, job_id, attempt, artifact=start_progress(artifact_key(job_id, "progress"))
+        )
+
+    def start(self, step: str) -> None:
+        """Enter ``step`` (one of ``STEPS``); written now."""
+        self.step = step
+        self.write()
+
+    def planned(self, frames: int, chunks: int) -> None:
+        """The video's frames and render chunks, once planned."""
+        self.frames_total, self.chunks_total = frames, chunks
+        self.write()
+
+    def frame_rendered(self) -> None:
+        """One more frame fused by this attempt; written when ``min_interval_s`` passed."""
+        now = self.clock()
+        if self.render_started is None:
+            self.render_started = now
+        self.frames_done += 1
+        self.rendered += 1
+        if self.written_at is None or now - self.written_at >= self.min_interval_s:
+            self.write()
+
+    def chunk_done(self, frames: int, rendered: bool) -> None:
+        """A chunk of ``frames`` frames is stored: rendered now (its frames were counted as
+        they went) or found from an earlier attempt (counted here); written now."""
+        self.chunks_done += 1
+        if not rendered:
+            self.frames_done += frames
+        self.write()
+
+    @property
+    def fps(self) -> float | None:
+        """This attempt's rendered frames per second (None before the first)."""
+        if self.render_started is None or self.rendered == 0:
+            return None
+        elapsed = self.clock() - self.render_started
+        return self.rendered / elapsed if elapsed > 0 else None
+
+    def record(self) -> JobProgress:
+        """The progress as it stands."""
+        fps = self.fps
+        left = max(0, self.frames_total - self.frames_done)
+        return JobProgress(
+            frames_done=min(self.frames_done, self.frames_total) if self.frames_total else 0,
+            frames_total=self.frames_total,
+            chunks_done=self.chunks_done,
+            chunks_total=self.chunks_total,
+            fps=None if fps is None else round(fps, 3),
+            eta_seconds=None if fps is None else round(left / fps, 1),
+            stage=self.step,
+            updated_at=datetime.now(UTC),
+        )
+
+    def write(self) -> None:
+        """Write the record to storage and show it on the progress artifact."""
+        record = self.record()
+        self.written_at = self.clock()
+        try:
+            write_to(self.store, self.key, record.model_dump_json().encode())
+            self.writes += 1
+        except Exception as exc:  # progress never fails the job
+            logger.warning("Could not write the progress record: %r", exc)
+        if self.artifact is not None:
+            self.artifact.show(*self._shown(record))
+
+    def close(self) -> None:
+        """Write the last progress to the artifact now (the run is ending)."""
+        if self.artifact is not None:
+            self.artifact.close(*self._shown(self.record()))
+
+    def _shown(self, record: JobProgress) -> tuple[float, str]:
+        index = STEPS.index(self.step)
+        share = record.frames_done / record.frames_total if record.frames_total else 0.0
+        value = 100.0 * (share if self.step == "render_chunk" else index / len(STEPS))
+        text = f"Stage {index + 1}/{len(STEPS)}: {self.step} (attempt {self.attempt})."
+        if record.frames_total:
+            text += f" {record.frames_done}/{record.frames_total} frames, "
+            text += f"{record.chunks_done}/{record.chunks_total} chunks"
+            if record.fps is not None and record.eta_seconds is not None:
+                text += f", {record.fps:.1f} fps, ETA {record.eta_seconds:.0f} s"
+            text += "."
+        return value, text

@@ -1,0 +1,147 @@
+"""What covers a face: the occlusion mask that keeps a target's glasses, brim or fringe
+over the fused face, and stops the fused face below the source's hairline.
+
+No segmentation model: a face's skin is told from the rest by colour. ``skin_map`` takes
+the robust spread (median and MAD, in Lab) of the face region away from the eyes, nose and
+mouth as the face's skin, with lightness measured against the local shading so a face lit
+from one side stays skin. On the target, an *occluder* is a patch that is not skin and
+spans at least ``WIDE_OCCLUDER`` eye distances across: a glasses frame joined by its
+bridge, a cap's brim, a fringe of hair. On the source, what is not skin above the brows is
+its hair. What this does not catch: an occluder of the skin's own colour and shading (a
+hand of the same tone, pale rims on pale skin), a narrow one (a finger, one strand of
+hair), one that covers only one eye; and a dark brow joined to the hair at the temple is
+kept as the target's.
+"""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import numpy.typing as npt
+
+from tasks.postprocess import SHADING_SCALE, eye_distance, face_mask, masked_low_pass, to_lab
+from tasks.types import AlignedFace, FloatArray, RGBImage
+
+FEATURE_ZONES: tuple[tuple[int, tuple[float, float], tuple[float, float]], ...] = (
+    (0, (0.0, 0.0), (0.28, 0.13)),  # left eye
+    (1, (0.0, 0.0), (0.28, 0.13)),  # right eye
+    (2, (0.0, 0.06), (0.32, 0.16)),  # nose tip and nostrils
+    (3, (0.0, 0.0), (0.10, 0.17)),  # mouth (half its width is added across)
+)
+"""Where a face's own features sit, not skin yet not covering it: (0 left eye, 1 right eye,
+2 nose tip, 3 the mouth's midpoint), the centre's offset and the ellipse's semi-axes, in
+eye distances."""
+WIDE_OCCLUDER = (0.8, 1.3)
+"""A patch of the target face that is not skin and spans the first of these, in eye
+distances across, is an occluder around the eyes (``GLASSES_BAND``) where the source face is skin (one
+side of a glasses frame, ≈ 0.85 on grace_hopper; a brow is ≈ 0.7 and lies on the source's brow); one that
+spans the second is an occluder wherever it lies (a frame with its bridge, a brim, a
+fringe)."""
+SKIN_DISTANCE = (2.5, 4.0)
+"""A pixel's colour distance from the face's skin (robust z-score in Lab): at the first
+value it starts to count as not skin, at the second it is not skin at all."""
+GLASSES_BAND = (-0.4, 0.3)
+"""Where a glasses frame sits (eye-to-mouth distances from the eye line): the narrower
+occluders (``WIDE_OCCLUDER``) are looked for there only."""
+HAIRLINE_BAND = -0.5
+"""Above this (in eye-to-mouth distances from the eye line, upwards negative) a source
+pixel that is not skin is its hair: the fused face stops below it."""
+_WORK_SIZE = 128
+"""Skin maps are computed at this size (and scaled back): a face's colour does not need
+more."""
+
+
+def feature_zones(size: int, landmarks_in_crop: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """1 on the eyes, the nose tip and the mouth (ellipses placed by the 5 landmarks)."""
+    lm = np.asarray(landmarks_in_crop, dtype=np.float64)
+    eye = eye_distance(lm)
+    centres = [lm[0], lm[1], lm[2], (lm[3] + lm[4]) / 2.0]
+    mouth_half = float(np.linalg.norm(lm[4] - lm[3])) / 2.0
+    angle = float(np.degrees(np.arctan2(lm[1, 1] - lm[0, 1], lm[1, 0] - lm[0, 0])))
+    zones = np.zeros((size, size), dtype=np.uint8)
+    for which, (dx, dy), (ax, ay) in FEATURE_ZONES:
+        cx, cy = centres[which] + np.array([dx, dy]) * eye
+        half_x = ax * eye + (mouth_half if which == 3 else 0.0)
+        axes = (max(1, round(half_x)), max(1, round(ay * eye)))
+        cv2.ellipse(zones, (round(cx), round(cy)), axes, angle, 0, 360, 1, thickness=-1)
+    return zones
+
+
+def skin_map(crop: RGBImage, landmarks_in_crop: npt.ArrayLike) -> FloatArray:
+    """How much each pixel of an aligned face crop looks like that face's own skin: 1, or
+    0 for hair, a brim, a glasses frame, the eyes and the lips."""
+    size = crop.shape[0]
+    scale = min(1.0, _WORK_SIZE / size)
+    work = size if scale >= 1.0 else _WORK_SIZE
+    landmarks = np.asarray(landmarks_in_crop, dtype=np.float64) * scale
+    small = crop if work == size else cv2.resize(crop, (work, work), interpolation=cv2.INTER_AREA)
+    lab = to_lab(np.asarray(small, dtype=np.uint8))
+    reference = (face_mask(work, landmarks, erode=0.03, blur=0.0) > 0.5) & (
+        feature_zones(work, landmarks) == 0
+    )
+    if int(reference.sum()) < 64:
+        return np.ones((size, size), dtype=np.float32)
+    shading = masked_low_pass(
+        lab[..., 0], reference.astype(np.float32), SHADING_SCALE * eye_distance(landmarks)
+    )
+    relative = np.dstack([lab[..., 0] - shading, lab[..., 1], lab[..., 2]])
+    samples = relative[reference]
+    centre = np.median(samples, axis=0)
+    spread = np.maximum(1.4826 * np.median(np.abs(samples - centre), axis=0), (2.0, 1.5, 1.5))
+    distance = np.sqrt((((relative - centre) / spread) ** 2).sum(axis=-1))
+    low, high = SKIN_DISTANCE
+    skin = np.clip((high - distance) / (high - low), 0.0, 1.0).astype(np.float32)
+    if work != size:
+        skin = cv2.resize(skin, (size, size), interpolation=cv2.INTER_LINEAR)
+    return np.asarray(skin, dtype=np.float32)
+
+
+def below_eyes(landmarks_in_crop: npt.ArrayLike, size: int) -> FloatArray:
+    """Each pixel's place between the eye line (0) and the mouth's (1); negative above."""
+    lm = np.asarray(landmarks_in_crop, dtype=np.float64)
+    eyes = (lm[0] + lm[1]) / 2.0
+    down = (lm[3] + lm[4]) / 2.0 - eyes
+    ys, xs = np.mgrid[0:size, 0:size].astype(np.float64)
+    return (((xs - eyes[0]) * down[0] + (ys - eyes[1]) * down[1]) / float(down @ down)).astype(
+        np.float32
+    )
+
+
+def occlusion_mask(target: AlignedFace, source: AlignedFace | None = None) -> FloatArray:
+    """1 where the fused face must not go: an occluder of the target face (glasses, a
+    brim, a fringe) and, given the aligned ``source``, the source's hair above its brows.
+    Grown and softened by a pixel or two so an occluder's edge blends."""
+    size = target.size
+    not_skin = (1.0 - skin_map(target.crop, target.landmarks)) * (
+        face_mask(size, target.landmarks, erode=0.0, blur=0.0) > 0.0
+    )
+    # Drop specks (skin texture, a wrinkle), keep the wide parts, not the face's features.
+    solid = np.asarray(
+        cv2.morphologyEx(
+            (not_skin > 0.5).astype(np.uint8),
+            cv2.MORPH_OPEN,
+            cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (3, 3)),
+        ),
+        dtype=np.uint8,
+    )
+    eye = eye_distance(target.landmarks)
+    narrow, wide = (_wide_parts(solid, w * eye) for w in WIDE_OCCLUDER)
+    if source is not None:
+        source_skin = skin_map(source.crop, source.landmarks)
+        band = below_eyes(target.landmarks, size)
+        glasses = narrow * source_skin * ((band > GLASSES_BAND[0]) & (band < GLASSES_BAND[1]))
+        parts = np.maximum(wide, glasses)
+        hair = (1.0 - source_skin) * (below_eyes(source.landmarks, size) < HAIRLINE_BAND)
+    else:
+        parts, hair = wide, np.zeros_like(wide)
+    covered = np.maximum(parts * not_skin * (1 - feature_zones(size, target.landmarks)), hair)
+    grown = cv2.dilate(covered, cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (3, 3)))
+    return np.asarray(cv2.GaussianBlur(grown, (0, 0), 0.004 * size + 0.5), dtype=np.float32)
+
+
+def _wide_parts(binary: npt.NDArray[np.uint8], width: float) -> FloatArray:
+    """The connected parts of ``binary`` at least ``width`` pixels across."""
+    count, labels, stats, _ = cv2.connectedComponentsWithStats(binary, connectivity=8)
+    keep = np.zeros(count, dtype=np.float32)
+    keep[1:] = (stats[1:, cv2.CC_STAT_WIDTH] >= width).astype(np.float32)
+    return np.asarray(keep[labels], dtype=np.float32)

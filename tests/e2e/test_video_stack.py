@@ -1,0 +1,298 @@
+"""Video jobs end to end on the local stack (``faceflow up``: Prefect with auth, the warm
+worker, the webapi and its relay), over real HTTP: a video uploaded as a multipart file
+runs as a ``fuse-video`` run and comes back as an MP4 with the input's frames, timestamps
+and audio, downloadable by ranges."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+from blocks.settings import FusionSettings
+from flows.params import chunks_manifest_key
+from tasks.video_io import frame_timestamps, probe_video
+from tests import samples
+from tests.e2e.harness import (
+    BIN,
+    create_user,
+    local_stack,
+    pid_of,
+    prefect_auth,
+    watch,
+)
+from tests.videos import Videos
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+CHUNK_S = 0.5
+
+
+@dataclass
+class VideoStack:
+    home: Path
+    api: str
+    api_key: str
+    prefect: httpx.Client
+    env: dict[str, str]
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.api, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=60
+        )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VideoStack]:
+    with local_stack(tmp_path_factory.mktemp("video-stack") / "home") as running:
+        with temporary_settings(
+            {
+                PREFECT_API_URL: running.prefect_api,
+                PREFECT_API_AUTH_STRING: prefect_auth(running.home),
+            }
+        ):  # chunks of half a second: a 2 s clip renders in several, to kill, resume, cancel
+            FusionSettings(video_chunk_s=CHUNK_S).save("default", overwrite=True)
+        yield VideoStack(
+            home=running.home,
+            api=running.api,
+            api_key=create_user(running.env, "video")["api key"],
+            prefect=running.prefect,
+            env=running.env,
+        )
+
+
+def _download(client: httpx.Client, url: str, path: Path, piece: int = 64 * 1024) -> int:
+    """Fetch a result by ``Range`` pieces (as a seeking player does); how many requests."""
+    first = client.get(url, headers={"Range": f"bytes=0-{piece - 1}"})
+    assert first.status_code == 206, first.text
+    size = int(first.headers["content-range"].rsplit("/", 1)[1])
+    chunks, requests = [first.content], 1
+    while sum(map(len, chunks)) < size:
+        start = sum(map(len, chunks))
+        part = client.get(url, headers={"Range": f"bytes={start}-{start + piece - 1}"})
+        assert part.status_code == 206 and part.headers["content-range"].startswith(
+            f"bytes {start}-"
+        )
+        chunks.append(part.content)
+        requests += 1
+    path.write_bytes(b"".join(chunks))
+    assert len(path.read_bytes()) == size
+    return requests
+
+
+def test_a_video_job_runs_to_an_mp4_with_the_inputs_frames_timestamps_and_audio(
+    stack: VideoStack, videos: Videos, tmp_path: Path
+) -> None:
+    clip = videos.short
+    with stack.client() as client:
+        response = client.post(
+            "/v1/jobs",
+            files=[
+                ("source", ("face.jpg", samples.grace_hopper_jpeg_bytes(), "image/jpeg")),
+                ("target", ("clip.mp4", clip.read_bytes(), "video/mp4")),
+            ],
+        )
+        assert response.status_code == 202, response.text
+        submitted = response.json()
+        assert submitted["media"] == "video" and submitted["video"]["frame_count"] == 30
+        job, seen = watch(client, submitted["id"], timeout=900)
+        assert job["status"] == "succeeded", job
+        assert "running" in seen, seen
+        assert job["result"]["content_type"] == "video/mp4"
+        report = job["video_report"]
+        assert report["frames"] == 30 and report["chunks"] >= 1
+        assert report["cuts"] == [5]  # the story's first hard cut
+        assert job["progress"]["frames_done"] == job["progress"]["frames_total"] == 30
+        out = tmp_path / "result.mp4"
+        assert _download(client, job["result"]["url"], out) > 1
+
+    given, result = probe_video(clip), probe_video(out)
+    assert result.container == "mp4" and result.video_codec == "h264"
+    assert result.frame_count == given.frame_count == 30
+    assert (result.width, result.height) == (given.width, given.height)
+    assert frame_timestamps(out) == frame_timestamps(clip)  # same clock, frame for frame
+    assert result.audio is not None and given.audio is not None
+    assert abs(result.audio.duration_s - given.audio.duration_s) < 0.05
+    assert abs(result.duration_s - given.duration_s) <= 1 / given.fps
+
+    runs = stack.prefect.post(
+        "/flow_runs/filter", json={"flow_runs": {"name": {"any_": [job["id"]]}}}
+    ).json()
+    assert [r["state_type"] for r in runs] == ["COMPLETED"]
+    deployment = stack.prefect.get(f"/deployments/{runs[0]['deployment_id']}").json()
+    assert deployment["name"] == "fuse-video" and deployment["work_queue_name"] == "video"
+
+
+def test_the_cli_submits_a_video_waits_with_progress_and_saves_the_mp4(
+    stack: VideoStack, videos: Videos, tmp_path: Path
+) -> None:
+    face, out = tmp_path / "face.jpg", tmp_path / "out.mp4"
+    face.write_bytes(samples.grace_hopper_jpeg_bytes())
+    env = {**os.environ, "FACEFLOW_API_URL": stack.api, "FACEFLOW_API_KEY": stack.api_key}
+    done = subprocess.run(
+        [str(BIN / "faceflow"), "submit", str(face), str(videos.short), "--wait", "-o", str(out)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"wrote {out}" in done.stdout
+    assert probe_video(out).frame_count == 30
+
+
+def _submit(client: httpx.Client, clip: Path, source: bytes | None = None, **params: object) -> str:
+    """Submit ``clip`` with ``source`` (default grace_hopper). Chunks are stored by content
+    (video, plan, sources, options): a test that must render its own uses its own source."""
+    response = client.post(
+        "/v1/jobs",
+        files=[
+            ("source", ("face.jpg", source or samples.grace_hopper_jpeg_bytes(), "image/jpeg")),
+            ("target", (clip.name, clip.read_bytes(), "video/mp4")),
+        ],
+        data={"params": json.dumps(params)},
+    )
+    assert response.status_code == 202, response.text
+    return str(response.json()["id"])
+
+
+def _until(
+    client: httpx.Client, job_id: str, ready: Callable[[dict[str, Any]], bool], timeout: float
+) -> dict[str, Any]:
+    """Poll the job until ``ready(job)``; fails if it ends first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if ready(job):
+            return job
+        assert job["status"] not in ("succeeded", "failed", "expired", "cancelled"), job
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} not ready in {timeout} s")
+
+
+def _chunks_done(job: dict[str, Any]) -> int:
+    return int((job.get("progress") or {}).get("chunks_done") or 0)
+
+
+def _partials(stack: VideoStack, job_id: str) -> list[Path]:
+    """The chunk lists of the job's attempts and the chunks they name, still stored."""
+    storage = stack.home / "storage"
+    lists = sorted((storage / "results" / job_id).glob("attempt-*.chunks.json"))
+    chunks = [storage / key for path in lists for key in json.loads(path.read_text())]
+    return [path for path in [*lists, *chunks] if path.exists()]
+
+
+def _listed_chunks(stack: VideoStack, job_id: str, timeout: float = 600) -> list[str]:
+    """The storage keys of the chunks the job's first attempt lists once it has planned,
+    before it renders any; waits for the list."""
+    listed = stack.home / "storage" / chunks_manifest_key(job_id, 1)
+    end = time.monotonic() + timeout
+    while not listed.exists():
+        assert time.monotonic() < end, "the attempt never listed its chunks"
+        time.sleep(0.005)
+    return [str(key) for key in json.loads(listed.read_text())]
+
+
+@contextmanager
+def _child_paused(stack: VideoStack) -> Iterator[None]:
+    """Hold the worker's child with SIGSTOP, so a fast machine cannot finish the video
+    before what the test does next takes effect; a child killed meanwhile is fine."""
+    child = pid_of(stack.home, b"faceflow.worker.child")
+    os.kill(child, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(child, signal.SIGCONT)
+
+
+def _retention(stack: VideoStack) -> None:
+    subprocess.run([str(BIN / "faceflow"), "retention", "run"], env=stack.env, check=True,
+                   capture_output=True, timeout=120)  # fmt: skip
+
+
+def test_a_worker_killed_mid_video_resumes_and_renders_only_the_missing_chunks(
+    stack: VideoStack, videos: Videos
+) -> None:
+    storage = stack.home / "storage"
+    with stack.client() as client:
+        job_id = _submit(client, videos.short, samples.astronaut_jpeg_bytes())
+        # Watched in storage, not through the API, whose progress lags by a sync pass in
+        # which CI's machine rendered the whole clip: once the first chunk is stored the
+        # child is stopped, its stored chunks counted, and it is killed.
+        listed = _listed_chunks(stack, job_id)
+        total = len(listed)
+        child = pid_of(stack.home, b"faceflow.worker.child")
+        while not any((storage / key).exists() for key in listed):
+            time.sleep(0.005)
+        os.kill(child, signal.SIGSTOP)
+        done_at_kill = sum((storage / key).exists() for key in listed)
+        os.kill(child, signal.SIGKILL)
+        assert 1 <= done_at_kill < total, (done_at_kill, total)
+        job, _ = watch(client, job_id, timeout=900)
+    assert job["status"] == "succeeded" and job["attempts"] == 2, job
+    report = job["video_report"]
+    assert report["chunks"] == total and report["frames"] == 30
+    # the second attempt found the chunks the first had stored and rendered only the rest
+    assert report["chunks_rendered"] <= total - done_at_kill
+    print(f"\nkill after {done_at_kill}/{total} chunks: {report['chunks_rendered']} re-rendered")
+
+
+def test_cancel_mid_video_stops_the_worker_and_leaves_no_partials(
+    stack: VideoStack, videos: Videos
+) -> None:
+    with stack.client() as client:
+        job_id = _submit(client, videos.short)
+        # The attempt lists its chunks once planned, before rendering: seen in storage at
+        # once (the API's progress lags by a sync pass, in which CI's machine rendered the
+        # rest of the clip), the child is paused there, mid-video on a machine of any speed.
+        _listed_chunks(stack, job_id)
+        with _child_paused(stack):
+            asked = time.monotonic()
+            assert client.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
+            job = _until(client, job_id, lambda job: job["status"] == "cancelled", timeout=60)
+            took = time.monotonic() - asked
+    assert job["result"] is None
+    runs = stack.prefect.post(
+        "/flow_runs/filter", json={"flow_runs": {"name": {"any_": [job_id]}}}
+    ).json()
+    assert [r["state_type"] for r in runs] == ["CANCELLED"]
+    assert _partials(stack, job_id), "the attempt listed its chunks"
+    _retention(stack)
+    assert _partials(stack, job_id) == []
+    print(f"\ncancel to cancelled: {took:.2f} s")
+
+
+def test_a_deadline_passing_mid_video_ends_the_job_and_its_partials(
+    stack: VideoStack, videos: Videos
+) -> None:
+    """The worker's child is paused mid-video until the deadline has passed, so the
+    deadline falls mid-video on a machine of any speed (a fast one finished the story
+    inside the 30 s). On a loaded one the deadline may pass before the first frame: the
+    job must end the same way."""
+    deadline_s = 30
+    with stack.client() as client:
+        job_id = _submit(client, videos.story, deadline_seconds=deadline_s)
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        deadline_at = datetime.fromisoformat(job["deadline_at"])
+        while job["status"] not in ("succeeded", "failed", "expired", "cancelled"):
+            progress = job.get("progress") or {}
+            if progress.get("frames_done") and _chunks_done(job) < progress["chunks_total"] - 1:
+                with _child_paused(stack):
+                    time.sleep(max(0.0, (deadline_at - datetime.now(UTC)).total_seconds() + 2))
+                break
+            assert datetime.now(UTC) < deadline_at + timedelta(seconds=60), job
+            time.sleep(0.1)
+            job = client.get(f"/v1/jobs/{job_id}").json()
+        job, _ = watch(client, job_id, timeout=300)
+    assert job["status"] == "failed" and job["error"]["code"] == "deadline_exceeded", job
+    _retention(stack)
+    assert _partials(stack, job_id) == []

@@ -1,0 +1,169 @@
+"""Issue 24: the relay learns run starts and ends from Prefect's event stream.
+
+A real ``prefect server start`` that asks for a credential, the stand-in ``fuse-faces``
+deployment run in this process: the stream delivers a run's states to ``RunEvents``; a
+relay whose run-state poll is 30 s apart still ends a job within about a second of its run
+(only the event can have told it); without the stream (refused, or cut) the relay polls at
+its fast interval again, and a cut stream reconnects and reads what it missed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from faceflow.testing.jobs import make_user
+from faceflow.testing.prefect import PrefectServer
+from faceflow.testing.relay import FAST, SCRIPT, execute_run, job, submit
+from tests.webapi.conftest import PREFECT_AUTH as AUTH
+from tests.webapi.conftest import stand_in_run
+from webapi.config import Settings
+from webapi.models import JobStatus
+from webapi.relay.run_events import RunEvents, events_url, wait_connected, watched_run
+from webapi.relay.runner import RelayRunner, build_relay
+from webapi.storage import LocalObjectStore
+
+pytestmark = pytest.mark.prefect
+
+#: Run-state polls this far apart cannot be what ends a job within a few seconds.
+SLOW_POLL = replace(FAST, sync_interval_s=30.0, sync_safety_net_s=30.0)
+
+
+@pytest.fixture
+def settings(locked_settings: Settings) -> Settings:
+    return locked_settings
+
+
+def _until(ready: Callable[[], Any], timeout_s: float) -> Any:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if value := ready():
+            return value
+        time.sleep(0.02)
+    return ready()
+
+
+def _runner(settings: Settings, engine: Engine, timings: Any = SLOW_POLL) -> RelayRunner:
+    store = LocalObjectStore(Path(settings.home) / "storage")
+    SCRIPT.storage_dir = store.basepath
+    return RelayRunner(build_relay(settings, engine=engine, store=store, timings=timings))
+
+
+def test_the_stream_url_and_what_counts_as_a_run_change() -> None:
+    assert events_url("http://127.0.0.1:4200/api") == "ws://127.0.0.1:4200/api/events/out"
+    assert events_url("https://prefect.internal/api/") == "wss://prefect.internal/api/events/out"
+    resource = {"prefect.resource.id": "prefect.flow-run.abc", "prefect.state-type": "COMPLETED"}
+    assert watched_run({"type": "event", "event": {"resource": resource}}) == ("abc", "COMPLETED")
+    scheduled = {**resource, "prefect.state-type": "SCHEDULED"}
+    assert watched_run({"type": "event", "event": {"resource": scheduled}}) is None
+
+
+def test_the_stream_delivers_a_runs_states_with_the_credential_only(
+    locked: PrefectServer,
+) -> None:
+    heard: list[tuple[str, str]] = []
+    events = RunEvents(
+        locked.api_url,
+        auth_string=AUTH,
+        on_change=lambda run, state: heard.append((run, state)),
+        on_connect=lambda: None,
+        reread_after_s=(),
+    )
+    wrong = RunEvents(
+        locked.api_url,
+        auth_string="faceflow:guess",
+        on_change=lambda run, state: heard.append(("wrong", state)),
+        on_connect=lambda: None,
+    )
+    events.start()
+    wrong.start()
+    try:
+        assert wait_connected(events, 20)
+        run = stand_in_run(locked, "heard")
+        locked.rest.set_state(run["id"], "RUNNING")
+        locked.rest.set_state(run["id"], "COMPLETED")
+        assert _until(lambda: (run["id"], "COMPLETED") in heard, 20), heard
+        assert (run["id"], "RUNNING") in heard
+        assert not wrong.connected and all(who != "wrong" for who, _ in heard)
+    finally:
+        events.stop()
+        wrong.stop()
+
+
+def test_a_job_ends_on_its_runs_event_not_on_the_poll(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    runner = _runner(settings, engine)
+    owner = make_user(engine, settings, quota=10)
+    runner.start()
+    try:
+        assert runner.events is not None and wait_connected(runner.events, 20)
+        new = submit(engine, settings, runner.relay.store, owner)
+        runner.wake()
+        run_id = _until(lambda: job(engine, new.id).flow_run_id, 20)
+        assert run_id is not None, "dispatched"
+        assert execute_run(str(run_id)) == "COMPLETED"
+        ended = time.monotonic()
+        done = _until(lambda: job(engine, new.id).status.is_terminal, 10)
+        took = time.monotonic() - ended
+        assert done and job(engine, new.id).status is JobStatus.succeeded
+        assert took < 10, "within the wait above, far inside the 30 s poll"
+        print(f"\nrun COMPLETED -> job succeeded: {took * 1000:.0f} ms (poll every 30 s)")
+    finally:
+        runner.stop()
+
+
+def test_without_the_stream_the_relay_polls_at_its_fast_interval(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """A stream Prefect refuses (wrong credential on the websocket only, as a proxy that
+    blocks websockets would): the job still ends, by the 0.2 s poll."""
+    runner = _runner(settings, engine, timings=replace(FAST, sync_safety_net_s=30.0))
+    assert runner.events is not None
+    runner.events._auth_string = "faceflow:guess"  # the REST client keeps the real one
+    owner = make_user(engine, settings, quota=10)
+    runner.start()
+    try:
+        new = submit(engine, settings, runner.relay.store, owner)
+        runner.wake()
+        run_id = _until(lambda: job(engine, new.id).flow_run_id, 20)
+        assert run_id is not None
+        assert execute_run(str(run_id)) == "COMPLETED"
+        assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
+        assert not runner.events.connected and runner.events.connects == 0
+    finally:
+        runner.stop()
+
+
+def test_a_cut_stream_reconnects_and_reads_what_it_missed(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """The stream is cut while a run ends (its event is lost); the reconnect's own pass
+    ends the job, long before the 30 s poll."""
+    runner = _runner(settings, engine)
+    owner = make_user(engine, settings, quota=10)
+    runner.start()
+    try:
+        events = runner.events
+        assert events is not None and wait_connected(events, 20)
+        new = submit(engine, settings, runner.relay.store, owner)
+        runner.wake()
+        run_id = _until(lambda: job(engine, new.id).flow_run_id, 20)
+        assert run_id is not None
+        events._on_change = lambda _run, _state: None  # events are lost from here on
+        assert execute_run(str(run_id)) == "COMPLETED"
+        assert job(engine, new.id).status is not JobStatus.succeeded
+        events._on_change = lambda _run, state: runner.wake("sync")
+        socket = events._socket
+        assert socket is not None
+        socket.close()
+        assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
+        assert _until(lambda: events.connects >= 2, 10), "reconnected"
+    finally:
+        runner.stop()

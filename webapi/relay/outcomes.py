@@ -1,0 +1,297 @@
+"""Job outcomes written by the relay: what ``sync`` and ``reap`` both build on.
+
+``observe`` reads the non-terminal jobs holding a flow run together with their runs (one
+batched call); ``settle`` applies the outcome the flow stored for a job's current attempt
+(its ``ResultRef``: succeeded; its ``JobFailure``: failed, or re-dispatched when
+retryable); ``retry_or_fail`` fences off a job's run and re-dispatches the job or fails it
+(``worker_lost``, ``deadline_exceeded``). Every write is conditional on the job's current
+``flow_run_id`` (``jobstate.transition``): a stale run never writes. Counted in
+``faceflow_relay_transitions_total`` and ``faceflow_relay_reaped_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from pydantic import ValidationError
+from sqlmodel import col, select
+
+from flows.params import (
+    FINAL_STAGE,
+    JobFailure,
+    ResultRef,
+    VideoResultRef,
+    result_error_key,
+    result_meta_key,
+)
+from tasks import errors as pipeline_errors
+from tasks.error_codes import JobErrorCode
+from tasks.errors import DeadlineExceeded
+from webapi.jobstate import transition
+from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, OutboxKind, UTCDateTime, utcnow
+from webapi.prefect_api import FlowRun, PrefectUnavailable
+from webapi.relay.context import Relay
+from webapi.storage import ObjectNotFound, StorageError
+
+log = logging.getLogger(__name__)
+
+WATCH_LIMIT = 5000
+TRANSITIONS = "faceflow_relay_transitions_total"
+REAPED = "faceflow_relay_reaped_total"
+ENDED_FROM = frozenset({JobStatus.queued, JobStatus.running, JobStatus.cancel_requested})
+#: Safe messages of the codes the relay fails a job with when its run is gone or late.
+MESSAGES: dict[JobErrorCode, str] = {
+    JobErrorCode.worker_lost: "The worker running the job was lost.",
+    JobErrorCode.deadline_exceeded: DeadlineExceeded.default_message,
+}
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A non-terminal job with a flow run, as the relay needs it."""
+
+    job_id: uuid.UUID
+    flow_run_id: uuid.UUID
+    status: JobStatus
+    stage: str | None
+    attempts: int
+    max_attempts: int
+    deadline_at: datetime
+    started_at: datetime | None
+    cancel_requested_at: datetime | None
+    media: str = "photo"
+    progress: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, job: Job) -> Watched:
+        """``job`` as the relay watches it: ``job_id`` is its ``id``, every other field its
+        field of the same name (a job with a flow run)."""
+        same = {f.name: getattr(job, f.name) for f in fields(cls) if f.name != "job_id"}
+        return cls(job_id=job.id, **same)
+
+
+def watched_jobs(relay: Relay, *, limit: int = WATCH_LIMIT) -> list[Watched]:
+    """Non-terminal jobs holding a flow run, oldest update first."""
+    query = (
+        select(Job)
+        .where(col(Job.status).in_(list(ACTIVE_STATUSES)), col(Job.flow_run_id).is_not(None))
+        .order_by(col(Job.updated_at))
+        .limit(limit)
+    )
+    with relay.session() as session:
+        jobs = session.exec(query).all()
+        watched = [Watched.of(job) for job in jobs if job.flow_run_id is not None]
+        session.commit()
+    return watched
+
+
+def observe(relay: Relay) -> list[tuple[Watched, FlowRun | None]] | None:
+    """Each watched job with its flow run (None: unknown to Prefect); None if unreachable."""
+    watched = watched_jobs(relay)
+    if not watched:
+        return []
+    try:
+        runs = relay.prefect.read_flow_runs(str(job.flow_run_id) for job in watched)
+    except PrefectUnavailable as exc:
+        log.debug("sync skipped: Prefect unavailable", extra={"error": str(exc)})
+        return None
+    return [(job, runs.get(str(job.flow_run_id))) for job in watched]
+
+
+def _error_classes(base: type[pipeline_errors.FaceFlowError]) -> list[type[Any]]:
+    found: list[type[Any]] = [base]
+    for sub in base.__subclasses__():
+        found += _error_classes(sub)
+    return found
+
+
+#: Safe messages per pipeline error code (the flow's own text may carry internal detail).
+PUBLIC_MESSAGES: dict[JobErrorCode, str] = {
+    cls.code: cls.default_message for cls in _error_classes(pipeline_errors.FaceFlowError)
+}
+
+
+def settle(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
+    """Apply the outcome the flow stored for ``job``'s current attempt: its ``ResultRef``
+    (succeeded) or its ``JobFailure`` (failed; a retryable failure is re-dispatched while
+    attempts and time remain). Returns whether the job changed, or None when the attempt
+    stored neither (False, to try again, when storage is down)."""
+    key = result_meta_key(str(job.job_id), job.attempts)
+    try:
+        raw = relay.store.get(key)
+        ref = ResultRef.model_validate_json(raw)
+        video = _video_fields(raw) if ref.content_type.startswith("video/") else {}
+    except ObjectNotFound:
+        return _failed(relay, job, run)
+    except ValidationError:
+        return end(
+            relay,
+            job,
+            JobStatus.failed,
+            error_code=JobErrorCode.result_invalid,
+            error_message="The job finished but its result could not be read.",
+        )
+    except StorageError as exc:  # storage unreachable: try again next pass
+        log.warning("result not readable yet", extra={"job_id": str(job.job_id), "error": str(exc)})
+        return False
+    started = run.start_time if run is not None else None
+    return end(
+        relay,
+        job,
+        JobStatus.succeeded,
+        started_at=sa.func.coalesce(Job.started_at, sa.literal(started or utcnow(), UTCDateTime)),
+        stage=FINAL_STAGE,
+        result_key=ref.key,
+        result_content_type=ref.content_type,
+        result_width=ref.width,
+        result_height=ref.height,
+        timings=ref.timings_ms,
+        quality=ref.quality.as_json() if ref.quality is not None else None,
+        error_code=None,
+        error_message=None,
+        **video,
+    )
+
+
+def _video_fields(raw: bytes) -> dict[str, Any]:
+    """A video result's report and final progress, from its ``VideoResultRef``."""
+    ref = VideoResultRef.model_validate_json(raw)
+    report = ref.model_dump(
+        mode="json",
+        include={
+            "frames",
+            "duration_s",
+            "chunks",
+            "chunks_rendered",
+            "cuts",
+            "switches",
+            "tracks",
+            "frame_failures",
+            "moderation",
+            "marks",
+        },
+    )
+    progress = {
+        "frames_done": ref.frames,
+        "frames_total": ref.frames,
+        "chunks_done": ref.chunks,
+        "chunks_total": ref.chunks,
+        "eta_seconds": 0.0,
+        "stage": FINAL_STAGE,
+    }
+    return {"video_report": report, "progress": progress}
+
+
+def _failed(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
+    key = result_error_key(str(job.job_id), job.attempts)
+    try:
+        failure = JobFailure.model_validate_json(relay.store.get(key))
+    except (ObjectNotFound, ValidationError):
+        return None
+    except StorageError as exc:
+        log.warning("outcome not readable yet", extra={"job_id": str(job.job_id), "e": str(exc)})
+        return False
+    if failure.flow_run_id is not None and failure.flow_run_id != str(job.flow_run_id):
+        # Written by a run the job does not hold (one created over the Prefect API with this
+        # job's id): not this job's outcome.
+        log.warning("failure from another run ignored", extra={"job_id": str(job.job_id)})
+        return None
+    code = failure.code
+    message = PUBLIC_MESSAGES.get(code, pipeline_errors.FaceFlowError.default_message)
+    if failure.retryable:
+        return retry_or_fail(
+            relay, job, run, reason="failed", now=utcnow(), failure=(code, message)
+        )
+    return end(relay, job, JobStatus.failed, error_code=code, error_message=message)
+
+
+def end(relay: Relay, job: Watched, to: JobStatus, **fields: Any) -> bool:
+    changed = write(relay, job, to, ENDED_FROM, **fields)
+    if changed:
+        relay.metrics.inc(TRANSITIONS, to.value)
+        log.info("job ended", extra={"job_id": str(job.job_id), "status": to.value})
+        relay.wake("dispatch")  # a run may have ended: batching dispatch may send more
+    return changed
+
+
+def write(
+    relay: Relay,
+    job: Watched,
+    to: JobStatus,
+    expected: JobStatus | frozenset[JobStatus],
+    **fields: Any,
+) -> bool:
+    with relay.session() as session:
+        return transition(
+            session,
+            job_id=job.job_id,
+            to=to,
+            expected=expected,
+            expected_flow_run_id=job.flow_run_id,
+            **fields,
+        )
+
+
+def retry_or_fail(
+    relay: Relay,
+    job: Watched,
+    run: FlowRun | None,
+    *,
+    reason: str,
+    now: datetime,
+    failure: tuple[JobErrorCode, str] | None = None,
+) -> bool:
+    """Fence off ``job``'s current run (and cancel it, or stop the job in it when the run
+    carries other jobs), then re-dispatch or fail the job. ``failure`` is the (code,
+    message) a job fails with when it cannot run again (default ``worker_lost``)."""
+    time_left = (job.deadline_at - now).total_seconds()
+    enough_time = time_left > relay.expected_cost_s()
+    can_retry = reason != "overdue" and job.attempts < job.max_attempts and enough_time
+    fields: dict[str, Any]
+    if can_retry:  # back to queued without a run: the old run is fenced off
+        to = JobStatus.queued
+        fields = {"flow_run_id": None, "stage": None, "dispatch_key": None}
+    else:
+        lost = reason != "overdue" and enough_time
+        code = JobErrorCode.worker_lost if lost else JobErrorCode.deadline_exceeded
+        code, message = failure if failure and lost else (code, MESSAGES[code])
+        to, fields = JobStatus.failed, {"error_code": code, "error_message": message}
+    with relay.session() as session:
+        changed = transition(
+            session,
+            job_id=job.job_id,
+            to=to,
+            expected=job.status,
+            expected_flow_run_id=job.flow_run_id,
+            commit=False,
+            now=now,
+            **fields,
+        )
+        if changed and can_retry:
+            session.add(_outbox("dispatch", job.job_id, {"attempt": job.attempts + 1}, now))
+        if changed and run is not None and not run.state_type.is_final:
+            payload = {"flow_run_id": run.id, "attempt": job.attempts}
+            session.add(_outbox("cancel_run", job.job_id, payload, now))
+        session.commit()
+    if changed:
+        outcome = "redispatched" if can_retry else "failed"
+        relay.metrics.inc(REAPED, f"{reason}_{outcome}")
+        log.warning(
+            "flow run reaped",
+            extra={
+                "job_id": str(job.job_id),
+                "attempt": job.attempts,
+                "reason": reason,
+                "outcome": outcome,
+            },
+        )
+    return changed
+
+
+def _outbox(kind: OutboxKind, job_id: uuid.UUID, payload: dict[str, Any], now: datetime) -> Outbox:
+    return Outbox(kind=kind, job_id=job_id, payload=payload, created_at=now, next_attempt_at=now)
