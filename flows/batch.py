@@ -51,7 +51,12 @@ def fuse_batch(
     logger.info(
         "Batch of %d jobs: %s", len(jobs), ", ".join(f"{j.job_id}#{j.attempt}" for j in jobs)
     )
-    bound, refused = admit_bound(jobs, storage_block=storage_block, settings_block=settings_block)
+    bound, refused = admit_bound(
+        jobs,
+        storage_block=storage_block,
+        settings_block=settings_block,
+        signing_block=signing_block,
+    )
     if not bound:
         return refused
     try:

@@ -43,11 +43,18 @@ from tasks.errors import DeadlineExceeded, FaceFlowError, drop_frames
 from tasks.options import FusionOptions
 
 
-def start_attempt(spec: JobAttempt, *, storage_block: str, settings_block: str) -> None:
+def start_attempt(
+    spec: JobAttempt, *, storage_block: str, settings_block: str, signing_block: str
+) -> None:
     """What a single-job flow (``fuse-faces``, ``fuse-video``) does first: refuse parameters
     not bound to the job (``run_binding_invalid``) and a start after the deadline
     (``deadline_exceeded``), then tag the run with its job and owner."""
-    check_binding(spec, storage_block=storage_block, settings_block=settings_block)
+    check_binding(
+        spec,
+        storage_block=storage_block,
+        settings_block=settings_block,
+        signing_block=signing_block,
+    )
     deadline = Deadline.of(spec.deadline_at)
     if deadline.passed():
         raise DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
@@ -134,7 +141,12 @@ def fuse_faces(
         binding=binding,
     )
     try:
-        start_attempt(spec, storage_block=storage_block, settings_block=settings_block)
+        start_attempt(
+            spec,
+            storage_block=storage_block,
+            settings_block=settings_block,
+            signing_block=signing_block,
+        )
         if not alarm_timeouts_available():
             logger.warning(
                 "Stage timeouts cannot interrupt blocking calls here (not the main thread, or "

@@ -20,7 +20,9 @@ KEY_VARIABLES = frozenset({SIGNING_KEY_ENV, PREVIOUS_KEYS_ENV, "FACEFLOW_ENVIRON
 """Environment variables that choose the keys a worker accepts: a run may not set them."""
 
 
-def check_binding(job: JobAttempt, *, storage_block: str, settings_block: str) -> None:
+def check_binding(
+    job: JobAttempt, *, storage_block: str, settings_block: str, signing_block: str
+) -> None:
     """Raise ``RunBindingInvalid`` unless ``job`` carries the relay's binding of exactly
     these parameters, under a key this worker accepts."""
     if KEY_VARIABLES & run_environment().keys():
@@ -28,7 +30,12 @@ def check_binding(job: JobAttempt, *, storage_block: str, settings_block: str) -
     keys = worker_keys()
     if not keys:
         raise RunBindingInvalid(detail="this worker has no FACEFLOW_RUN_SIGNING_KEY")
-    if not verify(job, keys, storage_block=storage_block, settings_block=settings_block):
+    blocks = {
+        "storage_block": storage_block,
+        "settings_block": settings_block,
+        "signing_block": signing_block,
+    }
+    if not verify(job, keys, **blocks):
         raise RunBindingInvalid(
             detail="the parameters do not match their binding" if job.binding else "no binding"
         )
@@ -81,7 +88,7 @@ def write_failure(
 
 
 def admit_bound(
-    jobs: list[JobAttempt], *, storage_block: str, settings_block: str
+    jobs: list[JobAttempt], *, storage_block: str, settings_block: str, signing_block: str
 ) -> tuple[list[JobAttempt], dict[str, str]]:
     """Split a batch's jobs into those bound to their parameters and the refused ones (their
     failure recorded): ``(admitted, {refused job id: error code})``."""
@@ -89,7 +96,12 @@ def admit_bound(
     refused: dict[str, str] = {}
     for job in jobs:
         try:
-            check_binding(job, storage_block=storage_block, settings_block=settings_block)
+            check_binding(
+                job,
+                storage_block=storage_block,
+                settings_block=settings_block,
+                signing_block=signing_block,
+            )
         except RunBindingInvalid as exc:
             get_run_logger().error("Job %s attempt %d refused: %s", job.job_id, job.attempt, exc)
             record_failure(storage_block, job.job_id, job.attempt, exc)

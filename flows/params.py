@@ -66,6 +66,9 @@ class FuseFacesParams(JobAttempt):
 
     storage_block: str = Field(DEFAULT_STORAGE_BLOCK, description="Storage block document name.")
     settings_block: str = Field(DEFAULT_SETTINGS_BLOCK, description="FusionSettings block name.")
+    signing_block: str = Field(
+        DEFAULT_SIGNING_BLOCK, description="Secret block whose certificate marks the result."
+    )
 
 
 class FuseBatchParams(BaseModel):
@@ -81,6 +84,9 @@ class FuseBatchParams(BaseModel):
     deadline_at: datetime = Field(description="Latest deadline of the jobs (the run's limit).")
     storage_block: str = Field(DEFAULT_STORAGE_BLOCK, description="Storage block document name.")
     settings_block: str = Field(DEFAULT_SETTINGS_BLOCK, description="FusionSettings block name.")
+    signing_block: str = Field(
+        DEFAULT_SIGNING_BLOCK, description="Secret block whose certificate marks the result."
+    )
 
 
 def _known_code(value: object) -> object:

@@ -296,7 +296,12 @@ def fuse_video_flow(
     )
     deadline = Deadline.of(deadline_at)
     try:
-        start_attempt(spec, storage_block=storage_block, settings_block=settings_block)
+        start_attempt(
+            spec,
+            storage_block=storage_block,
+            settings_block=settings_block,
+            signing_block=signing_block,
+        )
         settings = load_settings(settings_block)
         store = load_storage(storage_block)
         progress = VideoProgress.of_run(store, job_id, attempt)

@@ -55,7 +55,7 @@ def _as_received(params: FuseFacesParams) -> FuseFacesParams:
 
 def test_a_binding_survives_the_trip_through_prefect() -> None:
     sent = bound(_params(), KEY)
-    assert sent.binding is not None and sent.binding.startswith("v1=")
+    assert sent.binding is not None and sent.binding.startswith("v2=")
     assert verify(_as_received(sent), [KEY])
     # A deadline in another zone names the same instant: the same binding.
     local = sent.model_copy(
@@ -85,14 +85,43 @@ def timezone_plus_two() -> Any:
         {"attempt": 2},
         {"storage_block": "local-file-system/elsewhere"},
         {"settings_block": "fusion-settings/no-moderation"},
+        {"signing_block": "secret/someone-elses-certificate"},
     ],
 )
 def test_any_bound_field_changed_breaks_the_binding(change: dict[str, Any]) -> None:
     sent = bound(_params(), KEY)
     forged = _as_received(sent).model_copy(update=change)
-    assert not verify(
-        forged, [KEY], storage_block=forged.storage_block, settings_block=forged.settings_block
-    )
+    assert not verify(forged, [KEY], **_blocks(forged))
+
+
+def _blocks(params: FuseFacesParams) -> dict[str, str]:
+    return {
+        "storage_block": params.storage_block,
+        "settings_block": params.settings_block,
+        "signing_block": params.signing_block,
+    }
+
+
+def test_a_flow_cannot_be_made_to_sign_with_another_block() -> None:
+    other = "secret/someone-elses-certificate"
+    sent = _as_received(bound(_params(signing_block=other), KEY, signing_block=other))
+    assert verify(sent, [KEY], **_blocks(sent))
+    # The same binding offered for the default block (or the default's for another) fails.
+    assert not verify(sent, [KEY])
+    default = _as_received(bound(_params(), KEY))
+    assert not verify(default, [KEY], signing_block=other)
+
+
+def test_a_v1_binding_holds_only_for_the_default_signing_block() -> None:
+    params = _params()
+    legacy = params.model_copy(update={"binding": sign(params, KEY, version="v1")})
+    assert legacy.binding is not None and legacy.binding.startswith("v1=")
+    assert verify(_as_received(legacy), [KEY])
+    assert not verify(legacy, [KEY], signing_block="secret/someone-elses-certificate")
+    changed = legacy.model_copy(update={"owner_id": "owner-b"})
+    assert not verify(changed, [KEY])
+    unknown = legacy.model_copy(update={"binding": "v9=" + legacy.binding[3:]})
+    assert not verify(unknown, [KEY])
 
 
 def test_no_binding_or_another_key_is_refused() -> None:
@@ -105,7 +134,9 @@ def test_each_job_of_a_batch_carries_its_own_binding() -> None:
     jobs = [
         bound(
             JobAttempt(
-                **_params(job_id=f"job-{n}").model_dump(exclude={"storage_block", "settings_block"})
+                **_params(job_id=f"job-{n}").model_dump(
+                    exclude={"storage_block", "settings_block", "signing_block"}
+                )
             ),
             KEY,
         )
@@ -119,12 +150,10 @@ def test_each_job_of_a_batch_carries_its_own_binding() -> None:
 
 
 def test_signed_parameters_match_what_the_relay_signs() -> None:
-    params = _params(settings_block="fusion-settings/test")
+    blocks = {"settings_block": "fusion-settings/test", "signing_block": "secret/test"}
+    params = _params(**blocks)
     raw = sent_parameters(params)  # options as the client set them
-    assert (
-        signed_parameters(raw, KEY)["binding"]
-        == bound(params, KEY, settings_block="fusion-settings/test").binding
-    )
+    assert signed_parameters(raw, KEY)["binding"] == bound(params, KEY, **blocks).binding
 
 
 def test_rotation_accepts_the_current_and_previous_keys() -> None:

@@ -105,7 +105,7 @@ def test_a_run_patched_to_another_users_input_is_refused(
     mine = submit(relay.engine, relay.settings, relay.store, owner)
     run_id = _dispatched(relay, mine)
     parameters = prefect_server.rest.run(run_id)["parameters"]
-    assert parameters["binding"].startswith("v1=")
+    assert parameters["binding"].startswith("v2=")
     _patch(prefect_server, run_id, parameters={**parameters, "source_key": theirs.source_key})
     assert prefect_server.rest.run(run_id)["parameters"]["source_key"] == theirs.source_key
 
@@ -235,7 +235,7 @@ def test_a_batch_refuses_only_the_tampered_job(
     assert str(job(relay.engine, faceless.id).flow_run_id) == run_id  # one batch run
     parameters = prefect_server.rest.run(run_id)["parameters"]
     jobs = parameters["jobs"]
-    assert all(entry["binding"].startswith("v1=") for entry in jobs)
+    assert all(entry["binding"].startswith("v2=") for entry in jobs)
     index = [entry["job_id"] for entry in jobs].index(str(tampered.id))
     jobs[index] = {**jobs[index], "target_key": "inputs/00/someone-elses.jpg"}
     _patch(prefect_server, run_id, parameters={**parameters, "jobs": jobs})

@@ -27,6 +27,7 @@ from sqlmodel import Session, col, select
 from flows import binding
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
+    DEFAULT_SIGNING_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     VIDEO_DEPLOYMENT_NAME,
     VIDEO_FLOW_NAME,
@@ -204,6 +205,7 @@ def send_single(relay: Relay, row: Outbox, plan: Plan) -> bool:
         FuseFacesParams,
         storage_block=DEFAULT_STORAGE_BLOCK,
         settings_block=DEFAULT_SETTINGS_BLOCK,
+        signing_block=DEFAULT_SIGNING_BLOCK,
     )
     video = (VIDEO_FLOW_NAME, VIDEO_DEPLOYMENT_NAME)
 
@@ -229,6 +231,7 @@ def batch_params(relay: Relay, members: list[Plan]) -> FuseBatchParams:
         deadline_at=max(plan.deadline_at for plan in members),
         storage_block=DEFAULT_STORAGE_BLOCK,
         settings_block=DEFAULT_SETTINGS_BLOCK,
+        signing_block=DEFAULT_SIGNING_BLOCK,
     )
 
 
@@ -265,7 +268,7 @@ def create(
 
 def bound_attempt(relay: Relay, plan: Plan, model: type[Attempt], **blocks: str) -> Attempt:
     """The parameters of ``plan``'s job attempt as ``model`` (``FuseFacesParams``, or a
-    ``JobAttempt`` of a batch), signed for the default storage and settings blocks
+    ``JobAttempt`` of a batch), signed for the default storage, settings and signing blocks
     (``flows.binding``): the flow refuses them if anyone changes them."""
     assert plan.source_key is not None and plan.target_key is not None
     job = model(
@@ -285,6 +288,7 @@ def bound_attempt(relay: Relay, plan: Plan, model: type[Attempt], **blocks: str)
         relay.settings.run_signing_key.get_secret_value(),
         storage_block=DEFAULT_STORAGE_BLOCK,
         settings_block=DEFAULT_SETTINGS_BLOCK,
+        signing_block=DEFAULT_SIGNING_BLOCK,
     )
     return job.model_copy(update={"binding": signature})
 
