@@ -2,8 +2,10 @@
 
 probe + moderation of sampled input frames → analysis + plan → one ``render-chunk-<i>``
 task run per chunk → join (audio muxed) → moderation of sampled result frames + report →
-store. Each step is a task under ``flows.deadline.StageGuard`` with the job's one deadline
-(``VIDEO_STAGES``: budgets per step, a chunk's budget per chunk). The steps are
+store. With marking on, every rendered frame carries the job's watermark
+(``tasks.watermark.VIDEO``) and the result its signed Content Credentials. Each step is a
+task under ``flows.deadline.StageGuard`` with the job's one deadline (``VIDEO_STAGES``:
+budgets per step, a chunk's budget per chunk). The steps are
 ``tasks.video``'s, the ones its in-process ``fuse_video`` runs.
 
 Videos never pass through memory whole: the input is copied from the storage block to a
@@ -79,6 +81,7 @@ from tasks.video import (
 )
 from tasks.video_io import VideoInfo
 from tasks.video_plan import Chunk
+from tasks.watermark import Payload, payload_for
 
 R = TypeVar("R")
 
@@ -127,11 +130,14 @@ class VideoJob:
     samples: Samples | None = None
     digest: str = ""
     progress: VideoProgress | None = None
+    payload: Payload | None = None
+    """The watermark every frame carries (the job's, when the context marks)."""
 
     def chunk_key(self, chunk: Chunk) -> str:
         """Where ``chunk``'s segment is stored (named by content: any attempt reuses it)."""
         assert self.planned is not None
-        name = chunk_name(self.digest, chunk, self.planned.plan, self.sources, self.options)
+        plan = self.planned.plan
+        name = chunk_name(self.digest, chunk, plan, self.sources, self.options, self.payload)
         return video_chunk_key(name)
 
     def keep(self, index: int, image: Any) -> None:
@@ -175,7 +181,7 @@ def render_chunk_task(job: VideoJob, chunk: Chunk, runner: FrameRunner) -> tuple
     render_chunk(
         job.video, partial, chunk, info=job.probed.info, pts=job.probed.pts, plan=plan,
         sources=job.planned.sources, options=job.options, ctx=job.ctx, runner=runner,
-        keep=job.keep,
+        keep=job.keep, payload=job.payload,
     )  # fmt: skip
     partial.replace(segment)
     put_from(job.store, key, segment)
@@ -314,6 +320,7 @@ def fuse_video_flow(
             chunk_len = chunk_s or settings.video_chunk_s
             job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_len)
             job.references = [read_from(store, k) for k in reference_keys or []]
+            job.payload = payload_for(job_id) if ctx.marker is not None else None
             job.progress = progress
 
             def step(name: str, fn: Task[..., R], *args: Any) -> R:
@@ -358,7 +365,7 @@ def fuse_video_flow(
                 switches=plan.switches,
                 tracks=[asdict(t) for t in track_reports(plan, similarities)],
                 frame_failures=dict(runner.failures),
-                marks=["c2pa"] if ctx.marker is not None else [],
+                marks=["c2pa", "watermark"] if ctx.marker is not None else [],
             )
             step("store", store_task, job, ref, result_meta_key(job_id, attempt))
     except Exception as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -28,7 +29,7 @@ import c2pa
 from tasks import watermark
 from tasks.errors import FaceFlowError, MarkingFailed, UnsupportedFormat
 from tasks.images import decode_image, sniff_format
-from tasks.options import ImageLimits
+from tasks.options import ImageLimits, VideoLimits
 from tasks.types import RGBImage
 
 DIGITAL_SOURCE_TYPE = (
@@ -281,7 +282,7 @@ class Inspection:
     media_type: str | None
     manifest: ManifestReport
     watermark_checked: bool
-    """Whether the file decoded as an image the watermark can be looked for in."""
+    """Whether the file decoded as an image, or a video, the watermark can be looked for in."""
     watermark: watermark.Payload | None
 
     @property
@@ -290,22 +291,60 @@ class Inspection:
         return self.manifest.ours or self.watermark is not None
 
 
+VIDEO_RUNS = 3
+"""Runs of consecutive frames a video's watermark is read from (start, middle, end)."""
+RUN_FRAMES = 8
+"""Frames per run (their soft votes summed; the runs' bits then take a majority)."""
+
+
 def inspect_file(
     data: bytes, trust_anchors: str | None = None, limits: ImageLimits | None = None
 ) -> Inspection:
     """The Content Credentials and the watermark of ``data`` (an image or a video: its
     type sniffed from the bytes, ``UnsupportedFormat`` for any other; an image is decoded
-    within ``limits``)."""
+    within ``limits``, a video's watermark read from ``VIDEO_RUNS`` x ``RUN_FRAMES``
+    frames: ``video_watermark``)."""
     media_type = sniff_media_type(data)
     if media_type is None:
         raise UnsupportedFormat("Send a JPEG, PNG, WebP or MP4 file.")
     manifest = read_manifest(data, media_type, trust_anchors)
+    if media_type.startswith("video/"):
+        checked, payload = video_watermark(data)
+        return Inspection(media_type, manifest, checked, payload)
     try:
         image = decode_image(data, limits or ImageLimits())
     except FaceFlowError:
         return Inspection(media_type, manifest, False, None)
     checked = watermark.markable(image)
     return Inspection(media_type, manifest, checked, watermark.detect(image) if checked else None)
+
+
+def video_watermark(
+    data: bytes, limits: VideoLimits | None = None
+) -> tuple[bool, watermark.Payload | None]:
+    """Whether the video ``data`` could be read for the watermark (a video within
+    ``limits`` whose frames are large enough), and this service's payload in it: read
+    from ``VIDEO_RUNS`` runs of ``RUN_FRAMES`` consecutive frames spread over the video
+    (``watermark.read_video``). Decoded from a temporary file, a run at a time."""
+    from tasks.video_io import frame_timestamps, probe_video, read_frames
+
+    with tempfile.TemporaryDirectory(prefix="faceflow-verify-") as tmp:
+        path = Path(tmp) / "video"
+        path.write_bytes(data)
+        try:
+            info = probe_video(path, limits or VideoLimits())
+            if info.width * info.height < watermark.MIN_PIXELS:
+                return False, None
+            pts = frame_timestamps(path)
+            last = max(len(pts) - RUN_FRAMES, 0)
+            starts = sorted({round(last * k / (VIDEO_RUNS - 1)) for k in range(VIDEO_RUNS)})
+            runs = [
+                [f.image for f in read_frames(path, s, s + RUN_FRAMES, timestamps=pts)]
+                for s in starts
+            ]
+        except FaceFlowError:
+            return False, None
+    return True, watermark.read_video(runs)
 
 
 def sniff_media_type(data: bytes) -> str | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks import pipeline
+from tasks import pipeline, watermark
 from tasks.errors import FaceFlowError, NoFaceFound
 from tasks.identity import (
     embed_chips,
@@ -291,15 +291,19 @@ def chunk_name(
     plan: FacePlan,
     sources: Sequence[bytes],
     options: FusionOptions,
+    payload: watermark.Payload | None = None,
 ) -> str:
     """A rendered chunk's file name, from all it depends on: the video, the chunk's
-    frames, the plan's swaps in them (track, source, landmarks to 1/100 px), the sources
-    and the fusion options."""
+    frames, the plan's swaps in them (track, source, landmarks to 1/100 px), the sources,
+    the fusion options and the watermark's payload (a chunk marked for another job is not
+    this job's)."""
     digest = hashlib.sha256(f"{video_digest}:{chunk.start}:{chunk.stop}".encode())
     for data in sources:
         digest.update(hashlib.sha256(data).digest())
     digest.update(options.model_dump_json().encode())
     digest.update(DEFAULT_ENCODING.model_dump_json().encode())  # the join needs one encoding
+    if payload is not None:
+        digest.update(f"watermark:{payload.service:04x}:{payload.tag:08x}".encode())
     for index in range(chunk.start, chunk.stop):
         for swap in plan.frames[index]:
             digest.update(f"{index}:{swap.track}:{swap.source}:".encode())
@@ -332,16 +336,19 @@ def render_chunk(
     ctx: PipelineContext,
     runner: FrameRunner,
     keep: Callable[[int, RGBImage], None] = lambda index, image: None,
+    payload: watermark.Payload | None = None,
 ) -> Path:
-    """Decode ``chunk``'s frames, fuse them (``render``) and encode them, with their own
-    pts, as the H.264 segment ``out``; ``keep(index, frame)`` sees every rendered frame
-    (for the report's samples). Memory: one render group of frames."""
+    """Decode ``chunk``'s frames, fuse them (``render``), watermark every one with
+    ``payload`` (``watermark.VIDEO``; none without) and encode them, with their own pts, as
+    the H.264 segment ``out``; ``keep(index, frame)`` sees every rendered frame (for the
+    report's samples). Memory: one render group of frames."""
     end_pts = pts[chunk.stop] if chunk.stop < len(pts) else info.end_pts
     frames = (
         (f.index, f.image) for f in read_frames(path, chunk.start, chunk.stop, timestamps=pts)
     )
     with SegmentWriter(out, info=info, end_pts=end_pts) as writer:
-        for index, image in render(frames, plan, sources, options, ctx, runner):
+        for index, fused in render(frames, plan, sources, options, ctx, runner):
+            image = fused if payload is None else watermark.VIDEO.embed(fused, payload)
             keep(index, image)
             writer.write(image, pts[index])
     return out
@@ -480,6 +487,7 @@ def fuse_video(
     chunk_s: float = 10.0,
     rendered_frame: Callable[[int], None] = lambda index: None,
     references: Sequence[bytes] = (),
+    payload: watermark.Payload | None = None,
 ) -> VideoResult:
     """Fuse the first source's face (a per-face mapping: each source's) into every frame
     of ``video`` where the plan puts it, in this process: probe → moderation of sampled
@@ -491,7 +499,8 @@ def fuse_video(
     a second call for the same video, sources, plan and options renders only the chunks
     missing there (a re-dispatched attempt resumes). ``rendered_frame(index)`` is called as
     each frame is rendered (where the flow counts its progress). ``references``: the
-    reference photos a per-face mapping (``options.mapping``) names."""
+    reference photos a per-face mapping (``options.mapping``) names. ``payload``: the
+    watermark every frame carries (``render_chunk``)."""
     options = options or FusionOptions()
     ctx = ctx or PipelineContext()
     timings: dict[str, float] = {}
@@ -516,14 +525,14 @@ def fuse_video(
         keep_dir.mkdir(parents=True, exist_ok=True)
         segments = []
         for c in planned.chunks:
-            segment = keep_dir / chunk_name(video_digest, c, plan, sources, options)
+            segment = keep_dir / chunk_name(video_digest, c, plan, sources, options, payload)
             if segment.exists():  # rendered by an earlier attempt: only its samples are read
                 samples.read_from(segment, c)
             else:
                 partial = Path(tmp) / f"{segment.name}.partial"
                 render_chunk(
                     video, partial, c, info=info, pts=pts, plan=plan, sources=planned.sources,
-                    options=options, ctx=ctx, runner=runner, keep=keep,
+                    options=options, ctx=ctx, runner=runner, keep=keep, payload=payload,
                 )  # fmt: skip
                 partial.replace(segment)  # whole chunks only: a killed render leaves none
                 rendered += 1

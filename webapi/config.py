@@ -284,6 +284,11 @@ class Settings(BaseSettings):
     verify_threads: int = Field(
         2, ge=1, description="Verify requests decoded at once (each one a CPU core)."
     )
+    verify_max_bytes: int = Field(
+        100 * 1024 * 1024,
+        gt=0,
+        description="Largest file POST /v1/verify accepts (an MP4 result; 413 past it).",
+    )
 
     @field_validator("url_ports", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import c2pa
+import numpy as np
 import pytest
 
 from blocks.storage import fetch_to, load_storage
@@ -26,8 +27,9 @@ from flows.params import (
     result_meta_key,
 )
 from flows.video import fuse_video_flow
-from tasks.provenance import DIGITAL_SOURCE_TYPE, dev_root_path, read_manifest
-from tasks.video_io import frame_timestamps, probe_video
+from tasks import watermark
+from tasks.provenance import DIGITAL_SOURCE_TYPE, dev_root_path, inspect_file, read_manifest
+from tasks.video_io import frame_timestamps, probe_video, read_frames
 from tests import samples
 from tests.orchestration.conftest import Home
 from tests.orchestration.helpers import job_params, task_runs
@@ -115,7 +117,15 @@ def test_a_video_is_fused_with_one_task_run_per_chunk(
     root = dev_root_path(prefect_harness.path).read_text()
     marks = read_manifest(result.read_bytes(), "video/mp4", root)  # the file, signed
     assert marks.valid and marks.trusted and marks.ours, marks
-    assert ref.marks == ["c2pa"]
+    assert ref.marks == ["c2pa", "watermark"]
+    payload = watermark.payload_for(job_id)
+    frames = [f.image for f in read_frames(result, 0, ref.frames)]
+    assert len(frames) == ref.frames
+    bits = np.asarray(payload.bits())
+    for index, frame in enumerate(frames):  # every frame carries the job's payload
+        scores = watermark.VIDEO.scores(frame)
+        assert scores is not None and np.mean((scores > 0) == bits) >= 0.9, index
+    assert inspect_file(result.read_bytes(), root).watermark == payload
     assert marks.digital_source_type == DIGITAL_SOURCE_TYPE
     with c2pa.Reader("video/mp4", io.BytesIO(result.read_bytes())) as reader:
         manifest = reader.get_active_manifest() or {}

@@ -102,6 +102,34 @@ def test_verify_names_the_job_only_to_its_owner(served: Served, chain: Chain) ->
     assert orphan["made_by_this_service"] and orphan["watermark"]["job_id"] is None
 
 
+def test_a_marked_video_names_its_job_and_the_size_is_bounded(
+    database_url: str, engine: Engine, tmp_path: Path, chain: Chain
+) -> None:
+    """An MP4 whose frames carry the job's watermark and whose file carries its manifest,
+    as the video flow stores it; a file past ``verify_max_bytes`` is refused (413)."""
+    from faceflow.clips import pan_frames, write_clip
+    from tasks import watermark
+    from tasks.provenance import sign_file
+
+    settings = make_settings(database_url, tmp_path, c2pa_trust_anchors=chain.root)
+    owner = make_user(engine, settings)
+    job = new_job(engine, settings, owner)
+    frames = pan_frames(480, 360, 24)
+    payload = watermark.payload_for(str(job.id))
+    write_clip([watermark.VIDEO.embed(f, payload) for f in frames], tmp_path / "clip.mp4")
+    sign_file(tmp_path / "clip.mp4", tmp_path / "signed.mp4", "video/mp4", chain.credentials, [])
+    data = (tmp_path / "signed.mp4").read_bytes()
+    with serve(create_app(settings)) as url:
+        body = post(url, owner, data).json()
+        assert body["media_type"] == "video/mp4" and body["made_by_this_service"]
+        assert body["manifest"]["valid"] and body["manifest"]["trusted"]
+        assert body["watermark"] == {"checked": True, "present": True, "job_id": str(job.id)}
+    small = settings.model_copy(update={"verify_max_bytes": len(data) - 1})
+    with serve(create_app(small)) as url:
+        refused = post(url, owner, data)
+        assert refused.status_code == 413, refused.text
+
+
 def test_tampered_and_unmarked_files(served: Served, chain: Chain) -> None:
     url, user = served.url, served.user()
     tampered = bytearray(marked_jpeg(chain, str(uuid.uuid4())))

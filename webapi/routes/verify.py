@@ -1,7 +1,8 @@
 """``POST /v1/verify``: whether a file carries this service's marks, and for its owner which job.
 
-The body is the file itself (an image, or an MP4 for its manifest), as ``curl
---data-binary @result.jpg``. The answer says whether a Content Credentials manifest is
+The body is the file itself (an image, or an MP4: its manifest, and the watermark read
+from 3 runs of 8 frames), as ``curl --data-binary @result.jpg``, at most
+``verify_max_bytes`` (100 MiB). The answer says whether a Content Credentials manifest is
 present, whether it validates (and chains to the trust anchors, ``c2pa_trust_anchors``),
 who signed it, whether the invisible watermark is found and whether either says this
 service made the file. The job id is told only to the job's owner: the watermark's job tag
@@ -59,7 +60,7 @@ class WatermarkPublic(BaseModel):
     """The invisible watermark, as read."""
 
     checked: bool = Field(
-        description="Whether the file is an image large enough to carry the watermark."
+        description="Whether the file is an image, or a video, large enough to carry the watermark."
     )
     present: bool = Field(description="Whether this service's watermark was found.")
     job_id: uuid.UUID | None = Field(
@@ -112,6 +113,7 @@ _BODY = {
     openapi_extra={"requestBody": _BODY},
     responses={
         401: {"description": "Missing or invalid API key."},
+        413: {"description": "The file is larger than verify_max_bytes."},
         415: {"description": "Not a JPEG, PNG, WebP or MP4 file."},
         429: {"description": "Too many verify requests for this API key (Retry-After)."},
     },
@@ -122,7 +124,7 @@ async def verify_file(
     """Whether the file in the body carries this service's Content Credentials and
     watermark; the job's id for its owner."""
     request.app.state.verify_rate.admit(user.id)
-    data = await read_limited(request, settings.image_limits.max_bytes)
+    data = await read_limited(request, settings.verify_max_bytes)
     if not data:
         raise InvalidRequest("Send the file as the request body.")
     found = await anyio.to_thread.run_sync(
