@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -19,6 +21,7 @@ from tasks.error_codes import JobErrorCode
 
 if TYPE_CHECKING:
     from faceflow.client import FaceFlowClient, Job
+    from tasks.provenance import Marker
 
 app = typer.Typer(
     name="faceflow",
@@ -139,8 +142,22 @@ def fuse(
     reference: ReferenceOption = None,
     face_map: FaceMapOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+    mark: Annotated[
+        bool,
+        typer.Option(
+            "--mark/--no-mark",
+            help="Mark the result (C2PA manifest signed with the local development chain, "
+            "and the watermark) as the service does; --no-mark writes it unmarked.",
+        ),
+    ] = True,
+    home: Annotated[
+        Path | None, typer.Option(help="FaceFlow home whose development chain signs.")
+    ] = None,
 ) -> None:
-    """Fuse the face of SOURCE into TARGET in this process and print per-stage timings."""
+    """Fuse the face of SOURCE into TARGET in this process and print per-stage timings.
+    The result is marked as the service marks it (the local development certificate chain
+    under HOME signs it, made on first use); a result that cannot be marked is not
+    written (``marking_failed``)."""
     from pydantic import ValidationError
 
     from tasks.errors import FaceFlowError
@@ -180,7 +197,12 @@ def fuse(
 
     pins = dict(p.split("=", 1) for p in pin or [] if "=" in p)
     ctx = PipelineContext.for_this_machine(model_dir=model_dir, pins=pins, moderation=policy)
+    job_id = str(uuid.uuid4())
     try:
+        if mark:
+            ctx = replace(ctx, marker=_local_marker(home))
+        else:
+            typer.echo(UNMARKED_WARNING, err=True)
         result = fuse_images(
             source_bytes,
             target_bytes,
@@ -188,6 +210,7 @@ def fuse(
             ctx,
             extra_sources=extra_bytes,
             references=reference_bytes,
+            job_id=job_id,
         )
     except FaceFlowError as exc:
         raise _fail(exc.code, exc.message) from None
@@ -204,11 +227,15 @@ def fuse(
         "total_ms": round(sum(result.timings_ms.values()), 1),
         "quality": result.quality.as_json() if result.quality is not None else None,
         "moderation": list(result.moderation_flags),
+        "marks": list(result.marks),
+        "job_id": job_id,
     }
     if as_json:
         typer.echo(json.dumps(summary))
         return
     typer.echo(f"wrote {output} ({result.width}x{result.height}, {result.content_type})")
+    if result.marks:
+        typer.echo(f"  marked: {', '.join(result.marks)} (job tag {job_id[:8]})")
     for stage, ms in summary["timings_ms"].items():  # type: ignore[attr-defined]
         typer.echo(f"  {stage:<16} {ms:8.1f} ms")
     typer.echo(f"  {'total':<16} {summary['total_ms']:8.1f} ms  on {result.device}")
@@ -222,6 +249,27 @@ def fuse(
         )
     for flag in result.moderation_flags:
         typer.echo(f"  moderation (report only) flagged {flag}")
+
+
+UNMARKED_WARNING = (
+    "warning: --no-mark: the result carries no Content Credentials and no watermark. It is "
+    "a deep fake: whoever publishes it must disclose that (EU AI Act Art. 50)."
+)
+
+
+def _local_marker(home: Path | None) -> Marker:
+    """The marker of a local fuse: the development chain under ``home`` (made on first
+    use); ``MarkingFailed`` when it cannot be read or made."""
+    from blocks.signing import dev_chain
+    from blocks.storage import faceflow_home
+    from tasks.errors import MarkingFailed
+    from tasks.provenance import Marker
+
+    try:
+        return Marker(dev_chain(faceflow_home(home)).credentials)
+    except (OSError, ValueError) as exc:
+        detail = f"development chain: {type(exc).__name__}: {exc}"
+        raise MarkingFailed("The signing certificate is not available.", detail=detail) from exc
 
 
 @models_app.command("list")

@@ -614,15 +614,17 @@ def fuse_images(
     *,
     extra_sources: Sequence[bytes] = (),
     references: Sequence[bytes] = (),
+    job_id: str = "",
 ) -> FusionResult:
     """Run every stage in this process and return the encoded result with per-stage timings
     (each stage's own time: work that runs beside others overlaps, so their sum can exceed
     the wall time). ``extra_sources`` (sources after the first) and ``references`` serve a
-    per-face ``options.mapping``. Raises the job's typed error."""
+    per-face ``options.mapping``; ``job_id`` names the watermark's job when ``ctx`` marks.
+    Raises the job's typed error."""
     options = options or FusionOptions()
     ctx = ctx or PipelineContext()
     data = InputBytes(source_bytes, target_bytes, tuple(extra_sources), tuple(references))
-    work = Work(InMemory(data), options)
+    work = Work(InMemory(data), options, job_id=job_id)
     run_stages([work], ctx, InProcess(ctx))
     return result_of(work, ctx)
 
@@ -642,6 +644,7 @@ def result_of(work: Work, ctx: PipelineContext) -> FusionResult:
         timings_ms=dict(work.timings_ms),
         quality=work.report,
         moderation_flags=tuple(work.flags),
+        marks=tuple(work.marks),
     )
 
 

@@ -116,3 +116,4 @@ class FusionResult:
     timings_ms: dict[str, float]
     quality: QualityReport | None = None
     moderation_flags: tuple[str, ...] = ()  # report-only moderation: what was flagged
+    marks: tuple[str, ...] = ()  # what marks the file carries: "c2pa", "watermark"

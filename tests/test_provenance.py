@@ -203,3 +203,45 @@ def test_cli_verify(marked: Marked, tmp_path: Path) -> None:
     plain.write_bytes(encode(astronaut_rgb(), "PNG"))
     run = CliRunner().invoke(app, ["verify", str(plain), "--home", str(tmp_path)])
     assert run.exit_code == 1 and not json.loads(run.output)["made_by_this_service"]
+
+
+def test_cli_fuse_marks_its_result_unless_told_not_to(tmp_path: Path) -> None:
+    """``faceflow fuse`` signs with the home's development chain (made on first use) and
+    watermarks with the job id it prints; ``--no-mark`` warns; a chain that cannot sign
+    fails ``marking_failed`` and writes nothing."""
+    from typer.testing import CliRunner
+
+    from faceflow.cli import app
+
+    source, target = tmp_path / "source.jpg", tmp_path / "target.jpg"
+    source.write_bytes(astronaut_jpeg_bytes())
+    target.write_bytes(grace_hopper_jpeg_bytes())
+    home = tmp_path / "home"
+    base = ["fuse", str(source), str(target), "--home", str(home), "--json", "-o"]
+
+    out = tmp_path / "marked.jpg"
+    run = CliRunner().invoke(app, [*base, str(out)])
+    assert run.exit_code == 0, run.output
+    summary = json.loads(run.stdout)
+    assert summary["marks"] == ["c2pa", "watermark"]
+    found = inspect_file(out.read_bytes(), (home / "c2pa" / "root.pem").read_text())
+    assert found.manifest.ours and found.manifest.trusted
+    assert found.watermark == watermark.payload_for(summary["job_id"])
+
+    bare = tmp_path / "bare.jpg"
+    run = CliRunner().invoke(app, [*base, str(bare), "--no-mark"])
+    assert run.exit_code == 0, run.output
+    assert "--no-mark" in run.stderr and json.loads(run.stdout)["marks"] == []
+    found = inspect_file(bare.read_bytes())
+    assert not found.manifest.present and found.watermark is None
+
+    (home / "c2pa" / "signer.key").write_text(make_chain("someone else")[0].private_key_pem)
+    refused = tmp_path / "refused.jpg"
+    run = CliRunner().invoke(app, [*base, str(refused)])
+    assert run.exit_code == 1 and "error[marking_failed]" in run.stderr
+    assert not refused.exists()
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    run = CliRunner().invoke(app, [*base[:3], "--home", str(blocked), "-o", str(refused)])
+    assert run.exit_code == 1 and "error[marking_failed]" in run.stderr
+    assert not refused.exists()
