@@ -233,9 +233,7 @@ class OperatorView:
         else:
             lines.append(f"Outcome: `{outcome}`")
         if marks is not None:
-            names = {"c2pa": "signed C2PA Content Credentials", "watermark": "invisible watermark"}
-            said = ", ".join(names.get(m, m) for m in marks) or "no (marking is off)"
-            lines += ["", f"Marked: {said}"]
+            lines += ["", marked_line(marks)]
         if quality is not None:
             lines += ["", *quality_markdown(quality)]
 
@@ -346,6 +344,40 @@ def in_this_context(fn: Callable[[], None]) -> Callable[[], None]:
     context (``temporary_settings``: tests, in-process runs), a bare thread would use the
     process defaults, and Prefect would start a temporary server for the artifact's event."""
     return partial(contextvars.copy_context().run, fn)
+
+
+MARK_NAMES = {"c2pa": "signed C2PA Content Credentials", "watermark": "invisible watermark"}
+
+
+def marked_line(marks: list[str], *, video: bool = False) -> str:
+    """The artifacts' "Marked:" line for a result's marks (``ResultRef.marks``)."""
+    names = (
+        {**MARK_NAMES, "watermark": "invisible watermark in every frame"} if video else MARK_NAMES
+    )
+    said = ", ".join(names.get(m, m) for m in marks) or "no (marking is off)"
+    return f"Marked: {said}"
+
+
+def publish_video_result(
+    job_id: str, attempt: int, key: str, marks: list[str], facts: list[str]
+) -> None:
+    """The markdown artifact of a succeeded video job attempt (as a photo job's): its
+    result, how it is marked, and ``facts`` (one line each)."""
+    lines = [
+        f"# Video job `{job_id}`, attempt {attempt}: succeeded",
+        "",
+        f"Result: `{key}`",
+        "",
+        marked_line(marks, video=True),
+        "",
+        *(f"- {fact}" for fact in facts),
+    ]
+    safely(
+        create_markdown_artifact,
+        markdown="\n".join(lines),
+        key=artifact_key(job_id, "result"),
+        description=f"Video job {job_id} attempt {attempt}: result.",
+    )
 
 
 def safely(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -46,6 +46,7 @@ from blocks.storage import (
     read_from,
     write_to,
 )
+from flows.artifacts import publish_video_result
 from flows.deadline import Deadline, StageGuard
 from flows.fuse import failed, start_attempt
 from flows.outcome import record_failure
@@ -368,6 +369,12 @@ def fuse_video_flow(
                 marks=["c2pa", "watermark"] if ctx.marker is not None else [],
             )
             step("store", store_task, job, ref, result_meta_key(job_id, attempt))
+            facts = [
+                f"{ref.frames} frames, {ref.width}x{ref.height}, {ref.duration_s:.1f} s",
+                f"{ref.chunks} chunk(s), {ref.chunks_rendered} rendered in this attempt",
+                f"{ref.faces_replaced} faces replaced, {len(ref.tracks)} track(s)",
+            ]
+            publish_video_result(job_id, attempt, ref.key, ref.marks, facts)
     except Exception as exc:
         record_failure(store if store is not None else storage_block, job_id, attempt, exc, stage)
         return failed(exc, f"Video job {job_id} attempt {attempt}")

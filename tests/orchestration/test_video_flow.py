@@ -14,8 +14,11 @@ from typing import Any
 import c2pa
 import numpy as np
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from blocks.storage import fetch_to, load_storage
+from flows.artifacts import artifact_key
 from flows.binding import signed_parameters, worker_keys
 from flows.params import (
     DEFAULT_STORAGE_BLOCK,
@@ -47,6 +50,7 @@ class Run:
     params: dict[str, Any]
     ref: VideoResultRef
     task_runs: dict[str, Any]
+    flow_run_id: Any = None
     chunks: set[str] = field(default_factory=set)  # chunk files it added to the storage
 
 
@@ -54,7 +58,8 @@ def run_video(params: dict[str, Any]) -> Run:
     state = fuse_video_flow(**params, chunk_s=2.0, return_state=True)
     assert state.is_completed(), state.message
     ref = VideoResultRef.model_validate(state.result())
-    return Run(params, ref, settled_task_runs(state.state_details.flow_run_id))
+    run_id = state.state_details.flow_run_id
+    return Run(params, ref, settled_task_runs(run_id), run_id)
 
 
 def settled_task_runs(flow_run_id: Any, timeout_s: float = 30.0) -> dict[str, Any]:
@@ -126,6 +131,17 @@ def test_a_video_is_fused_with_one_task_run_per_chunk(
         scores = watermark.VIDEO.scores(frame)
         assert scores is not None and np.mean((scores > 0) == bits) >= 0.9, index
     assert inspect_file(result.read_bytes(), root).watermark == payload
+    with get_client(sync_client=True) as client:  # the operator's view says so too
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[first.flow_run_id])
+            )
+        )
+    (result_view,) = [a for a in artifacts if a.type == "markdown"]
+    assert result_view.key == artifact_key(job_id, "result")
+    text = str(result_view.data)
+    assert ref.key in text and f"{ref.frames} frames" in text
+    assert "Marked: signed C2PA Content Credentials, invisible watermark in every frame" in text
     assert marks.digital_source_type == DIGITAL_SOURCE_TYPE
     with c2pa.Reader("video/mp4", io.BytesIO(result.read_bytes())) as reader:
         manifest = reader.get_active_manifest() or {}
