@@ -212,12 +212,27 @@ class VideoCode:
     codec's quantiser to keep. ``f`` is quantised (QIM) onto ``(k + 1/4) step`` for a 0
     and ``(k + 3/4) step`` for a 1 by moving each quadrant by a whole number of levels
     (``Δf`` rounded, split evenly: a constant per 8x8 quadrant, which the codec's 8x8 and
-    4x4 transforms keep as DC terms, cheaply; luma only: the same change on R, G and B). A reader's vote per block is soft, in [-1/2, 1/2] by the distance of
-    ``f`` to the two lattices, summed per bit over the frame's blocks (and over frames:
-    ``read_video``)."""
+    4x4 transforms keep as DC terms, cheaply; where a pixel would clip, the other
+    quadrants take the move; luma only: the same change on R, G and B). A reader's vote
+    per block is soft, in [-1/2, 1/2] by the distance of ``f`` to the two lattices, summed
+    per bit over the frame's blocks (and over frames: ``read_video``).
+
+    The step shrinks with the frame's size (``step_for``): a larger frame has more blocks
+    per bit, so each may carry less; the mark then costs the encoder fewer bytes (720p:
+    step 8, 480x360: 12; ``bench/video_mark.py``). Reader and writer see the same size."""
 
     step: float = 12.0
+    """The step of a frame with ``reference_blocks`` blocks or fewer."""
+    min_step: float = 8.0
+    reference_blocks: int = 660
+    """Blocks of a 480x360 frame."""
     quadrant: int = 8
+
+    def step_for(self, rows: int, cols: int) -> float:
+        """The step of a frame of ``rows`` x ``cols`` blocks: ``step`` scaled by the
+        square root of ``reference_blocks`` over its blocks, at least ``min_step``."""
+        scale = (self.reference_blocks / max(rows * cols, 1)) ** 0.5
+        return max(self.min_step, min(self.step, self.step * scale))
 
     @property
     def block(self) -> int:
@@ -233,7 +248,8 @@ class VideoCode:
         f = self._contrast(frame, rows, cols)
         bits = np.asarray(payload.bits(), dtype=np.float64)[_bit_index(f.size)].reshape(f.shape)
         offset = 0.25 + 0.5 * bits
-        target = (np.round(f / self.step - offset) + offset) * self.step
+        step = self.step_for(rows, cols)
+        target = (np.round(f / step - offset) + offset) * step
         # The change in whole levels, split over the quadrants as evenly as whole levels
         # split: each 8x8 quadrant moves by one constant (a change of its DC alone).
         change = np.rint(target - f).astype(np.int16)
@@ -260,7 +276,9 @@ class VideoCode:
             return None
         rows, cols = self._blocks(frame)
         f = self._contrast(frame, rows, cols).ravel()
-        phase = np.mod(f / self.step - 0.75 + 0.5, 1.0) - 0.5  # distance to the 1s' lattice
+        phase = (
+            np.mod(f / self.step_for(rows, cols) - 0.75 + 0.5, 1.0) - 0.5
+        )  # distance to the 1s' lattice
         votes = 0.5 - 2.0 * np.abs(phase)
         return np.asarray(np.bincount(_bit_index(f.size), votes, PAYLOAD_BITS), dtype=np.float64)
 

@@ -73,6 +73,15 @@ def test_quadrants_near_black_or_white_still_carry_their_bit() -> None:
     assert scores is not None and bool(np.all((scores > 0) == np.asarray(PAYLOAD.bits())))
 
 
+def test_the_step_shrinks_with_the_frame_and_a_720p_clip_reads_back(tmp_path: Path) -> None:
+    code = watermark.VIDEO
+    steps = [code.step_for(r, c) for r, c in ((16, 16), (22, 30), (30, 40), (45, 80), (67, 120))]
+    assert steps[:2] == [12.0, 12.0] and 8.0 < steps[2] < 12.0 and steps[3:] == [8.0, 8.0]
+    path = tmp_path / "720p.mp4"
+    write_clip([code.embed(f, PAYLOAD) for f in pan_frames(1280, 720, 8)], path)
+    assert inspect_file(path.read_bytes()).watermark == PAYLOAD
+
+
 def test_a_frame_too_small_or_a_broken_video_is_not_checked(tmp_path: Path) -> None:
     small = np.zeros((120, 160, 3), np.uint8)
     assert watermark.VIDEO.embed(small, PAYLOAD) is small
