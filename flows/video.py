@@ -82,7 +82,7 @@ from tasks.video import (
 )
 from tasks.video_io import VideoInfo
 from tasks.video_plan import Chunk
-from tasks.watermark import Payload, payload_for
+from tasks.watermark import MIN_PIXELS, Payload, payload_for
 
 R = TypeVar("R")
 
@@ -218,6 +218,14 @@ def store_task(job: VideoJob, ref: VideoResultRef, meta_key: str) -> None:
         result = signed
     put_from(job.store, ref.key, result)
     write_to(job.store, meta_key, ref.model_dump_json().encode())
+
+
+def video_marks(marking: bool, info: VideoInfo) -> list[str]:
+    """A video result's marks: none without marking; else its manifest, and the watermark
+    when its frames are large enough to carry one (``watermark.MIN_PIXELS``)."""
+    if not marking:
+        return []
+    return ["c2pa", *(["watermark"] if info.width * info.height >= MIN_PIXELS else [])]
 
 
 def sweep_workdirs(root: Path | None = None) -> int:
@@ -366,7 +374,7 @@ def fuse_video_flow(
                 switches=plan.switches,
                 tracks=[asdict(t) for t in track_reports(plan, similarities)],
                 frame_failures=dict(runner.failures),
-                marks=["c2pa", "watermark"] if ctx.marker is not None else [],
+                marks=video_marks(ctx.marker is not None, info),
             )
             step("store", store_task, job, ref, result_meta_key(job_id, attempt))
             facts = [

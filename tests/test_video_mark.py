@@ -49,6 +49,9 @@ def test_the_payload_survives_a_reencode_at_half_the_bitrate(clip: Path, tmp_pat
     reencode(clip, again, int(clip.stat().st_size * 8 / probe_video(clip).duration_s / 2))
     assert again.stat().st_size < clip.stat().st_size * 0.7
     assert inspect_file(again.read_bytes()).watermark == PAYLOAD
+    from flows.video import video_marks
+
+    assert video_marks(True, probe_video(clip)) == ["c2pa", "watermark"]
 
 
 def test_unmarked_videos_read_as_unmarked(videos: Videos, tmp_path: Path) -> None:
@@ -90,6 +93,10 @@ def test_a_frame_too_small_or_a_broken_video_is_not_checked(tmp_path: Path) -> N
     write_clip([small] * 4, tiny)
     found = inspect_file(tiny.read_bytes())
     assert not found.watermark_checked and found.watermark is None
+    from flows.video import video_marks  # what a result of such frames says it carries
+
+    assert video_marks(True, probe_video(tiny)) == ["c2pa"]
+    assert video_marks(False, probe_video(tiny)) == []
     truncated = tiny.read_bytes()[:200]
     assert not inspect_file(truncated).watermark_checked
 
