@@ -14,7 +14,13 @@ from tasks import errors
 from tasks.align import align_face
 from tasks.detect import detect_faces
 from tasks.fuse import fuse_with_classic, mirror_face
-from tasks.occlusion import below_eyes
+from tasks.occlusion import (
+    GLASSES_BAND,
+    OCCLUDER_DISTANCE,
+    below_eyes,
+    occluder_parts,
+    occlusion_mask,
+)
 from tasks.options import FusionOptions
 from tasks.pipeline import (
     Detections,
@@ -84,8 +90,12 @@ def test_the_fused_face_takes_the_targets_light() -> None:
         relit_error = lighting_error(relit, aligned)
         pasted_error = lighting_error(np.asarray(pasted, dtype=np.uint8), aligned)
         assert relit_error < 0.4 * pasted_error, (relit_error, pasted_error)
+        # With the default colour transfer: 4.4 onto grace_hopper, 7.3 onto the astronaut,
+        # whose fringe (not a confident occluder) is now relit skin.
         default, _ = _fuse(source, source_face, target, target_face)
-        assert lighting_error(default, aligned) < 6.5, lighting_error(default, aligned)
+        assert lighting_error(default, aligned) < 0.3 * pasted_error, lighting_error(
+            default, aligned
+        )
 
 
 def _grace_rims(crop: RGBImage) -> np.ndarray:
@@ -109,6 +119,77 @@ def test_the_targets_glasses_stay_over_the_fused_face() -> None:
     # pasted onto itself) but where they cross the eyes; blended through: far off.
     assert np.median(kept_off) < 15 and (kept_off < 20).mean() > 0.75, np.median(kept_off)
     assert np.median(blended_off) > 40, np.median(blended_off)
+
+
+@cache
+def _t1_crop(k: int) -> AlignedFace:
+    """t1.jpg's ``k``-th face from the left, as a photo of its own, aligned."""
+    group = t1_rgb()
+    crop = face_crop(group, sorted(detect_faces(group), key=lambda f: f.box.x1)[k])
+    return align_face(crop, detect_faces(crop)[0], SIZE)
+
+
+def test_a_brow_or_a_shadow_is_not_an_occluder() -> None:
+    """t1.jpg's third and fourth faces have no glasses: the dark brow and the shadow of a
+    smile, one-sided and near the skin's colour, were kept as the target's (505 and 1935
+    pixels between the brows and the mouth, 1438 on the fourth face without a source) and
+    are not any more."""
+    source = align_face(astronaut_rgb(), astronaut_face(), SIZE)
+    for k in (2, 3):
+        target = _t1_crop(k)
+        face = face_mask(SIZE, target.landmarks, erode=0.0, blur=0.0) > 0
+        below_brows = face & (below_eyes(target.landmarks, SIZE) > GLASSES_BAND[0])
+        assert int((occlusion_mask(target, source)[below_brows] > 0.5).sum()) == 0, k
+        assert int((occlusion_mask(target)[face] > 0.5).sum()) == 0, k
+
+
+def test_false_occluders_no_longer_cost_identity() -> None:
+    """t1.jpg's second face onto the fourth: the occlusion mask used to keep the target's
+    shadows (source similarity 0.591 kept, 0.717 off); now kept and off agree."""
+    group = t1_rgb()
+    by_x = sorted(detect_faces(group), key=lambda f: f.box.x1)
+    source = face_crop(group, by_x[1])
+    target = face_crop(group, by_x[3])
+    source_face, target_face = detect_faces(source)[0], detect_faces(target)[0]
+    similarities = []
+    for keep in (True, False):
+        chosen = FusionOptions(keep_occluders=keep)
+        detections = Detections(source_face, [target_face], 1, 1)
+        aligned = align_stage(source, target, detections, chosen, CTX)
+        image = postprocess_stage(target, fuse_stage(aligned, chosen, CTX), chosen, CTX)
+        report = assess_stage(source, target, image, detections, chosen, CTX).report
+        similarities.append(report.source_similarity or 0.0)
+    kept, off = similarities
+    assert kept > off - 0.01, similarities
+
+
+def _rims(shift: float, distance: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two glasses-rim-shaped bars over grace_hopper's eyes (the left one ``shift`` eye
+    distances lower), a skin distance map of ``distance`` on them, and her landmarks."""
+    target = align_face(grace_hopper_rgb(), grace_hopper_face(), SIZE)
+    lm = target.landmarks
+    eye = float(np.linalg.norm(lm[1] - lm[0]))
+    binary = np.zeros((SIZE, SIZE), dtype=np.uint8)
+    for x, dy in ((lm[0, 0], shift * eye), (lm[1, 0], 0.0)):
+        y0 = round(lm[0, 1] - 0.2 * eye + dy)
+        binary[y0 : y0 + 4, round(x - 0.45 * eye) : round(x + 0.45 * eye)] = 1
+    return binary, np.where(binary > 0, distance, 1.0).astype(np.float32), lm
+
+
+def test_glasses_are_found_by_both_sides() -> None:
+    """Two rims mirrored across the face's midline, far from the skin's colour, are a
+    frame; one rim alone, rims that do not mirror each other, or rims near the skin's
+    colour are not."""
+    binary, distance, lm = _rims(0.0, OCCLUDER_DISTANCE + 1.0)
+    _, sides = occluder_parts(binary, distance, lm)
+    assert sides[binary > 0].min() == 1.0
+    one = binary.copy()
+    one[:, : round((lm[0, 0] + lm[1, 0]) / 2)] = 0
+    assert occluder_parts(one, distance, lm)[1].max() == 0.0
+    skewed, skewed_distance, _ = _rims(0.3, OCCLUDER_DISTANCE + 1.0)
+    assert occluder_parts(skewed, skewed_distance, lm)[1].max() == 0.0
+    _, pale, _ = _rims(0.0, OCCLUDER_DISTANCE - 1.0)
+    assert occluder_parts(binary, pale, lm)[1].max() == 0.0
 
 
 def test_the_fused_face_stops_below_the_sources_hairline() -> None:
