@@ -37,6 +37,7 @@ from tasks.pipeline import (
 from tasks.pose import head_pose
 from tasks.postprocess import face_mask, to_lab
 from tasks.quality import found_by_hog, lighting_error
+from tasks.registry import REGISTRY
 from tasks.report import QualityReport
 from tasks.types import AlignedFace, Face, RGBImage
 from tests.faces import astronaut_face, grace_hopper_face
@@ -305,6 +306,17 @@ def test_a_pose_mismatch_is_refused_when_the_caller_asks() -> None:
     assert "yaw" in str(info.value)
     flagged, options = _turned_report(mirror_source=False)
     assert check_pose(flagged, options) is flagged and flagged.pose_mismatch
+
+
+def test_the_default_path_needs_no_non_commercial_landmark_model() -> None:
+    """The README's reason for no 68-landmark warp: dlib's 68-point predictor (trained on
+    iBUG 300-W, not for commercial use) is in the installed wheel but not in the registry;
+    the defaults are the classic fuser on MTCNN's 5 points, no enhancer, source mirrored,
+    a pose mismatch flagged (the README's pose default)."""
+    assert not any("68" in spec.filename for spec in REGISTRY.values())
+    defaults = FusionOptions()
+    assert (defaults.fuser, defaults.detector, defaults.enhancer) == ("classic", "mtcnn", "none")
+    assert defaults.on_pose_mismatch == "flag" and defaults.mirror_source
 
 
 # --- a second detector -----------------------------------------------------------------------
