@@ -11,6 +11,7 @@ import cv2
 import numpy as np
 import pytest
 
+from bench import contact_sheet
 from tasks import errors
 from tasks.align import align_face
 from tasks.detect import detect_faces
@@ -248,6 +249,22 @@ def test_a_second_detector_finds_the_fused_face() -> None:
     assert found_by_hog(grace_hopper_rgb(), face)
     assert found_by_hog(result, face)
     assert not found_by_hog(no_face_rgb(), face)
+
+
+def test_the_docs_contact_sheet_is_the_scripts_and_small() -> None:
+    """docs/look.jpg is what ``bench/contact_sheet.py`` lays out (a header and one row
+    per pair, four tiles across) and stays under its byte budget; the encoder steps its
+    quality down until a sheet fits."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "look.jpg"
+    data = path.read_bytes()
+    assert len(data) < contact_sheet.MAX_BYTES, len(data)
+    image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
+    rows = contact_sheet.HEADER + contact_sheet.TILE * len(contact_sheet.PAIRS)
+    assert image.shape == (rows, contact_sheet.TILE * len(contact_sheet.COLUMNS), 3)
+    noise = np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8)
+    assert len(contact_sheet.encode_small(noise, 100_000)) < 100_000
+    with pytest.raises(ValueError):
+        contact_sheet.encode_small(noise, 2_000)
 
 
 # --- pose ------------------------------------------------------------------------------------
