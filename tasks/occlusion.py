@@ -193,25 +193,18 @@ def occluder_parts(
     empty = np.zeros(binary.shape, dtype=np.float32)
     if count <= 1:
         return empty, empty
-    flat = labels.ravel()
-    order = np.argsort(flat, kind="stable")
-    sizes = np.bincount(flat, minlength=count)
-    ends = np.cumsum(sizes)
-    values = distance.ravel()[order]
-    places = below_eyes(lm, binary.shape[0]).ravel()[order]
-    median, far, place = (np.zeros(count) for _ in range(3))
-    for k in range(1, count):
-        part = slice(ends[k - 1], ends[k])
-        median[k], far[k] = np.percentile(values[part], (50, 90))
-        place[k] = np.median(places[part])
     spans = stats[:, cv2.CC_STAT_WIDTH]
-    wide = (median >= OCCLUDER_DISTANCE) & (spans >= WIDE_OCCLUDER[1] * eye)
-    sides = (
-        (far >= OCCLUDER_DISTANCE)
-        & (spans >= WIDE_OCCLUDER[0] * eye)
-        & (place > GLASSES_BAND[0])
-        & (place < GLASSES_BAND[1])
-    )
+    wide = np.zeros(count, dtype=bool)
+    sides = np.zeros(count, dtype=bool)
+    places = below_eyes(lm, binary.shape[0])
+    for k in np.flatnonzero(spans >= WIDE_OCCLUDER[0] * eye):  # specks need no statistics
+        if k == 0:
+            continue
+        part = labels == k
+        median, far = np.percentile(distance[part], (50, 90))
+        place = float(np.median(places[part]))
+        wide[k] = median >= OCCLUDER_DISTANCE and spans[k] >= WIDE_OCCLUDER[1] * eye
+        sides[k] = far >= OCCLUDER_DISTANCE and GLASSES_BAND[0] < place < GLASSES_BAND[1]
     wide[0] = sides[0] = False
     if sides.any():
         candidates = sides.astype(np.uint8)[labels]
@@ -226,8 +219,9 @@ def occluder_parts(
         near = cv2.dilate(
             mirrored, cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (2 * reach + 1, 2 * reach + 1))
         )
+        flat = labels.ravel()
         agreement = np.bincount(flat, weights=near.ravel() > 0, minlength=count)
-        sides &= agreement / np.maximum(sizes, 1) >= MIRROR_AGREEMENT
+        sides &= agreement / np.maximum(np.bincount(flat, minlength=count), 1) >= MIRROR_AGREEMENT
     return (
         np.asarray(wide.astype(np.float32)[labels], dtype=np.float32),
         np.asarray(sides.astype(np.float32)[labels], dtype=np.float32),
