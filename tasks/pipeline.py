@@ -506,11 +506,15 @@ def enhance_stage(
         )
         for crop, aligned, occluded in zip(fused.crops, fused.targets, occlusions, strict=True)
     ]
-    framed = tuple(
-        reframe_mask(occluded, aligned, framing)
-        for occluded, aligned, (_, framing) in zip(
-            fused.occlusions, fused.targets, pairs, strict=True
+    framed = (
+        tuple(  # none from a fuser without occlusion masks (inswapper)
+            reframe_mask(occluded, aligned, framing)
+            for occluded, aligned, (_, framing) in zip(
+                fused.occlusions, fused.targets, pairs, strict=True
+            )
         )
+        if fused.occlusions
+        else ()
     )
     return Fused([crop for crop, _ in pairs], [aligned for _, aligned in pairs], framed)
 

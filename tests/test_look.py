@@ -26,6 +26,7 @@ from tasks.occlusion import (
 from tasks.options import FusionOptions
 from tasks.pipeline import (
     Detections,
+    Fused,
     PipelineContext,
     align_stage,
     assess_stage,
@@ -212,9 +213,13 @@ def test_the_enhancer_and_sharpening_keep_the_glasses(tmp_path: Path) -> None:
         )
         detections = Detections(astronaut_face(), [grace_hopper_face()], 1, 1)
         aligned_faces = align_stage(astronaut_rgb(), target, detections, options, ctx)
-        fused = enhance_stage(target, fuse_stage(aligned_faces, options, ctx), options, ctx)
+        made = fuse_stage(aligned_faces, options, ctx)
+        fused = enhance_stage(target, made, options, ctx)
         image = postprocess_stage(target, fused, options, ctx)
         offs.append(np.abs(_in_crop(image, aligned).astype(int) - aligned.crop.astype(int))[rims])
+        if keep:  # a fuser without occlusion masks (inswapper) is restored all over
+            maskless = enhance_stage(target, Fused(made.crops, made.targets), options, ctx)
+            assert maskless.occlusions == () and len(maskless.crops) == 1
     kept, blended = offs
     # As without the enhancer (test above): the target's up to resampling but where the
     # rims cross the eyes; the blue channel, which the restorer halves, too.
