@@ -103,6 +103,21 @@ def reframe(
     return np.clip(mixed + 0.5, 0, 255).astype(np.uint8), framed
 
 
+def reframe_mask(mask: FloatArray, aligned: AlignedFace, framed: AlignedFace) -> FloatArray:
+    """A mask over the fused crop of ``aligned`` (e.g. the occlusion mask: the target's
+    pixels the fuser kept) carried into the restorer's framing ``framed`` (0 outside)."""
+    to_frame = _compose(framed.matrix, aligned.inverse)
+    moved = cv2.warpAffine(
+        np.asarray(mask, dtype=np.float32),
+        to_frame,
+        (framed.size, framed.size),
+        flags=cv2.INTER_LINEAR,
+        borderMode=cv2.BORDER_CONSTANT,
+        borderValue=0.0,
+    )
+    return np.asarray(moved, dtype=np.float32)
+
+
 def prepare_gfpgan(crop: RGBImage, size: int) -> F32:
     """The 1 x 3 x size x size blob, RGB in [-1, 1]."""
     check_rgb(crop, "face crop", size)
@@ -175,12 +190,18 @@ def enhance_face(
     device: str = "cpu",
     model_dir: str | Path | None = None,
     pins: Mapping[str, str] | None = None,
+    occluded: FloatArray | None = None,
 ) -> tuple[RGBImage, AlignedFace]:
-    """One fused face restored: the new crop and its alignment (FFHQ framing)."""
+    """One fused face restored: the new crop and its alignment (FFHQ framing). Where
+    ``occluded`` (the fuser's occlusion mask over ``fused_crop``) is 1, the crop keeps the
+    fuser's pixels (the target's glasses), not the restorer's."""
     model = load_enhancer(enhancer, device=device, model_dir=model_dir, pins=pins)
     composite, framed = reframe(target_image, fused_crop, aligned, model.input_size()[0])
     restored = _restore(model, composite)
-    if blend >= 1.0:
+    weight = np.full(composite.shape[:2], blend, dtype=np.float32)
+    if occluded is not None:
+        weight *= 1.0 - reframe_mask(occluded, aligned, framed)
+    if blend >= 1.0 and occluded is None:
         return restored, framed
-    mixed = composite.astype(np.float32) * (1.0 - blend) + restored.astype(np.float32) * blend
+    mixed = composite + weight[..., None] * (restored.astype(np.float32) - composite)
     return np.clip(mixed + 0.5, 0, 255).astype(np.uint8), framed

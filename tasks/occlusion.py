@@ -4,13 +4,16 @@ over the fused face, and stops the fused face below the source's hairline.
 No segmentation model: a face's skin is told from the rest by colour. ``skin_map`` takes
 the robust spread (median and MAD, in Lab) of the face region away from the eyes, nose and
 mouth as the face's skin, with lightness measured against the local shading so a face lit
-from one side stays skin. On the target, an *occluder* is a patch that is not skin and
-spans at least ``WIDE_OCCLUDER`` eye distances across: a glasses frame joined by its
-bridge, a cap's brim, a fringe of hair. On the source, what is not skin above the brows is
-its hair. What this does not catch: an occluder of the skin's own colour and shading (a
-hand of the same tone, pale rims on pale skin), a narrow one (a finger, one strand of
-hair), one that covers only one eye; and a dark brow joined to the hair at the temple is
-kept as the target's.
+from one side stays skin. On the target, an *occluder* is a patch that is not skin, only
+where that is sure (``occluder_parts``): far from the skin's colour (``OCCLUDER_DISTANCE``)
+and either spanning ``WIDE_OCCLUDER[1]`` eye distances across (a frame joined by its
+bridge, a cap's brim) or one of a glasses frame's two sides, each the other's mirror
+image across the face's midline. On the source, what is not skin above the brows is its
+hair. What this does not catch: an occluder of the skin's own colour and shading (a hand
+of the same tone, pale rims on pale skin), a fringe near the skin's colour (the
+astronaut's), a narrow one (a finger, one strand of hair), one that covers only one eye.
+A false occluder costs the source's identity (t1.jpg's shadows and brows, kept, cost 0.12
+on some pairs), so a doubtful patch is left to the fused face.
 """
 
 from __future__ import annotations
@@ -46,6 +49,19 @@ occluders (``WIDE_OCCLUDER``) are looked for there only."""
 HAIRLINE_BAND = -0.5
 """Above this (in eye-to-mouth distances from the eye line, upwards negative) a source
 pixel that is not skin is its hair: the fused face stops below it."""
+OCCLUDER_DISTANCE = 6.0
+"""A part of the target face is an occluder only this far from the skin's colour
+(``skin_distance``; ``occluder_parts`` says of which pixels): a cap's brim is ≈ 6.6, a
+shadow, a smile's or the target's own hair at the mask's edge ≈ 4-5, and those, kept as
+occluders, cost the source's identity."""
+MIRROR_AGREEMENT = 0.8
+"""A glasses frame is found by its two sides: this share of each side's pixels must land
+on the other side's mirror image across the face's midline (``occluder_parts``; ≈ 1.0 on
+grace_hopper's rims, 0.53 for the brow of t1.jpg's face turned 38°, which crosses the
+midline, 0 for a brow or a shadow on one side only)."""
+MIRROR_TOLERANCE = 0.08
+"""How far (eye distances) a side's mirror image may miss the other side's pixels: the
+residual yaw of an aligned face."""
 _WORK_SIZE = 128
 """Skin maps are computed at this size (and scaled back): a face's colour does not need
 more."""
@@ -70,6 +86,29 @@ def feature_zones(size: int, landmarks_in_crop: npt.ArrayLike) -> npt.NDArray[np
 def skin_map(crop: RGBImage, landmarks_in_crop: npt.ArrayLike) -> FloatArray:
     """How much each pixel of an aligned face crop looks like that face's own skin: 1, or
     0 for hair, a brim, a glasses frame, the eyes and the lips."""
+    return _full_size(skin_likeness(_skin_distance(crop, landmarks_in_crop)), crop.shape[0])
+
+
+def skin_likeness(distance: FloatArray) -> FloatArray:
+    """``skin_distance`` as 1 (skin) to 0 (not skin), ramped over ``SKIN_DISTANCE``."""
+    low, high = SKIN_DISTANCE
+    return np.clip((high - distance) / (high - low), 0.0, 1.0).astype(np.float32)
+
+
+def skin_distance(crop: RGBImage, landmarks_in_crop: npt.ArrayLike) -> FloatArray:
+    """Each pixel's colour distance from the face's own skin (robust z-score in Lab, the
+    lightness against the local shading): ≈ 1 on skin, above ``SKIN_DISTANCE`` off it."""
+    return _full_size(_skin_distance(crop, landmarks_in_crop), crop.shape[0])
+
+
+def _full_size(values: FloatArray, size: int) -> FloatArray:
+    if values.shape[0] == size:
+        return values
+    return np.asarray(cv2.resize(values, (size, size), interpolation=cv2.INTER_LINEAR), np.float32)
+
+
+def _skin_distance(crop: RGBImage, landmarks_in_crop: npt.ArrayLike) -> FloatArray:
+    """``skin_distance`` at the work size (``_WORK_SIZE`` at most)."""
     size = crop.shape[0]
     scale = min(1.0, _WORK_SIZE / size)
     work = size if scale >= 1.0 else _WORK_SIZE
@@ -80,7 +119,7 @@ def skin_map(crop: RGBImage, landmarks_in_crop: npt.ArrayLike) -> FloatArray:
         feature_zones(work, landmarks) == 0
     )
     if int(reference.sum()) < 64:
-        return np.ones((size, size), dtype=np.float32)
+        return np.zeros((work, work), dtype=np.float32)
     shading = masked_low_pass(
         lab[..., 0], reference.astype(np.float32), SHADING_SCALE * eye_distance(landmarks)
     )
@@ -88,12 +127,7 @@ def skin_map(crop: RGBImage, landmarks_in_crop: npt.ArrayLike) -> FloatArray:
     samples = relative[reference]
     centre = np.median(samples, axis=0)
     spread = np.maximum(1.4826 * np.median(np.abs(samples - centre), axis=0), (2.0, 1.5, 1.5))
-    distance = np.sqrt((((relative - centre) / spread) ** 2).sum(axis=-1))
-    low, high = SKIN_DISTANCE
-    skin = np.clip((high - distance) / (high - low), 0.0, 1.0).astype(np.float32)
-    if work != size:
-        skin = cv2.resize(skin, (size, size), interpolation=cv2.INTER_LINEAR)
-    return np.asarray(skin, dtype=np.float32)
+    return np.sqrt((((relative - centre) / spread) ** 2).sum(axis=-1)).astype(np.float32)
 
 
 def below_eyes(landmarks_in_crop: npt.ArrayLike, size: int) -> FloatArray:
@@ -110,9 +144,12 @@ def below_eyes(landmarks_in_crop: npt.ArrayLike, size: int) -> FloatArray:
 def occlusion_mask(target: AlignedFace, source: AlignedFace | None = None) -> FloatArray:
     """1 where the fused face must not go: an occluder of the target face (glasses, a
     brim, a fringe) and, given the aligned ``source``, the source's hair above its brows.
-    Grown and softened by a pixel or two so an occluder's edge blends."""
+    Only confident occluders (``occluder_parts``). Grown and softened by a pixel or two
+    so an occluder's edge blends."""
     size = target.size
-    not_skin = (1.0 - skin_map(target.crop, target.landmarks)) * (
+    small = _skin_distance(target.crop, target.landmarks)
+    distance = _full_size(small, size)
+    not_skin = (1.0 - _full_size(skin_likeness(small), size)) * (
         face_mask(size, target.landmarks, erode=0.0, blur=0.0) > 0.0
     )
     # Drop specks (skin texture, a wrinkle), keep the wide parts, not the face's features.
@@ -124,12 +161,11 @@ def occlusion_mask(target: AlignedFace, source: AlignedFace | None = None) -> Fl
         ),
         dtype=np.uint8,
     )
-    eye = eye_distance(target.landmarks)
-    narrow, wide = (_wide_parts(solid, w * eye) for w in WIDE_OCCLUDER)
+    wide, mirrored = occluder_parts(solid, distance, target.landmarks)
     if source is not None:
         source_skin = skin_map(source.crop, source.landmarks)
         band = below_eyes(target.landmarks, size)
-        glasses = narrow * source_skin * ((band > GLASSES_BAND[0]) & (band < GLASSES_BAND[1]))
+        glasses = mirrored * source_skin * ((band > GLASSES_BAND[0]) & (band < GLASSES_BAND[1]))
         parts = np.maximum(wide, glasses)
         hair = (1.0 - source_skin) * (below_eyes(source.landmarks, size) < HAIRLINE_BAND)
     else:
@@ -139,9 +175,54 @@ def occlusion_mask(target: AlignedFace, source: AlignedFace | None = None) -> Fl
     return np.asarray(cv2.GaussianBlur(grown, (0, 0), 0.004 * size + 0.5), dtype=np.float32)
 
 
-def _wide_parts(binary: npt.NDArray[np.uint8], width: float) -> FloatArray:
-    """The connected parts of ``binary`` at least ``width`` pixels across."""
+def occluder_parts(
+    binary: npt.NDArray[np.uint8], distance: FloatArray, landmarks_in_crop: npt.ArrayLike
+) -> tuple[FloatArray, FloatArray]:
+    """The confident occluders among the connected parts of ``binary`` (not skin): the
+    wide ones (``WIDE_OCCLUDER[1]`` eye distances across: a brim, a fringe, a frame with
+    its bridge) whose median colour ``distance`` from the skin is at least
+    ``OCCLUDER_DISTANCE``, and a glasses frame's two sides: parts of ``WIDE_OCCLUDER[0]``
+    in ``GLASSES_BAND`` that mirror each other across the face's midline (at least
+    ``MIRROR_AGREEMENT`` of each one's pixels land on such a part, up to
+    ``MIRROR_TOLERANCE`` eye distances) and whose far pixels (90th percentile: a thin
+    rim's edge blends into the skin) are ``OCCLUDER_DISTANCE`` from it. A shadow, a brow,
+    a lock of hair over one eye or a smile's shadow is neither."""
+    lm = np.asarray(landmarks_in_crop, dtype=np.float64)
+    eye = eye_distance(lm)
     count, labels, stats, _ = cv2.connectedComponentsWithStats(binary, connectivity=8)
-    keep = np.zeros(count, dtype=np.float32)
-    keep[1:] = (stats[1:, cv2.CC_STAT_WIDTH] >= width).astype(np.float32)
-    return np.asarray(keep[labels], dtype=np.float32)
+    empty = np.zeros(binary.shape, dtype=np.float32)
+    if count <= 1:
+        return empty, empty
+    spans = stats[:, cv2.CC_STAT_WIDTH]
+    wide = np.zeros(count, dtype=bool)
+    sides = np.zeros(count, dtype=bool)
+    places = below_eyes(lm, binary.shape[0])
+    for k in np.flatnonzero(spans >= WIDE_OCCLUDER[0] * eye):  # specks need no statistics
+        if k == 0:
+            continue
+        part = labels == k
+        median, far = np.percentile(distance[part], (50, 90))
+        place = float(np.median(places[part]))
+        wide[k] = median >= OCCLUDER_DISTANCE and spans[k] >= WIDE_OCCLUDER[1] * eye
+        sides[k] = far >= OCCLUDER_DISTANCE and GLASSES_BAND[0] < place < GLASSES_BAND[1]
+    wide[0] = sides[0] = False
+    if sides.any():
+        candidates = sides.astype(np.uint8)[labels]
+        # The mirror image across the midline: half way between the eyes, square to them.
+        centre = (lm[0] + lm[1]) / 2.0
+        across = (lm[1] - lm[0]) / max(float(np.linalg.norm(lm[1] - lm[0])), 1e-6)
+        reflect = np.eye(2) - 2.0 * np.outer(across, across)
+        matrix = np.hstack([reflect, (centre - reflect @ centre)[:, None]]).astype(np.float32)
+        height, width = binary.shape
+        mirrored = cv2.warpAffine(candidates, matrix, (width, height), flags=cv2.INTER_NEAREST)
+        reach = max(1, round(MIRROR_TOLERANCE * eye))
+        near = cv2.dilate(
+            mirrored, cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (2 * reach + 1, 2 * reach + 1))
+        )
+        flat = labels.ravel()
+        agreement = np.bincount(flat, weights=near.ravel() > 0, minlength=count)
+        sides &= agreement / np.maximum(np.bincount(flat, minlength=count), 1) >= MIRROR_AGREEMENT
+    return (
+        np.asarray(wide.astype(np.float32)[labels], dtype=np.float32),
+        np.asarray(sides.astype(np.float32)[labels], dtype=np.float32),
+    )

@@ -484,11 +484,14 @@ def enhance_stage(
     target: RGBImage, fused: Fused, options: FusionOptions, ctx: PipelineContext
 ) -> Fused:
     """Restore each fused face with the chosen enhancer (unchanged for ``"none"``); the crops
-    come back in the restorer's framing, with the alignments that paste them back."""
+    come back in the restorer's framing, with the alignments that paste them back and the
+    fuser's occlusion masks carried into that framing (the restorer would otherwise paint
+    a face over the target's glasses the fuser kept)."""
     if options.enhancer == "none":
         return fused
-    from tasks.enhance import enhance_face
+    from tasks.enhance import enhance_face, reframe_mask
 
+    occlusions = fused.occlusions or (None,) * len(fused.crops)
     pairs = [
         enhance_face(
             target,
@@ -499,10 +502,21 @@ def enhance_stage(
             device=ctx.device,
             model_dir=ctx.model_dir,
             pins=ctx.pins,
+            occluded=occluded,
         )
-        for crop, aligned in zip(fused.crops, fused.targets, strict=True)
+        for crop, aligned, occluded in zip(fused.crops, fused.targets, occlusions, strict=True)
     ]
-    return Fused([crop for crop, _ in pairs], [aligned for _, aligned in pairs])
+    framed = (
+        tuple(  # none from a fuser without occlusion masks (inswapper)
+            reframe_mask(occluded, aligned, framing)
+            for occluded, aligned, (_, framing) in zip(
+                fused.occlusions, fused.targets, pairs, strict=True
+            )
+        )
+        if fused.occlusions
+        else ()
+    )
+    return Fused([crop for crop, _ in pairs], [aligned for _, aligned in pairs], framed)
 
 
 def _mix(target_crop: RGBImage, swapped: RGBImage, weight: float) -> RGBImage:

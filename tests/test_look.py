@@ -5,33 +5,45 @@ the other way mirrored, a pose mismatch refused on request."""
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 
+from bench import contact_sheet
 from tasks import errors
 from tasks.align import align_face
 from tasks.detect import detect_faces
 from tasks.fuse import fuse_with_classic, mirror_face
-from tasks.occlusion import below_eyes
+from tasks.occlusion import (
+    GLASSES_BAND,
+    OCCLUDER_DISTANCE,
+    below_eyes,
+    occluder_parts,
+    occlusion_mask,
+)
 from tasks.options import FusionOptions
 from tasks.pipeline import (
     Detections,
+    Fused,
     PipelineContext,
     align_stage,
     assess_stage,
     check_pose,
     checked_stage,
+    enhance_stage,
     fuse_stage,
     postprocess_stage,
 )
 from tasks.pose import head_pose
 from tasks.postprocess import face_mask, to_lab
 from tasks.quality import found_by_hog, lighting_error
+from tasks.registry import REGISTRY
 from tasks.report import QualityReport
 from tasks.types import AlignedFace, Face, RGBImage
 from tests.faces import astronaut_face, grace_hopper_face
+from tests.onnx_builders import build_tiny_gfpgan
 from tests.samples import astronaut_rgb, face_crop, grace_hopper_rgb, no_face_rgb, t1_rgb
 
 CTX = PipelineContext()
@@ -84,8 +96,12 @@ def test_the_fused_face_takes_the_targets_light() -> None:
         relit_error = lighting_error(relit, aligned)
         pasted_error = lighting_error(np.asarray(pasted, dtype=np.uint8), aligned)
         assert relit_error < 0.4 * pasted_error, (relit_error, pasted_error)
+        # With the default colour transfer: 4.4 onto grace_hopper, 7.3 onto the astronaut,
+        # whose fringe (not a confident occluder) is now relit skin.
         default, _ = _fuse(source, source_face, target, target_face)
-        assert lighting_error(default, aligned) < 6.5, lighting_error(default, aligned)
+        assert lighting_error(default, aligned) < 0.3 * pasted_error, lighting_error(
+            default, aligned
+        )
 
 
 def _grace_rims(crop: RGBImage) -> np.ndarray:
@@ -111,6 +127,107 @@ def test_the_targets_glasses_stay_over_the_fused_face() -> None:
     assert np.median(blended_off) > 40, np.median(blended_off)
 
 
+@cache
+def _t1_crop(k: int) -> AlignedFace:
+    """t1.jpg's ``k``-th face from the left, as a photo of its own, aligned."""
+    group = t1_rgb()
+    crop = face_crop(group, sorted(detect_faces(group), key=lambda f: f.box.x1)[k])
+    return align_face(crop, detect_faces(crop)[0], SIZE)
+
+
+def test_a_brow_or_a_shadow_is_not_an_occluder() -> None:
+    """t1.jpg's third and fourth faces have no glasses: the dark brow and the shadow of a
+    smile, one-sided and near the skin's colour, were kept as the target's (505 and 1935
+    pixels between the brows and the mouth, 1438 on the fourth face without a source) and
+    are not any more."""
+    source = align_face(astronaut_rgb(), astronaut_face(), SIZE)
+    for k in (2, 3):
+        target = _t1_crop(k)
+        face = face_mask(SIZE, target.landmarks, erode=0.0, blur=0.0) > 0
+        below_brows = face & (below_eyes(target.landmarks, SIZE) > GLASSES_BAND[0])
+        assert int((occlusion_mask(target, source)[below_brows] > 0.5).sum()) == 0, k
+        assert int((occlusion_mask(target)[face] > 0.5).sum()) == 0, k
+
+
+def test_false_occluders_no_longer_cost_identity() -> None:
+    """t1.jpg's second face onto the fourth: the occlusion mask used to keep the target's
+    shadows (source similarity 0.591 kept, 0.717 off); now kept and off agree."""
+    group = t1_rgb()
+    by_x = sorted(detect_faces(group), key=lambda f: f.box.x1)
+    source = face_crop(group, by_x[1])
+    target = face_crop(group, by_x[3])
+    source_face, target_face = detect_faces(source)[0], detect_faces(target)[0]
+    similarities = []
+    for keep in (True, False):
+        chosen = FusionOptions(keep_occluders=keep)
+        detections = Detections(source_face, [target_face], 1, 1)
+        aligned = align_stage(source, target, detections, chosen, CTX)
+        image = postprocess_stage(target, fuse_stage(aligned, chosen, CTX), chosen, CTX)
+        report = assess_stage(source, target, image, detections, chosen, CTX).report
+        similarities.append(report.source_similarity or 0.0)
+    kept, off = similarities
+    assert kept > off - 0.01, similarities
+
+
+def _rims(shift: float, distance: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two glasses-rim-shaped bars over grace_hopper's eyes (the left one ``shift`` eye
+    distances lower), a skin distance map of ``distance`` on them, and her landmarks."""
+    target = align_face(grace_hopper_rgb(), grace_hopper_face(), SIZE)
+    lm = target.landmarks
+    eye = float(np.linalg.norm(lm[1] - lm[0]))
+    binary = np.zeros((SIZE, SIZE), dtype=np.uint8)
+    for x, dy in ((lm[0, 0], shift * eye), (lm[1, 0], 0.0)):
+        y0 = round(lm[0, 1] - 0.2 * eye + dy)
+        binary[y0 : y0 + 4, round(x - 0.45 * eye) : round(x + 0.45 * eye)] = 1
+    return binary, np.where(binary > 0, distance, 1.0).astype(np.float32), lm
+
+
+def test_glasses_are_found_by_both_sides() -> None:
+    """Two rims mirrored across the face's midline, far from the skin's colour, are a
+    frame; one rim alone, rims that do not mirror each other, or rims near the skin's
+    colour are not."""
+    binary, distance, lm = _rims(0.0, OCCLUDER_DISTANCE + 1.0)
+    _, sides = occluder_parts(binary, distance, lm)
+    assert sides[binary > 0].min() == 1.0
+    one = binary.copy()
+    one[:, : round((lm[0, 0] + lm[1, 0]) / 2)] = 0
+    assert occluder_parts(one, distance, lm)[1].max() == 0.0
+    skewed, skewed_distance, _ = _rims(0.3, OCCLUDER_DISTANCE + 1.0)
+    assert occluder_parts(skewed, skewed_distance, lm)[1].max() == 0.0
+    _, pale, _ = _rims(0.0, OCCLUDER_DISTANCE - 1.0)
+    assert occluder_parts(binary, pale, lm)[1].max() == 0.0
+
+
+def test_the_enhancer_and_sharpening_keep_the_glasses(tmp_path: Path) -> None:
+    """A restorer (the tiny GFPGAN-shaped model: blue at half contrast) and sharpening run
+    after the fuser: the glasses the fuser kept stay the target's pixels."""
+    tiny = build_tiny_gfpgan(tmp_path)
+    ctx = PipelineContext(model_dir=tmp_path, pins=tiny.pins)
+    target = grace_hopper_rgb()
+    _, aligned = _grace_result(True)
+    rims = _grace_rims(aligned.crop)
+    offs = []
+    for keep in (True, False):
+        options = FusionOptions(
+            enhancer="gfpgan", enhancer_blend=1.0, sharpen=2.0, keep_occluders=keep
+        )
+        detections = Detections(astronaut_face(), [grace_hopper_face()], 1, 1)
+        aligned_faces = align_stage(astronaut_rgb(), target, detections, options, ctx)
+        made = fuse_stage(aligned_faces, options, ctx)
+        fused = enhance_stage(target, made, options, ctx)
+        image = postprocess_stage(target, fused, options, ctx)
+        offs.append(np.abs(_in_crop(image, aligned).astype(int) - aligned.crop.astype(int))[rims])
+        if keep:  # a fuser without occlusion masks (inswapper) is restored all over
+            maskless = enhance_stage(target, Fused(made.crops, made.targets), options, ctx)
+            assert maskless.occlusions == () and len(maskless.crops) == 1
+    kept, blended = offs
+    # As without the enhancer (test above): the target's up to resampling but where the
+    # rims cross the eyes; the blue channel, which the restorer halves, too.
+    assert np.median(kept.max(axis=-1)) < 15 and (kept.max(axis=-1) < 20).mean() > 0.75
+    assert np.median(kept[..., 2]) < 10, np.median(kept[..., 2])
+    assert np.median(blended.max(axis=-1)) > 40
+
+
 def test_the_fused_face_stops_below_the_sources_hairline() -> None:
     """The astronaut's fringe (pixels of her forehead band far from her skin's colour)
     does not come along onto the target."""
@@ -133,10 +250,26 @@ def test_the_fused_face_stops_below_the_sources_hairline() -> None:
 
 def test_a_second_detector_finds_the_fused_face() -> None:
     result, _ = _grace_result(True)
-    box = grace_hopper_face().box
-    assert found_by_hog(grace_hopper_rgb(), box)
-    assert found_by_hog(result, box)
-    assert not found_by_hog(no_face_rgb(), box)
+    face = grace_hopper_face()
+    assert found_by_hog(grace_hopper_rgb(), face)
+    assert found_by_hog(result, face)
+    assert not found_by_hog(no_face_rgb(), face)
+
+
+def test_the_docs_contact_sheet_is_the_scripts_and_small() -> None:
+    """docs/look.jpg is what ``bench/contact_sheet.py`` lays out (a header and one row
+    per pair, four tiles across) and stays under its byte budget; the encoder steps its
+    quality down until a sheet fits."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "look.jpg"
+    data = path.read_bytes()
+    assert len(data) < contact_sheet.MAX_BYTES, len(data)
+    image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
+    rows = contact_sheet.HEADER + contact_sheet.TILE * len(contact_sheet.PAIRS)
+    assert image.shape == (rows, contact_sheet.TILE * len(contact_sheet.COLUMNS), 3)
+    noise = np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8)
+    assert len(contact_sheet.encode_small(noise, 100_000)) < 100_000
+    with pytest.raises(ValueError):
+        contact_sheet.encode_small(noise, 2_000)
 
 
 # --- pose ------------------------------------------------------------------------------------
@@ -197,25 +330,56 @@ def test_a_pose_mismatch_is_refused_when_the_caller_asks() -> None:
     assert check_pose(flagged, options) is flagged and flagged.pose_mismatch
 
 
+def test_the_default_path_needs_no_non_commercial_landmark_model() -> None:
+    """The README's reason for no 68-landmark warp: dlib's 68-point predictor (trained on
+    iBUG 300-W, not for commercial use) is in the installed wheel but not in the registry;
+    the defaults are the classic fuser on MTCNN's 5 points, no enhancer, source mirrored,
+    a pose mismatch flagged (the README's pose default)."""
+    assert not any("68" in spec.filename for spec in REGISTRY.values())
+    defaults = FusionOptions()
+    assert (defaults.fuser, defaults.detector, defaults.enhancer) == ("classic", "mtcnn", "none")
+    assert defaults.on_pose_mismatch == "flag" and defaults.mirror_source
+
+
 # --- a second detector -----------------------------------------------------------------------
 
 
-def test_a_face_the_second_detector_misses_is_fused_again() -> None:
-    """t1.jpg's fourth face from the left (as a photo of its own) onto the second, in the
-    group photo: at the default identity weight dlib's HOG no longer finds the face; the
-    quality stage retries with the next fuser settings, which it finds."""
+def test_no_pair_loses_its_face_to_the_second_detector() -> None:
+    """t1.jpg's fifth face from the left (as a photo of its own) onto the second, in the
+    group photo and as a photo of its own: the target is rolled 30°, and dlib's HOG,
+    looking at the face as it was (scores ≈ 0, its threshold), lost the fused face at the
+    first attempt on both. It looks at the face levelled now: confirmed at once."""
     group = t1_rgb()
     by_x = sorted(detect_faces(group), key=lambda f: f.box.x1)
     source = face_crop(group, by_x[4])
     source_face = detect_faces(source)[0]
-    target_face = by_x[1]
+    crop = face_crop(group, by_x[1])
+    for target, target_face in ((group, by_x[1]), (crop, detect_faces(crop)[0])):
+        options = FusionOptions()
+        detections = Detections(source_face, [target_face], 1, 1)
+        aligned = align_stage(source, target, detections, options, CTX)
+        fused = fuse_stage(aligned, options, CTX)
+        image = postprocess_stage(target, fused, options, CTX)
+        checked = checked_stage(source, target, aligned, detections, fused, image, options, CTX)
+        assert len(checked.report.attempts) == 1, checked.report.attempts
+        assert checked.report.faces_lost == 0 and checked.report.faces[0].confirmed
+
+
+def test_a_face_the_second_detector_misses_is_fused_again() -> None:
+    """A result whose face HOG no longer finds (here: the fused face blurred, which MTCNN
+    still finds) is fused once more with the next fuser settings, which HOG confirms."""
+    source, source_face = astronaut_rgb(), astronaut_face()
+    target, target_face = grace_hopper_rgb(), grace_hopper_face()
     options = FusionOptions()
-    detections = Detections(source_face, [target_face], 1, len(by_x))
-    aligned = align_stage(source, group, detections, options, CTX)
+    detections = Detections(source_face, [target_face], 1, 1)
+    aligned = align_stage(source, target, detections, options, CTX)
     fused = fuse_stage(aligned, options, CTX)
-    image = postprocess_stage(group, fused, options, CTX)
-    checked = checked_stage(source, group, aligned, detections, fused, image, options, CTX)
+    image = postprocess_stage(target, fused, options, CTX)
+    box = target_face.box
+    x0, y0, x1, y1 = int(box.x1), int(box.y1), int(box.x2), int(box.y2)
+    image[y0:y1, x0:x1] = cv2.GaussianBlur(image[y0:y1, x0:x1], (0, 0), 0.08 * box.width)
+    checked = checked_stage(source, target, aligned, detections, fused, image, options, CTX)
     first, last = checked.report.attempts
     assert first.faces_lost == 0 and first.faces_unconfirmed == 1
     assert last.faces_unconfirmed == 0 and checked.report.faces[0].confirmed
-    assert checked.options.identity_weight == 1.0 and found_by_hog(checked.image, target_face.box)
+    assert checked.options.identity_weight == 1.0 and found_by_hog(checked.image, target_face)
