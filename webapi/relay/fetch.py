@@ -39,6 +39,7 @@ from urllib.parse import urljoin
 
 import httpx
 
+from tasks.closing import Closing
 from tasks.error_codes import JobErrorCode
 from tasks.errors import VideoTooLarge
 from webapi.errors import BlockedUrl
@@ -192,7 +193,7 @@ class Buffer:
             raise FetchRejected(f"The input image is larger than {self.max_bytes} bytes.")
 
 
-class Spool:
+class Spool(Closing):
     """A fetched target streamed to a temporary file and hashed (SHA-256) as it arrives:
     at most ``image_bytes``, or ``video_bytes`` once its first bytes show a video container
     (``webapi.inputs.is_video``); a video past its limit is ``VideoTooLarge``, as an
@@ -246,12 +247,6 @@ class Spool:
     def close(self) -> None:
         """Remove the temporary file."""
         self.file.close()
-
-    def __enter__(self) -> Spool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _check(self, size: int) -> None:
         if self.is_video and size > self.video_bytes:
