@@ -33,7 +33,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any, ClassVar, Protocol, Required, TypedDict, Unpack
 from urllib.parse import urljoin
 
@@ -94,12 +93,7 @@ class Deadline:
         self._timer.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
 
     def left(self) -> float:
