@@ -17,14 +17,12 @@ callers treat it as read-only.
 from __future__ import annotations
 
 import os
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import cast
 
 from prefect.blocks.core import Block
 from prefect.settings import get_current_settings
+
+from tasks.recent import Recent
 
 TTL_ENV = "FACEFLOW_BLOCK_CACHE_TTL_S"
 DEFAULT_TTL_S = 30.0
@@ -39,39 +37,12 @@ def ttl_from_env() -> float:
         return DEFAULT_TTL_S
 
 
-@dataclass
-class BlockCache:
-    """Loaded block documents by name, each kept for ``ttl_s`` seconds."""
-
-    ttl_s: Callable[[], float] = ttl_from_env
-    clock: Callable[[], float] = time.monotonic
-    _entries: dict[tuple[str, str], tuple[float, Block]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def load(self, name: str) -> Block:
-        """The block document ``name``: cached if loaded less than a TTL ago, else loaded."""
-        ttl = self.ttl_s()
-        now = self.clock()
-        key = (str(get_current_settings().api.url or ""), name)
-        with self._lock:
-            entry = self._entries.get(key)
-        if entry is not None and ttl > 0 and now - entry[0] < ttl:
-            return entry[1]
-        block = cast(Block, Block.load(name))  # sync call: the document itself
-        if ttl > 0:
-            with self._lock:
-                self._entries[key] = (now, block)
-        return block
-
-    def clear(self) -> None:
-        """Forget every cached block (the next load of each goes to the API)."""
-        with self._lock:
-            self._entries.clear()
-
-
-BLOCK_CACHE = BlockCache()
+BLOCK_CACHE: Recent[tuple[str, str], Block] = Recent(ttl_from_env)
+"""Loaded block documents by (Prefect API URL, name)."""
 
 
 def load_block(name: str) -> Block:
-    """The block document ``name`` through this process's ``BLOCK_CACHE``."""
-    return BLOCK_CACHE.load(name)
+    """The block document ``name``: the one this process loaded less than a TTL ago (from
+    ``BLOCK_CACHE``), else loaded now."""
+    key = (str(get_current_settings().api.url or ""), name)
+    return BLOCK_CACHE.get(key, lambda: cast(Block, Block.load(name)))  # sync: the document

@@ -24,6 +24,8 @@ from typing import IO, Any, TypedDict, Unpack
 
 import httpx
 
+from tasks.closing import Closing
+
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "expired", "cancelled"})
 
 Job = dict[str, Any]
@@ -200,19 +202,13 @@ def _raise_for(response: httpx.Response) -> None:
     raise FaceFlowAPIError(response.status_code, code, message, float(retry) if retry else None)
 
 
-class FaceFlowClient:
+class FaceFlowClient(Closing):
     """Synchronous client."""
 
     def __init__(self, base_url: str, api_key: str, *, timeout: float = 70.0) -> None:
         self._http = httpx.Client(
             base_url=base_url, timeout=timeout, headers={"Authorization": f"Bearer {api_key}"}
         )
-
-    def __enter__(self) -> FaceFlowClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         self._http.close()

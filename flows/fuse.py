@@ -127,19 +127,8 @@ def fuse_faces(
     of the typed error. Parameters not bound to the job (``binding``, ``flows.binding``)
     fail it with ``run_binding_invalid`` before any input is read.
     """
+    spec = JobAttempt.of_run(locals())
     logger = get_run_logger()
-    spec = JobAttempt(
-        job_id=job_id,
-        owner_id=owner_id,
-        source_key=source_key,
-        target_key=target_key,
-        extra_source_keys=extra_source_keys or [],
-        reference_keys=reference_keys or [],
-        options=options or FusionOptions.model_validate({}),
-        deadline_at=deadline_at,
-        attempt=attempt,
-        binding=binding,
-    )
     try:
         start_attempt(
             spec,

@@ -8,6 +8,7 @@ sidecar (``ResultRef``) under ``results/``; the relay reads the sidecar after th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -59,6 +60,20 @@ class JobAttempt(BaseModel):
         description="The relay's signature over this job's parameters (flows.binding): the "
         "flow refuses the job when it does not match them.",
     )
+
+    @classmethod
+    def of_run(cls, parameters: Mapping[str, Any]) -> JobAttempt:
+        """The job attempt of a single-job flow run, from its parameters (``locals()`` at
+        the flow's start): those that are fields, a ``None`` one as its default (an empty
+        key list, default options); the blocks and other run settings are left out."""
+        fields = cls.model_fields
+        return cls.model_validate(
+            {
+                name: value
+                for name, value in parameters.items()
+                if name in fields and value is not None
+            }
+        )
 
 
 class FuseFacesParams(JobAttempt):

@@ -294,21 +294,10 @@ def fuse_video_flow(
     with ``"[code] message"`` and the attempt's ``JobFailure`` is in storage. Parameters
     not bound to the job (``binding``, ``flows.binding``) fail it with
     ``run_binding_invalid`` before anything is read."""
+    spec = JobAttempt.of_run(locals())
     stage = "load"
     store: ByteStore | None = None
     progress: VideoProgress | None = None
-    spec = JobAttempt(
-        job_id=job_id,
-        owner_id=owner_id,
-        source_key=source_key,
-        target_key=target_key,
-        extra_source_keys=extra_source_keys or [],
-        reference_keys=reference_keys or [],
-        options=options or FusionOptions.model_validate({}),
-        deadline_at=deadline_at,
-        attempt=attempt,
-        binding=binding,
-    )
     deadline = Deadline.of(deadline_at)
     try:
         start_attempt(

@@ -721,7 +721,6 @@ def marked_encode_stage(
     image: RGBImage,
     options: FusionOptions,
     marker: Marker | None,
-    *,
     job_id: str,
     ingredients: list[Ingredient],
 ) -> tuple[RGBImage, bytes, list[str]]:

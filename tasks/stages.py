@@ -145,7 +145,9 @@ class Stage:
     """Typical duration: no attempt starts with less time left."""
     retries: int
     """Retries of a transient failure of the whole stage."""
-    side: Side | None = None
+    sides: tuple[Side, ...] = ()
+    """Work the stage's output lets start beside the stages after it (each taken by a
+    later stage)."""
     applies: Callable[[Work, PipelineContext], bool] = lambda work, ctx: True
     """Whether the stage runs for a job (moderation by the policy, enhance by the job)."""
     stop_point: bool = False
@@ -363,17 +365,15 @@ def moderate_result_step(works: list[Work], ctx: PipelineContext) -> list[Each[N
 
 def store_step(works: list[Work], ctx: PipelineContext) -> list[Each[None]]:
     """Mark each result when the context marks (watermark, then Content Credentials on the
-    encoded file: ``tasks.provenance``), encode it (metadata stripped) and write it where
-    its job wants it (``JobIO.write``), on ``cpu_threads``."""
+    encoded file: ``tasks.provenance``), encode it (metadata stripped; started beside the
+    quality stage when it could be) and write it where its job wants it (``JobIO.write``),
+    on ``cpu_threads``."""
 
     def store(work: Work) -> None:
-        work.image, work.encoded, work.marks = pipeline.marked_encode_stage(
-            _got(work.image),
-            work.options,
-            ctx.marker,
-            job_id=work.job_id,
-            ingredients=work.ingredients,
-        )
+        args = _encode_args(work, ctx)
+        ahead = work.side.pop("encoded", None)
+        encoded = ahead.take(*args) if ahead is not None else pipeline.marked_encode_stage(*args)
+        work.image, work.encoded, work.marks = encoded
         if work.report is not None:
             work.report = work.report.model_copy(update={"marks": list(work.marks)})
         work.location = work.io.write(work)
@@ -402,6 +402,16 @@ def _moderation(work: Work, ctx: PipelineContext) -> tuple[Callable[..., Any], t
     return pipeline.moderate_result_stage, (work.image, ctx)
 
 
+def _encoding(work: Work, ctx: PipelineContext) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    return pipeline.marked_encode_stage, _encode_args(work, ctx)
+
+
+def _encode_args(work: Work, ctx: PipelineContext) -> tuple[Any, ...]:
+    """What ``store`` encodes: a quality-floor retry that won has another image and options
+    (then the encoding started beside quality is not used)."""
+    return (work.image, work.options, ctx.marker, work.job_id, work.ingredients)
+
+
 # --------------------------------------------------------------------------- the table
 
 PIPELINE: tuple[Stage, ...] = (
@@ -421,7 +431,7 @@ PIPELINE: tuple[Stage, ...] = (
         budget_s=60.0,
         expected_s=2.0,
         retries=1,
-        side=Side("reference", taken_in="quality", start=_reference),
+        sides=(Side("reference", taken_in="quality", start=_reference),),
         stop_point=True,
         calls=("detect_stage", "detect_stage_batch"),
     ),
@@ -459,7 +469,10 @@ PIPELINE: tuple[Stage, ...] = (
         budget_s=30.0,
         expected_s=1.0,
         retries=0,
-        side=Side("moderated", taken_in="moderate_result", start=_moderation),
+        sides=(
+            Side("moderated", taken_in="moderate_result", start=_moderation),
+            Side("encoded", taken_in="store", start=_encoding),
+        ),
         frames=True,
         calls=("postprocess_stage",),
     ),
@@ -522,7 +535,7 @@ def stage_named(name: str) -> Stage:
 def side_threads(jobs: int) -> int:
     """Side threads of a run: a single job runs all its side work at once; a batch keeps
     one, so its side work does not crowd the threads of the stages themselves."""
-    return sum(1 for s in PIPELINE if s.side is not None) if jobs == 1 else 1
+    return sum(len(s.sides) for s in PIPELINE) if jobs == 1 else 1
 
 
 def run_stages(
@@ -551,9 +564,11 @@ def run_stages(
                     work.error = drop_frames(outcome.error)  # frames hold images
                     work.side.clear()
                     runner.failed(work, outcome.error, stage)
-                elif stage.side is not None and _taken(stage.side, work, ctx, only):
-                    fn, args = stage.side.start(work, ctx)
-                    work.side[stage.side.name] = Beside(pool, fn, *args)
+                else:
+                    for side in stage.sides:
+                        if _taken(side, work, ctx, only):
+                            fn, args = side.start(work, ctx)
+                            work.side[side.name] = Beside(pool, fn, *args)
         for work in works:
             work.side.clear()
 

@@ -124,6 +124,23 @@ def test_a_v1_binding_holds_only_for_the_default_signing_block() -> None:
     assert not verify(unknown, [KEY])
 
 
+def test_the_attempt_a_flow_reads_from_its_parameters_keeps_the_binding() -> None:
+    """``JobAttempt.of_run(locals())`` at a flow's start: the job fields only (the blocks,
+    ``chunk_s`` and later locals left out), a ``None`` list or options as the default."""
+    received = _as_received(bound(_params(), KEY))
+    run_locals = {**dict(received), "chunk_s": None, "signing_block": "signing/x"}
+    spec = JobAttempt.of_run(run_locals)
+    assert type(spec) is JobAttempt and verify(spec, [KEY])
+    assert spec == JobAttempt.model_validate(
+        received.model_dump(exclude={"storage_block", "settings_block"})
+    )
+    bare = JobAttempt.of_run(
+        {**dict(received), "extra_source_keys": None, "reference_keys": None, "options": None}
+    )
+    assert (bare.extra_source_keys, bare.reference_keys) == ([], [])
+    assert bare.options == FusionOptions.model_validate({})
+
+
 def test_no_binding_or_another_key_is_refused() -> None:
     assert not verify(_params(), [KEY])
     assert not verify(bound(_params(), "someone-elses-key"), [KEY])

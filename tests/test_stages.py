@@ -3,6 +3,9 @@ the model registries derive from it, and a stage added to it runs in every drive
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast, get_args
 
@@ -10,7 +13,7 @@ import pytest
 
 from blocks.settings import DEFAULT_BUDGETS_S, DEFAULT_EXPECTED_S, DEFAULT_RETRIES, FusionSettings
 from flows.params import FINAL_STAGE
-from tasks import stages
+from tasks import pipeline, stages
 from tasks.batch import Each, EveryJobFailed, EveryJobFailedPermanently, every_job_failed
 from tasks.detect import DETECTORS
 from tasks.errors import NoFaceFound, TransientError
@@ -27,8 +30,8 @@ def test_the_table_is_the_one_list_of_stages() -> None:
     assert {s.name: s.expected_s for s in PIPELINE} == DEFAULT_EXPECTED_S
     assert {s.name: s.retries for s in PIPELINE} == DEFAULT_RETRIES
     for stage in PIPELINE:  # work started beside a stage is taken by a later one
-        if stage.side is not None:
-            assert STAGE_NAMES.index(stage.side.taken_in) > STAGE_NAMES.index(stage.name)
+        for side in stage.sides:
+            assert STAGE_NAMES.index(side.taken_in) > STAGE_NAMES.index(stage.name)
 
 
 def test_settings_fall_back_to_the_tables_defaults() -> None:
@@ -100,3 +103,33 @@ def test_a_stage_that_does_not_apply_is_skipped(monkeypatch: pytest.MonkeyPatch)
     with_stage(monkeypatch, stage, after="postprocess")
     result = fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
     assert seen == [] and "mark" not in result.timings_ms
+
+
+def test_the_result_is_encoded_beside_the_quality_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table starts the store stage's encoding when postprocess ends, so it runs while
+    the quality stage does: each of the two waits (bounded) for the other to have started,
+    and their spans in one real job overlap. Run one after the other, they cannot."""
+    spans: dict[str, tuple[float, float]] = {}
+    started = {"quality": threading.Event(), "encode": threading.Event()}
+
+    def recorded(name: str, other: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            begin = time.perf_counter()
+            started[name].set()
+            started[other].wait(10.0)  # a bound: serial stages never see each other start
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.setdefault(name, (begin, time.perf_counter()))  # a retry's: later
+
+        return run
+
+    monkeypatch.setattr(
+        pipeline, "checked_stage", recorded("quality", "encode", pipeline.checked_stage)
+    )
+    monkeypatch.setattr(
+        pipeline, "marked_encode_stage", recorded("encode", "quality", pipeline.marked_encode_stage)
+    )
+    fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
+    (quality_start, quality_end), (encode_start, encode_end) = spans["quality"], spans["encode"]
+    assert encode_start < quality_end and quality_start < encode_end

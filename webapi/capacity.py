@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
-import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, Generic, TypeVar, get_args
+from typing import Any, TypeVar, get_args
 
 import sqlalchemy as sa
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
 
+from tasks.recent import Recent
 from webapi.config import Settings
 from webapi.errors import Overloaded, QuotaExceeded
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Priority, User
@@ -39,7 +38,6 @@ VIDEO_CHUNK_S = 10.0
 #: Frames assumed for a video whose probe is not known yet (a target URL that looks like a
 #: video: it is fetched and probed after admission).
 UNPROBED_VIDEO_FRAMES = 300
-T = TypeVar("T")
 #: Lanes of the queue, one per priority class; ``high`` jobs go to the priority work queue.
 LANES: tuple[Priority, ...] = get_args(Priority)
 
@@ -226,34 +224,15 @@ def video_backlog(
     )
 
 
-class _Recent(Generic[T]):
-    """An estimate per job store, measured again after ``SERVICE_TIME_TTL_S``."""
-
-    def __init__(self) -> None:
-        self._values: dict[str, tuple[float, T]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, session: Session, measure: Callable[[], T]) -> T:
-        """The estimate of ``session``'s database, from ``measure`` when none is fresh."""
-        url = str(session.get_bind().engine.url)
-        now = time.monotonic()
-        with self._lock:
-            cached = self._values.get(url)
-        if cached is not None and now - cached[0] < SERVICE_TIME_TTL_S:
-            return cached[1]
-        value = measure()
-        with self._lock:
-            self._values[url] = (now, value)
-        return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._values.clear()
+# The estimates per job store (its database URL), measured again after SERVICE_TIME_TTL_S.
+_SERVICE: Recent[str, tuple[float, bool]] = Recent(lambda: SERVICE_TIME_TTL_S)
+_DRAIN: Recent[str, Drain | None] = Recent(lambda: SERVICE_TIME_TTL_S)
+_FRAME: Recent[str, float] = Recent(lambda: SERVICE_TIME_TTL_S)
 
 
-_SERVICE: _Recent[tuple[float, bool]] = _Recent()
-_DRAIN: _Recent[Drain | None] = _Recent()
-_FRAME: _Recent[float] = _Recent()
+def _store(session: Session) -> str:
+    """The key of ``session``'s job store in the estimate caches: its database URL."""
+    return str(session.get_bind().engine.url)
 
 
 def service_seconds(session: Session, *, settings: Settings) -> float:
@@ -282,7 +261,7 @@ def service_estimate(session: Session, *, settings: Settings) -> tuple[float, bo
     run, so a burst was admitted far past what could start in time (fault suite,
     scenario 8).
     """
-    return _SERVICE.get(session, lambda: _measure_service(session, settings))
+    return _SERVICE.get(_store(session), lambda: _measure_service(session, settings))
 
 
 def _measure_service(session: Session, settings: Settings) -> tuple[float, bool]:
@@ -306,7 +285,7 @@ def drain_estimate(session: Session, *, settings: Settings) -> Drain | None:
     overhead is what it cost the queue (``run_costs``, times its jobs) less its jobs'
     compute; each the median. None without enough history (then every job costs one
     service time, as without batching)."""
-    return _DRAIN.get(session, lambda: _measure_drain(session, settings))
+    return _DRAIN.get(_store(session), lambda: _measure_drain(session, settings))
 
 
 def _measure_drain(session: Session, settings: Settings) -> Drain | None:
@@ -339,7 +318,7 @@ def frame_estimate(session: Session, *, settings: Settings) -> float:
     of their run time (started → finished) times the workers they could use (their chunks,
     at most the slots) over their frames; ``settings.default_frame_seconds`` with none.
     Cached a few seconds per database, like ``service_estimate``."""
-    return _FRAME.get(session, lambda: _measure_frame(session, settings))
+    return _FRAME.get(_store(session), lambda: _measure_frame(session, settings))
 
 
 def _measure_frame(session: Session, settings: Settings) -> float:

@@ -35,6 +35,7 @@ from flows.params import (
     idempotency_key,
     run_tags,
 )
+from tasks.closing import Closing
 
 if TYPE_CHECKING:
     from webapi.config import Settings
@@ -175,7 +176,7 @@ def _parse_time(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
-class PrefectAPI:
+class PrefectAPI(Closing):
     """Thread-safe synchronous client for the relay's Prefect REST calls.
 
     ``api_url`` is the API root, e.g. ``http://127.0.0.1:4200/api`` (``PREFECT_API_URL``);
@@ -222,12 +223,6 @@ class PrefectAPI:
     def close(self) -> None:
         """Close the connection pool."""
         self._http.close()
-
-    def __enter__(self) -> PrefectAPI:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- transport ---------------------------------------------------------------------
 

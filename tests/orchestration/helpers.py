@@ -114,13 +114,17 @@ class Overlap:
 
 def probe_overlap(monkeypatch: pytest.MonkeyPatch, timeout_s: float = 5.0) -> Overlap:
     """Make ``align_stage`` wait for ``reference_stage`` to start, and ``checked_stage`` for
-    ``moderate_result_stage``: run one after the other (the stage first), each waits
-    ``timeout_s`` in vain and records False."""
+    ``moderate_result_stage`` and ``marked_encode_stage`` (the store stage's encoding): run
+    one after the other (the stage first), each waits ``timeout_s`` in vain and records
+    False."""
     from tasks import pipeline
 
     overlap = Overlap()
-    pairs = {"align_stage": "reference_stage", "checked_stage": "moderate_result_stage"}
-    started = {companion: threading.Event() for companion in pairs.values()}
+    pairs = {
+        "align_stage": ("reference_stage",),
+        "checked_stage": ("moderate_result_stage", "marked_encode_stage"),
+    }
+    started = {companion: threading.Event() for names in pairs.values() for companion in names}
 
     def companion(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -132,13 +136,15 @@ def probe_overlap(monkeypatch: pytest.MonkeyPatch, timeout_s: float = 5.0) -> Ov
 
     def waiting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            overlap.waited.setdefault(name, []).append(started[pairs[name]].wait(timeout_s))
+            saw = [started[companion].wait(timeout_s) for companion in pairs[name]]
+            overlap.waited.setdefault(name, []).append(all(saw))
             return real(*args, **kwargs)
 
         return run
 
-    for stage, other in pairs.items():
-        monkeypatch.setattr(pipeline, other, companion(other, getattr(pipeline, other)))
+    for stage, others in pairs.items():
+        for other in others:
+            monkeypatch.setattr(pipeline, other, companion(other, getattr(pipeline, other)))
         monkeypatch.setattr(pipeline, stage, waiting(stage, getattr(pipeline, stage)))
     return overlap
 

@@ -241,11 +241,11 @@ def test_only_the_jobs_that_chose_an_enhancer_are_enhanced(
     assert diff(pixels[enhanced["job_id"]], alone_pixels) > 0.2  # seen: 0.47 (the face only)
 
 
-def test_identity_references_and_result_moderation_run_beside_other_stages(
+def test_identity_references_moderation_and_encoding_run_beside_other_stages(
     prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One thread beside the batch's stages: each job's identity reference starts while
-    align runs, each result's moderation while the quality stage runs."""
+    align runs, each result's moderation and encoding while the quality stage runs."""
     astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
     grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
     first, second = job_params(astronaut, grace), job_params(grace, astronaut)
@@ -258,6 +258,7 @@ def test_identity_references_and_result_moderation_run_beside_other_stages(
     assert overlap.waited == {"align_stage": [True, True], "checked_stage": [True, True]}
     assert overlap.threads["reference_stage"] == {"faceflow-stage_0"}
     assert overlap.threads["moderate_result_stage"] == {"faceflow-stage_0"}
+    assert overlap.threads["marked_encode_stage"] == {"faceflow-stage_0"}
 
 
 def test_on_the_cpu_two_jobs_are_moderated_and_checked_at_once(

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 from PIL import Image
@@ -91,6 +92,13 @@ def webapi_parameters(job_id: str, source_key: str, target_key: str) -> dict[str
     return dumped
 
 
+def create_run(
+    server: PrefectServer, deployment: dict[str, Any], body: dict[str, Any]
+) -> httpx.Response:
+    """POST ``body`` to ``deployment``'s ``create_flow_run`` (through ``api``'s retries)."""
+    return api(server, "POST", f"/deployments/{deployment['id']}/create_flow_run", json=body)
+
+
 def test_deploy_all_creates_the_deployments(deployed: dict[str, dict[str, Any]]) -> None:
     fuse = deployed[f"{FLOW_NAME}/{DEPLOYMENT_NAME}"]
     reconcile = deployed["reconcile/reconcile"]
@@ -150,11 +158,10 @@ def test_parameter_schema_accepts_what_the_webapi_sends(
         jsonschema.validate({k: v for k, v in sent.items() if k != "job_id"}, schema)
 
     # The server agrees: it creates the run (then we delete it before a worker sees it).
-    created = api(
+    created = create_run(
         prefect_server,
-        "POST",
-        f"/deployments/{fuse['id']}/create_flow_run",
-        json={
+        fuse,
+        {
             "parameters": sent,
             "idempotency_key": f"schema-check-{uuid.uuid4()}",
             "state": {
@@ -166,12 +173,7 @@ def test_parameter_schema_accepts_what_the_webapi_sends(
     )
     assert created.status_code in (200, 201), created.text  # 200: a retried repeat
     assert api(prefect_server, "DELETE", f"/flow_runs/{created.json()['id']}").status_code == 204
-    refused = api(
-        prefect_server,
-        "POST",
-        f"/deployments/{fuse['id']}/create_flow_run",
-        json={"parameters": {**sent, "attempt": "first"}},
-    )
+    refused = create_run(prefect_server, fuse, {"parameters": {**sent, "attempt": "first"}})
     assert refused.status_code == 409
 
 
@@ -277,11 +279,10 @@ def test_process_worker_runs_a_triggered_deployment(
     worker.start()
     try:
         fuse = deployed[f"{FLOW_NAME}/{DEPLOYMENT_NAME}"]
-        created = api(
+        created = create_run(
             prefect_server,
-            "POST",
-            f"/deployments/{fuse['id']}/create_flow_run",
-            json={
+            fuse,
+            {
                 "parameters": sent,
                 "idempotency_key": idempotency_key(job_id, 1),
                 "name": job_id,

@@ -338,12 +338,12 @@ def test_a_running_stage_is_published_for_the_relay(
     assert seen == ["detect"]
 
 
-def test_identity_reference_and_result_moderation_run_beside_other_stages(
+def test_identity_reference_moderation_and_encoding_run_beside_other_stages(
     prefect_harness: Home, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As fuse_images does: the quality stage's identity reference starts on a worker thread
-    while align runs, the result's moderation while the quality stage runs; the result and
-    its report are those of the stages one after the other."""
+    while align runs, the result's moderation and encoding while the quality stage runs;
+    the result and its report are those of the stages one after the other."""
     params = job_params(
         prefect_harness.put_input(astronaut_jpeg_bytes()),
         prefect_harness.put_input(grace_hopper_jpeg_bytes()),
@@ -354,7 +354,7 @@ def test_identity_reference_and_result_moderation_run_beside_other_stages(
 
     assert state.is_completed(), state.message
     assert overlap.waited == {"align_stage": [True], "checked_stage": [True]}
-    for name in ("reference_stage", "moderate_result_stage"):
+    for name in ("reference_stage", "moderate_result_stage", "marked_encode_stage"):
         assert overlap.threads[name] and all(
             thread.startswith("faceflow-stage") for thread in overlap.threads[name]
         )

@@ -33,12 +33,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any, ClassVar, Protocol, Required, TypedDict, Unpack
 from urllib.parse import urljoin
 
 import httpx
 
+from tasks.closing import Closing
 from tasks.error_codes import JobErrorCode
 from tasks.errors import VideoTooLarge
 from webapi.errors import BlockedUrl
@@ -93,12 +93,7 @@ class Deadline:
         self._timer.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
 
     def left(self) -> float:
@@ -192,7 +187,7 @@ class Buffer:
             raise FetchRejected(f"The input image is larger than {self.max_bytes} bytes.")
 
 
-class Spool:
+class Spool(Closing):
     """A fetched target streamed to a temporary file and hashed (SHA-256) as it arrives:
     at most ``image_bytes``, or ``video_bytes`` once its first bytes show a video container
     (``webapi.inputs.is_video``); a video past its limit is ``VideoTooLarge``, as an
@@ -246,12 +241,6 @@ class Spool:
     def close(self) -> None:
         """Remove the temporary file."""
         self.file.close()
-
-    def __enter__(self) -> Spool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _check(self, size: int) -> None:
         if self.is_video and size > self.video_bytes:
