@@ -132,7 +132,7 @@ def test_the_attempt_a_flow_reads_from_its_parameters_keeps_the_binding() -> Non
     spec = JobAttempt.of_run(run_locals)
     assert type(spec) is JobAttempt and verify(spec, [KEY])
     assert spec == JobAttempt.model_validate(
-        received.model_dump(exclude={"storage_block", "settings_block"})
+        received.model_dump(exclude={"storage_block", "settings_block", "signing_block"})
     )
     bare = JobAttempt.of_run(
         {**dict(received), "extra_source_keys": None, "reference_keys": None, "options": None}

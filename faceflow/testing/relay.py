@@ -135,6 +135,7 @@ def fuse_faces_body(
     attempt: int = 1,
     storage_block: str = "local-file-system/faceflow-storage",
     settings_block: str = "fusion-settings/default",
+    signing_block: str = "secret/faceflow-c2pa-signing",
     binding: str | None = None,
 ) -> dict[str, Any]:
     """The stand-in flow's body: FuseFacesParams fields in, a ResultRef out; a failure is
