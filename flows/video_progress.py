@@ -85,6 +85,19 @@ class VideoProgress:
             self.frames_done += frames
         self.write()
 
+    def rendering(self) -> None:
+        """The render parts start now (the coordinator counts their chunks as stored)."""
+        self.render_started = self.clock()
+
+    def chunk_stored(self, frames: int, rendered: bool) -> None:
+        """A render part stored its chunk of ``frames`` frames: it rendered them (counted
+        in the frames per second) or found the chunk stored; written now."""
+        self.chunks_done += 1
+        self.frames_done += frames
+        if rendered:
+            self.rendered += frames
+        self.write()
+
     @property
     def fps(self) -> float | None:
         """This attempt's rendered frames per second (None before the first)."""
