@@ -139,6 +139,22 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
     assert ref.key == result_key(job_id, 1, "mp4")
 
 
+def test_a_coordinator_run_again_for_the_same_attempt_reuses_its_parts(
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos
+) -> None:
+    """The same attempt coordinated twice (its first coordinator lost after its parts
+    ran): the idempotency keys give back the part it created, it does not run again.
+    (The chunks of this video and source are stored by the first test: no render part.)"""
+    params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
+    assert coordinate(prefect_api, params).is_completed()
+    job_id = params["job_id"]
+    first = {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)}
+    assert set(first) == {f"{job_id}-analyse"}
+    again = coordinate(prefect_api, params)
+    assert again.is_completed(), again.message
+    assert {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)} == first
+
+
 def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
     prefect_api: Api, workers: list[WarmWorker], videos: Videos
 ) -> None:
