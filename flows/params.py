@@ -207,6 +207,17 @@ def video_plan_key(job_id: str, attempt: int) -> str:
     return f"results/{job_id}/attempt-{attempt}.plan.pkl"
 
 
+def chunk_part(index: int) -> str:
+    """The ``fuse-video-part`` part name of chunk ``index``'s render."""
+    return f"chunk-{index:04d}"
+
+
+def part_progress_key(job_id: str, attempt: int, part: str) -> str:
+    """Storage key of the frames one render part of a video job attempt has rendered so
+    far (``{"frames": n}``, rewritten as it goes): the coordinator's progress adds them."""
+    return f"results/{job_id}/attempt-{attempt}.parts/{part}.json"
+
+
 def video_parts_tag(job_id: str, attempt: int) -> str:
     """Tag of every ``fuse-video-part`` run of a job attempt: how a cancel of the
     attempt's coordinator run finds them (``webapi.relay.reap``)."""

@@ -51,6 +51,7 @@ from flows.params import (
     VIDEO_RENDER_DEPLOYMENT,
     JobAttempt,
     VideoResultRef,
+    chunk_part,
     chunks_manifest_key,
     result_key,
     result_meta_key,
@@ -58,8 +59,8 @@ from flows.params import (
 )
 from flows.run import pipeline_context
 from flows.video_fanout import Parts, PartsCancelled
-from flows.video_parts import ANALYSE, RENDERED, chunk_part
-from flows.video_progress import VideoProgress
+from flows.video_parts import ANALYSE, RENDERED
+from flows.video_progress import PartsProgress, VideoProgress
 from flows.video_steps import (
     VIDEO_STAGES,
     WORKDIR_PREFIX,
@@ -191,12 +192,12 @@ def fuse_video_flow(
                     else:
                         missing.append(chunk_part(chunk.index))
                 progress.rendering()
+                running = PartsProgress(progress, job_id, attempt, frames)
                 parts.run(
                     missing,
                     VIDEO_RENDER_DEPLOYMENT,
-                    done=lambda part, message: progress.chunk_stored(
-                        frames[part], rendered=message.startswith(RENDERED)
-                    ),
+                    done=lambda part, message: running.done(part, message.startswith(RENDERED)),
+                    tick=running.tick,
                 )
                 rendered = sum(parts.messages[p].startswith(RENDERED) for p in missing)
                 job.samples = Samples(job.planned.plan, job.probed.samples, ctx.pins)

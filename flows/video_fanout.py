@@ -81,9 +81,10 @@ class Parts:
         parts: list[str],
         deployment: str,
         done: Callable[[str, str], None] = lambda part, message: None,
+        tick: Callable[[set[str]], None] = lambda waiting: None,
     ) -> None:
         """Create ``parts`` from ``deployment`` and wait until all completed, calling
-        ``done(part, message)`` as each does. Raises the typed error of a part that
+        ``done(part, message)`` as each does and ``tick(waiting)`` between two polls. Raises the typed error of a part that
         failed, ``PartsCancelled`` when one was cancelled, ``DeadlineExceeded``."""
         with get_client(sync_client=True) as client:
             self._create(client, parts, deployment)
@@ -110,6 +111,7 @@ class Parts:
                         self._cancel(client, waiting)
                         raise part_error(message)
                 if waiting:
+                    tick(waiting)
                     time.sleep(POLL_S)
 
     def cancel(self) -> None:

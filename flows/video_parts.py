@@ -16,8 +16,12 @@ stored already returns at once: a re-run of a killed part re-renders only its ch
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import time
+from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed, State
 
 from blocks.settings import load_settings
-from blocks.storage import fetch_to, is_stored, load_storage, read_from
+from blocks.storage import ByteStore, fetch_to, is_stored, load_storage, read_from, write_to
 from flows.deadline import Deadline
 from flows.fuse import failed
 from flows.outcome import check_binding
@@ -35,9 +39,12 @@ from flows.params import (
     DEFAULT_STORAGE_BLOCK,
     VIDEO_PART_FLOW_NAME,
     JobAttempt,
+    chunk_part,
+    part_progress_key,
     video_plan_key,
 )
 from flows.run import pipeline_context
+from flows.video_progress import MIN_INTERVAL_S
 from flows.video_steps import (
     WORKDIR_PREFIX,
     StoredPlan,
@@ -60,9 +67,25 @@ ANALYSE = "analyse"
 """The analysis part's name; a render part is ``chunk_part(index)``."""
 
 
-def chunk_part(index: int) -> str:
-    """The part name of chunk ``index``'s render."""
-    return f"chunk-{index:04d}"
+class PartFrames:
+    """The frames a render part has rendered, written to ``part_progress_key`` at most
+    once per ``MIN_INTERVAL_S`` (a record that cannot be written is skipped: progress
+    never fails the part)."""
+
+    def __init__(
+        self, store: ByteStore, key: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.store, self.key, self.clock, self.frames = store, key, clock, 0
+        self.written_at: float | None = None
+
+    def frame_rendered(self) -> None:
+        """One more frame rendered; written when the interval passed."""
+        self.frames += 1
+        now = self.clock()
+        if self.written_at is None or now - self.written_at >= MIN_INTERVAL_S:
+            self.written_at = now
+            with suppress(Exception):
+                write_to(self.store, self.key, json.dumps({"frames": self.frames}).encode())
 
 
 @flow(
@@ -135,5 +158,6 @@ def run_part(
         if is_stored(store, job.chunk_key(chunk)):  # stored by an earlier run of it
             return False
         fetch_to(store, spec.target_key, job.video)
+        job.progress = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
         render = render_chunk_task.with_options(task_run_name=f"render-{part}")
         return bool(guarded("render_chunk", deadline).run(render, job, chunk, FrameRunner(ctx)))

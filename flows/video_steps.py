@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -28,7 +28,6 @@ from blocks.settings import StagePolicy
 from blocks.storage import ByteStore, fetch_to, is_stored, put_from, read_from, write_to
 from flows.deadline import Deadline, StageGuard
 from flows.params import VideoResultRef, video_chunk_key
-from flows.video_progress import VideoProgress
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
 from tasks.provenance import Ingredient, input_ingredients
@@ -75,6 +74,13 @@ gone: a cancelled or overdue run's process is killed before it can remove its ow
 _TASK = {"persist_result": False, "cache_policy": NO_CACHE}
 
 
+class FrameCounter(Protocol):
+    """What counts a part's rendered frames (``flows.video_parts.PartFrames``)."""
+
+    def frame_rendered(self) -> None:
+        """One more frame rendered."""
+
+
 @dataclass
 class VideoJob:
     """One attempt's state between its steps (in this process)."""
@@ -91,7 +97,7 @@ class VideoJob:
     planned: Planned | None = None
     samples: Samples | None = None
     digest: str = ""
-    progress: VideoProgress | None = None
+    progress: FrameCounter | None = None
 
     def chunk_key(self, chunk: Chunk) -> str:
         """Where ``chunk``'s segment is stored (named by content: any attempt reuses it)."""

@@ -41,7 +41,9 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from flows.params import (
+    chunk_part,
     chunks_manifest_key,
+    part_progress_key,
     progress_key,
     result_error_key,
     result_key,
@@ -155,7 +157,8 @@ def _purge_inputs(
 
 def chunk_keys(store: ObjectStore, job_id: uuid.UUID, attempts: int) -> list[str]:
     """The rendered chunks a video job's attempts listed (``chunks_manifest_key``), the
-    lists themselves and the attempts' plans (faces of every frame); none for a photo job
+    lists themselves, the attempts' plans (faces of every frame) and their render parts'
+    frame counts; none for a photo job
     (it has no list)."""
     found: list[str] = []
     for attempt in range(1, attempts + 1):
@@ -168,6 +171,9 @@ def chunk_keys(store: ObjectStore, job_id: uuid.UUID, attempts: int) -> list[str
             listed = []
         found += [key for key in listed if isinstance(key, str) and key.startswith(CHUNKS)]
         found += [manifest, video_plan_key(str(job_id), attempt)]
+        found += [
+            part_progress_key(str(job_id), attempt, chunk_part(i)) for i in range(len(listed))
+        ]
     return found
 
 

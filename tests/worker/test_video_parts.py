@@ -24,6 +24,8 @@ from flows.params import (
     VIDEO_RENDER_DEPLOYMENT,
     JobFailure,
     VideoResultRef,
+    chunk_part,
+    part_progress_key,
     result_error_key,
     result_key,
     result_meta_key,
@@ -129,6 +131,9 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
     by_pid = Counter(int(r["state"]["message"].rsplit(" ", 1)[1]) for r in renders)
     print(f"\nchunks per worker child: {dict(by_pid)} (children {pids})")
     assert set(by_pid) == set(pids)  # both workers rendered chunks
+    for i in range(CHUNKS):  # each render part wrote its frames for the job's progress
+        counted = prefect_api.home.storage / part_progress_key(job_id, 1, chunk_part(i))
+        assert json.loads(counted.read_text())["frames"] > 0
 
     result = prefect_api.home.storage / ref.key
     assert probe_video(result).frame_count == probe_video(videos.story).frame_count == ref.frames
