@@ -229,7 +229,7 @@ def fuse_video_flow(
                     cuts=job.planned.cuts,
                     switches=plan.switches,
                     tracks=[asdict(t) for t in track_reports(plan, similarities)],
-                    frame_failures={},
+                    frame_failures=running.failures,
                     marks=["c2pa"] if ctx.marker is not None else [],
                 )
                 step("store", store_task, job, ref, result_meta_key(job_id, attempt))

@@ -84,8 +84,14 @@ class PartFrames:
         now = self.clock()
         if self.written_at is None or now - self.written_at >= MIN_INTERVAL_S:
             self.written_at = now
-            with suppress(Exception):
-                write_to(self.store, self.key, json.dumps({"frames": self.frames}).encode())
+            self.write({})
+
+    def write(self, failures: dict[str, int]) -> None:
+        """Write the count, and ``failures`` (frames a stage failed on, by code: once the
+        chunk is stored, for the coordinator's report)."""
+        record = {"frames": self.frames, "failures": failures}
+        with suppress(Exception):
+            write_to(self.store, self.key, json.dumps(record).encode())
 
 
 @flow(
@@ -158,6 +164,10 @@ def run_part(
         if is_stored(store, job.chunk_key(chunk)):  # stored by an earlier run of it
             return False
         fetch_to(store, spec.target_key, job.video)
-        job.progress = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
+        counter = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
+        job.progress = counter
         render = render_chunk_task.with_options(task_run_name=f"render-{part}")
-        return bool(guarded("render_chunk", deadline).run(render, job, chunk, FrameRunner(ctx)))
+        runner = FrameRunner(ctx)
+        rendered = bool(guarded("render_chunk", deadline).run(render, job, chunk, runner))
+        counter.write(dict(runner.failures))
+        return rendered

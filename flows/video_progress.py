@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from blocks.storage import ByteStore, read_from, write_to
 from flows.artifacts import DeferredProgress, artifact_key, start_progress
@@ -177,6 +178,7 @@ class PartsProgress:
         self.progress, self.job_id, self.attempt, self.frames = progress, job_id, attempt, frames
         self.seen: dict[str, int] = {}
         self.read_at: float | None = None
+        self.failures: dict[str, int] = {}  # the stored chunks' frame failures, by code
 
     def tick(self, waiting: set[str]) -> None:
         """Between two polls of the parts: read the running parts' records when due."""
@@ -185,17 +187,24 @@ class PartsProgress:
             return
         self.read_at = now
         for part in waiting:
-            try:
-                data = read_from(
-                    self.progress.store, part_progress_key(self.job_id, self.attempt, part)
-                )
-                self.seen[part] = min(int(json.loads(data)["frames"]), self.frames[part])
-            except Exception:  # not written yet, or unreadable: progress never fails a job
-                continue
+            record = self._record(part)
+            if record is not None:
+                self.seen[part] = min(int(record["frames"]), self.frames[part])
         self.progress.rendering_parts(sum(self.seen.values()))
 
     def done(self, part: str, rendered: bool) -> None:
-        """``part`` stored its chunk (``rendered``: by rendering it)."""
+        """``part`` stored its chunk (``rendered``: by rendering it; its frame failures
+        are added to ``failures``)."""
+        record = self._record(part) if rendered else None
+        for code, count in dict((record or {}).get("failures") or {}).items():
+            self.failures[str(code)] = self.failures.get(str(code), 0) + int(count)
         self.seen.pop(part, None)
         self.progress.in_flight = sum(self.seen.values())
         self.progress.chunk_stored(self.frames[part], rendered=rendered)
+
+    def _record(self, part: str) -> dict[str, Any] | None:
+        key = part_progress_key(self.job_id, self.attempt, part)
+        try:
+            return dict(json.loads(read_from(self.progress.store, key)))
+        except Exception:  # not written yet, or unreadable: progress never fails a job
+            return None

@@ -97,17 +97,20 @@ def test_the_coordinator_adds_its_running_parts_frames_once(tmp_path: Path) -> N
     running = PartsProgress(progress, "job-1", 2, frames)
     running.tick({chunk_part(0), chunk_part(1)})  # nothing written yet
     assert _stored(store).frames_done == 0
+    counters = {}
     for part, n in ((chunk_part(0), 12), (chunk_part(1), 30)):
         key = part_progress_key("job-1", 2, part)
-        counter = PartFrames(store, key, clock=clock)  # type: ignore[arg-type]
+        counters[part] = PartFrames(store, key, clock=clock)  # type: ignore[arg-type]
         for _ in range(n):
-            counter.frame_rendered()
+            counters[part].frame_rendered()
     clock.now += 2.0  # 42 frames in 2 s
     running.tick({chunk_part(0), chunk_part(1)})
     record = _stored(store)
     # the parts' first frames are written at once, later ones a second after (not yet)
     assert record.frames_done == 2 and record.chunks_done == 0 and record.fps == 1.0
+    counters[chunk_part(1)].write({"pose_mismatch": 2})  # the part stored its chunk
     running.done(chunk_part(1), rendered=True)
+    assert running.failures == {"pose_mismatch": 2}  # for the report's frame_failures
     record = _stored(store)
     assert (record.frames_done, record.chunks_done) == (31, 1)  # 30 stored + 1 seen of chunk 0
     running.done(chunk_part(0), rendered=True)

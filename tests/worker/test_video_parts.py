@@ -138,7 +138,7 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
     result = prefect_api.home.storage / ref.key
     assert probe_video(result).frame_count == probe_video(videos.story).frame_count == ref.frames
     assert frame_timestamps(result) == frame_timestamps(videos.story)
-    assert ref.faces_replaced > 0 and ref.tracks
+    assert ref.faces_replaced > 0 and ref.tracks and ref.frame_failures == {}
     sidecar = (prefect_api.home.storage / result_meta_key(job_id, 1)).read_text()
     assert VideoResultRef.model_validate_json(sidecar) == ref
     assert ref.key == result_key(job_id, 1, "mp4")
