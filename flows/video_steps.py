@@ -28,6 +28,7 @@ from blocks.settings import StagePolicy
 from blocks.storage import ByteStore, fetch_to, is_stored, put_from, read_from, write_to
 from flows.deadline import Deadline, StageGuard
 from flows.params import VideoResultRef, video_chunk_key
+from tasks.errors import TransientError
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
 from tasks.provenance import Ingredient, input_ingredients
@@ -161,6 +162,8 @@ def collect_task(job: VideoJob) -> list[Path]:
         key = job.chunk_key(chunk)
         segment = job.workdir / "chunks" / key.rsplit("/", 1)[-1]
         segment.parent.mkdir(parents=True, exist_ok=True)
+        if not is_stored(job.store, key):  # deleted since its part stored it: another try
+            raise TransientError("A rendered chunk went missing.", detail=key)
         fetch_to(job.store, key, segment)
         job.samples.read_from(segment, chunk)
         segments.append(segment)
