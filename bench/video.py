@@ -1,7 +1,8 @@
 """Video jobs in one process: the whole job against the bare per-frame loop, and memory.
 
 Run: ``.venv/bin/python bench/video.py [--seconds 20] [--size 480x360] [--fps 15]
-[--modes bare,job] [--chunk-s 10]``. Writes a clip (a slow pan and zoom over insightface's
+[--modes bare,job] [--chunk-s 10]``; ``--workers 1,2 [--gpu-frame-ms 100]``: the job
+fanned out over that many warm GPU workers instead (``bench/video_fanout.py``). Writes a clip (a slow pan and zoom over insightface's
 t1.jpg group photo, H.264, streamed to disk frame by frame), then, each mode in a fresh
 process (so peak RSS is its own):
 
@@ -196,6 +197,13 @@ def main() -> None:
     parser.add_argument("--fps", type=int, default=15)
     parser.add_argument("--modes", default="bare,job")
     parser.add_argument("--chunk-s", type=float, default=10.0)
+    parser.add_argument(
+        "--workers",
+        help="worker counts, e.g. 1,2: the job fanned out over warm workers (video_fanout.py)",
+    )
+    parser.add_argument(
+        "--gpu-frame-ms", type=float, help="with --workers: each rendered frame a fixed sleep"
+    )
     parser.add_argument("--child", nargs=2, metavar=("MODE", "CLIP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -205,6 +213,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         clip = write_clip(Path(tmp) / "clip.mp4", args.seconds, width, height, args.fps)
         print(f"clip: {args.seconds:g} s, {args.size}, {args.fps} fps")
+        if args.workers:
+            from bench.video_fanout import run
+
+            counts = [int(n) for n in args.workers.split(",")]
+            run(clip, counts, args.chunk_s, args.gpu_frame_ms)
+            return
         results = {}
         for mode in args.modes.split(","):
             line = (

@@ -36,6 +36,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 POOL_NAME = "gpu"
 CONTROL_POOL = "control"
 PRIORITY_QUEUE = os.environ.get("FACEFLOW_PRIORITY_WORK_QUEUE", "priority")
+VIDEO_QUEUE = "video"
+VIDEO_COORDINATORS = 4
+"""Video jobs coordinated at once (``fuse-video`` runs on the control pool's ``video``
+queue); the control worker's limit leaves room for reconcile and retention beside them."""
+CONTROL_LIMIT = VIDEO_COORDINATORS + 2
 POOL_TEMPLATES = {"process": "gpu-process.json", "faceflow-gpu": "faceflow-gpu.json"}
 """Base job template of the ``gpu`` pool for each supported worker type."""
 
@@ -275,6 +280,7 @@ class Stack:
                 "needs a real certificate, docs/provenance.md)"
             )
         self._run_step("deploy", [prefect, "--no-prompt", "deploy", "--all"])
+        self._video_queue()
         self.progress("job store: migrations")
         self._run_step("db-upgrade", [faceflow, "db", "upgrade"])
         for index in range(cfg.workers):
@@ -319,7 +325,7 @@ class Stack:
                     "--name",
                     "local-control",
                     "--limit",
-                    "1",
+                    str(CONTROL_LIMIT),
                 ],
                 cfg.run_signing_env(),
             )
@@ -393,6 +399,21 @@ class Stack:
         except PrefectError as exc:
             log.write_text(f"{exc}\n")
             raise ServiceFailed("work-queue", f"could not be created: {exc}", log) from exc
+
+    def _video_queue(self) -> None:
+        """The control pool's ``video`` queue (made by ``prefect deploy``), limited to
+        ``VIDEO_COORDINATORS`` runs at once."""
+        from webapi.prefect_api import PrefectAPI, PrefectError
+
+        log = self.config.logs / "work-queue.log"
+        try:
+            with PrefectAPI(
+                self.config.prefect_api_url, auth_string=self.config.prefect_auth_string
+            ) as api:
+                api.limit_work_queue(CONTROL_POOL, VIDEO_QUEUE, VIDEO_COORDINATORS)
+        except PrefectError as exc:
+            log.write_text(f"{exc}\n")
+            raise ServiceFailed("work-queue", f"could not be limited: {exc}", log) from exc
 
     def stop(self) -> None:
         """Stop every child by PID, workers first."""

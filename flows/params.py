@@ -28,6 +28,11 @@ BATCH_FLOW_NAME = "fuse-batch"
 BATCH_DEPLOYMENT_NAME = "fuse-batch"
 VIDEO_FLOW_NAME = "fuse-video"
 VIDEO_DEPLOYMENT_NAME = "fuse-video"
+VIDEO_PART_FLOW_NAME = "fuse-video-part"
+VIDEO_ANALYSE_DEPLOYMENT = "video-analyse"
+VIDEO_RENDER_DEPLOYMENT = "video-render"
+"""The two deployments of ``fuse-video-part`` on the GPU pool's ``video`` queue that a
+``fuse-video`` coordinator fans a video out to: its analysis, then one run per chunk."""
 
 FINAL_STAGE = "store"
 """The stage a succeeded job last went through (the relay records it on success): the last
@@ -215,6 +220,29 @@ def chunks_manifest_key(job_id: str, attempt: int) -> str:
     """Storage key of the JSON list of chunk keys (``video_chunk_key``) a video job
     attempt renders into: retention deletes them with the job's inputs."""
     return f"results/{job_id}/attempt-{attempt}.chunks.json"
+
+
+def video_plan_key(job_id: str, attempt: int) -> str:
+    """Storage key of a video job attempt's plan (probe, analysis, chunks and face plan),
+    written by its analysis part and read by its render parts and coordinator."""
+    return f"results/{job_id}/attempt-{attempt}.plan.pkl"
+
+
+def chunk_part(index: int) -> str:
+    """The ``fuse-video-part`` part name of chunk ``index``'s render."""
+    return f"chunk-{index:04d}"
+
+
+def part_progress_key(job_id: str, attempt: int, part: str) -> str:
+    """Storage key of the frames one render part of a video job attempt has rendered so
+    far (``{"frames": n}``, rewritten as it goes): the coordinator's progress adds them."""
+    return f"results/{job_id}/attempt-{attempt}.parts/{part}.json"
+
+
+def video_parts_tag(job_id: str, attempt: int) -> str:
+    """Tag of every ``fuse-video-part`` run of a job attempt: how a cancel of the
+    attempt's coordinator run finds them (``webapi.relay.reap``)."""
+    return f"video-of:{job_id}:{attempt}"
 
 
 def result_error_key(job_id: str, attempt: int) -> str:

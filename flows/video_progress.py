@@ -11,14 +11,16 @@ finished chunk. A record that cannot be written is logged and never fails the jo
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
-from blocks.storage import ByteStore, write_to
+from blocks.storage import ByteStore, read_from, write_to
 from flows.artifacts import DeferredProgress, artifact_key, start_progress
-from flows.params import JobProgress, progress_key
+from flows.params import JobProgress, part_progress_key, progress_key
 
 logger = logging.getLogger("faceflow.flows.video_progress")
 
@@ -46,6 +48,7 @@ class VideoProgress:
         self.step = STEPS[0]
         self.frames_total = self.chunks_total = 0
         self.frames_done = self.chunks_done = self.rendered = 0
+        self.in_flight = 0  # frames render parts rendered of chunks not stored yet
         self.render_started: float | None = None
         self.written_at: float | None = None
         self.writes = 0
@@ -85,20 +88,45 @@ class VideoProgress:
             self.frames_done += frames
         self.write()
 
+    def rendering(self) -> None:
+        """The render parts start now (the coordinator counts their chunks as stored)."""
+        self.render_started = self.clock()
+
+    def rendering_parts(self, frames: int) -> None:
+        """The render parts still running have rendered ``frames`` frames so far; written
+        when ``min_interval_s`` passed and the count changed."""
+        if frames == self.in_flight:
+            return
+        self.in_flight = frames
+        now = self.clock()
+        if self.written_at is None or now - self.written_at >= self.min_interval_s:
+            self.write()
+
+    def chunk_stored(self, frames: int, rendered: bool) -> None:
+        """A render part stored its chunk of ``frames`` frames: it rendered them (counted
+        in the frames per second) or found the chunk stored; written now."""
+        self.chunks_done += 1
+        self.frames_done += frames
+        if rendered:
+            self.rendered += frames
+        self.write()
+
     @property
     def fps(self) -> float | None:
         """This attempt's rendered frames per second (None before the first)."""
-        if self.render_started is None or self.rendered == 0:
+        rendered = self.rendered + self.in_flight
+        if self.render_started is None or rendered == 0:
             return None
         elapsed = self.clock() - self.render_started
-        return self.rendered / elapsed if elapsed > 0 else None
+        return rendered / elapsed if elapsed > 0 else None
 
     def record(self) -> JobProgress:
         """The progress as it stands."""
         fps = self.fps
-        left = max(0, self.frames_total - self.frames_done)
+        done = self.frames_done + self.in_flight
+        left = max(0, self.frames_total - done)
         return JobProgress(
-            frames_done=min(self.frames_done, self.frames_total) if self.frames_total else 0,
+            frames_done=min(done, self.frames_total) if self.frames_total else 0,
             frames_total=self.frames_total,
             chunks_done=self.chunks_done,
             chunks_total=self.chunks_total,
@@ -137,3 +165,46 @@ class VideoProgress:
                 text += f", {record.fps:.1f} fps, ETA {record.eta_seconds:.0f} s"
             text += "."
         return value, text
+
+
+class PartsProgress:
+    """The coordinator's count of the frames its running render parts rendered (their
+    ``part_progress_key`` records, read at most once per ``min_interval_s``), added to
+    ``progress`` until each part's chunk is stored."""
+
+    def __init__(
+        self, progress: VideoProgress, job_id: str, attempt: int, frames: dict[str, int]
+    ) -> None:
+        self.progress, self.job_id, self.attempt, self.frames = progress, job_id, attempt, frames
+        self.seen: dict[str, int] = {}
+        self.read_at: float | None = None
+        self.failures: dict[str, int] = {}  # the stored chunks' frame failures, by code
+
+    def tick(self, waiting: set[str]) -> None:
+        """Between two polls of the parts: read the running parts' records when due."""
+        now = self.progress.clock()
+        if self.read_at is not None and now - self.read_at < self.progress.min_interval_s:
+            return
+        self.read_at = now
+        for part in waiting:
+            record = self._record(part)
+            if record is not None:
+                self.seen[part] = min(int(record["frames"]), self.frames[part])
+        self.progress.rendering_parts(sum(self.seen.values()))
+
+    def done(self, part: str, rendered: bool) -> None:
+        """``part`` stored its chunk (``rendered``: by rendering it; its frame failures
+        are added to ``failures``)."""
+        record = self._record(part) if rendered else None
+        for code, count in dict((record or {}).get("failures") or {}).items():
+            self.failures[str(code)] = self.failures.get(str(code), 0) + int(count)
+        self.seen.pop(part, None)
+        self.progress.in_flight = sum(self.seen.values())
+        self.progress.chunk_stored(self.frames[part], rendered=rendered)
+
+    def _record(self, part: str) -> dict[str, Any] | None:
+        key = part_progress_key(self.job_id, self.attempt, part)
+        try:
+            return dict(json.loads(read_from(self.progress.store, key)))
+        except Exception:  # not written yet, or unreadable: progress never fails a job
+            return None

@@ -492,8 +492,8 @@ def fuse_video(
     """Fuse the first source's face (a per-face mapping: each source's) into every frame
     of ``video`` where the plan puts it, in this process: probe → moderation of sampled
     frames → analysis → plan → render chunk by chunk → join with the audio → moderation
-    of sampled result frames. Raises the job's typed error. (The ``fuse-video`` flow,
-    ``flows/video.py``, runs the same steps as Prefect tasks.)
+    of sampled result frames. Raises the job's typed error. (The ``fuse-video`` flow and
+    its parts run the same steps as Prefect tasks: ``flows/video_steps.py``.)
 
     ``chunk_dir`` keeps rendered chunks under names made from their content (``chunk_name``):
     a second call for the same video, sources, plan and options renders only the chunks

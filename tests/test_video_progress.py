@@ -7,8 +7,9 @@ from pathlib import Path
 
 from prefect.filesystems import LocalFileSystem
 
-from flows.params import JobProgress, progress_key
-from flows.video_progress import STEPS, VideoProgress
+from flows.params import JobProgress, chunk_part, part_progress_key, progress_key
+from flows.video_parts import PartFrames
+from flows.video_progress import STEPS, PartsProgress, VideoProgress
 
 
 class Clock:
@@ -83,3 +84,34 @@ def test_a_store_that_fails_never_fails_the_job(tmp_path: Path) -> None:
     progress.planned(frames=10, chunks=1)
     progress.frame_rendered()
     assert progress.writes == 0 and progress.frames_done == 1
+
+
+def test_the_coordinator_adds_its_running_parts_frames_once(tmp_path: Path) -> None:
+    """Render parts write their frame counts (``PartFrames``); the coordinator's record
+    adds those of parts still running, and a stored chunk's frames only once."""
+    store, clock = LocalFileSystem(basepath=str(tmp_path)), Clock()
+    progress = VideoProgress(store, "job-1", 2, clock=clock)
+    progress.planned(frames=60, chunks=2)
+    progress.rendering()
+    frames = {chunk_part(0): 30, chunk_part(1): 30}
+    running = PartsProgress(progress, "job-1", 2, frames)
+    running.tick({chunk_part(0), chunk_part(1)})  # nothing written yet
+    assert _stored(store).frames_done == 0
+    counters = {}
+    for part, n in ((chunk_part(0), 12), (chunk_part(1), 30)):
+        key = part_progress_key("job-1", 2, part)
+        counters[part] = PartFrames(store, key, clock=clock)  # type: ignore[arg-type]
+        for _ in range(n):
+            counters[part].frame_rendered()
+    clock.now += 2.0  # 42 frames in 2 s
+    running.tick({chunk_part(0), chunk_part(1)})
+    record = _stored(store)
+    # the parts' first frames are written at once, later ones a second after (not yet)
+    assert record.frames_done == 2 and record.chunks_done == 0 and record.fps == 1.0
+    counters[chunk_part(1)].write({"pose_mismatch": 2})  # the part stored its chunk
+    running.done(chunk_part(1), rendered=True)
+    assert running.failures == {"pose_mismatch": 2}  # for the report's frame_failures
+    record = _stored(store)
+    assert (record.frames_done, record.chunks_done) == (31, 1)  # 30 stored + 1 seen of chunk 0
+    running.done(chunk_part(0), rendered=True)
+    assert (_stored(store).frames_done, _stored(store).chunks_done) == (60, 2)

@@ -356,6 +356,28 @@ class PrefectAPI(Closing):
                 raise
             self._request("PATCH", f"work_pools/{pool}/queues/{name}", json={"priority": priority})
 
+    def limit_work_queue(self, pool: str, name: str, limit: int) -> None:
+        """Let work queue ``name`` of ``pool`` run at most ``limit`` runs at once."""
+        self._request(
+            "PATCH", f"work_pools/{pool}/queues/{name}", json={"concurrency_limit": limit}
+        )
+
+    def cancel_tagged(self, tag: str, *, message: str) -> int:
+        """Cancel every flow run tagged ``tag`` that is not final (``cancel_flow_run``);
+        how many were asked to stop."""
+        body = {
+            "flow_runs": {
+                "tags": {"all_": [tag]},
+                "state": {"type": {"not_any_": [t.value for t in StateType if t.is_final]}},
+            },
+            "limit": 200,
+        }
+        found = [FlowRun.from_api(item) for item in self._request(
+            "POST", "flow_runs/filter", json=body).json()]  # fmt: skip
+        for run in found:
+            self.cancel_flow_run(run, message=message)
+        return len(found)
+
     def read_flow_runs(self, ids: Iterable[str]) -> dict[str, FlowRun]:
         """The flow runs with these ids (batched); unknown ids are absent from the result."""
         wanted = sorted(set(ids))

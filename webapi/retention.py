@@ -41,12 +41,15 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from flows.params import (
+    chunk_part,
     chunks_manifest_key,
+    part_progress_key,
     progress_key,
     result_error_key,
     result_key,
     result_meta_key,
     video_chunk_key,
+    video_plan_key,
 )
 from tasks.options import OutputFormat
 from webapi import crud
@@ -153,8 +156,10 @@ def _purge_inputs(
 
 
 def chunk_keys(store: ObjectStore, job_id: uuid.UUID, attempts: int) -> list[str]:
-    """The rendered chunks a video job's attempts listed (``chunks_manifest_key``) and the
-    lists themselves; none for a photo job (it has no list)."""
+    """The rendered chunks a video job's attempts listed (``chunks_manifest_key``), the
+    lists themselves, the attempts' plans (faces of every frame) and their render parts'
+    frame counts; none for a photo job
+    (it has no list)."""
     found: list[str] = []
     for attempt in range(1, attempts + 1):
         manifest = chunks_manifest_key(str(job_id), attempt)
@@ -165,7 +170,10 @@ def chunk_keys(store: ObjectStore, job_id: uuid.UUID, attempts: int) -> list[str
         except ValueError:  # unreadable: the list goes, its chunks stay for an operator
             listed = []
         found += [key for key in listed if isinstance(key, str) and key.startswith(CHUNKS)]
-        found.append(manifest)
+        found += [manifest, video_plan_key(str(job_id), attempt)]
+        found += [
+            part_progress_key(str(job_id), attempt, chunk_part(i)) for i in range(len(listed))
+        ]
     return found
 
 
@@ -196,7 +204,7 @@ def _mark_inputs(session: Session, ids: Sequence[uuid.UUID], now: datetime, *, d
 
 def result_keys(job_id: uuid.UUID, attempts: int) -> list[str]:
     """Every key a job's attempts may have written: image (any format) or video, sidecar,
-    failure record and a video's progress record."""
+    failure record and a video's progress record and plan."""
     keys: list[str] = []
     for attempt in range(1, max(attempts, 1) + 1):
         keys += [result_key(str(job_id), attempt, ext) for ext in RESULT_FORMATS]
@@ -204,6 +212,7 @@ def result_keys(job_id: uuid.UUID, attempts: int) -> list[str]:
             result_meta_key(str(job_id), attempt),
             result_error_key(str(job_id), attempt),
             progress_key(str(job_id), attempt),
+            video_plan_key(str(job_id), attempt),
         ]
     return keys
 

@@ -3,7 +3,8 @@
 The bench puts this folder on ``PYTHONPATH`` of the warm worker it starts, together with
 ``FACEFLOW_BENCH_GPU_MS``: every Python process of that worker (its warm children
 included) then runs the pipeline's compute stages as fixed sleeps. Without the variable
-it does nothing.
+it does nothing. ``FACEFLOW_BENCH_VIDEO_FRAME_MS`` likewise makes each rendered video frame
+a fixed sleep (``bench/video_fanout.py``).
 """
 
 from __future__ import annotations
@@ -18,3 +19,9 @@ if _MS:
     from bench.gpu_shaped import install
 
     install(float(_MS))
+_FRAME_MS = os.environ.get("FACEFLOW_BENCH_VIDEO_FRAME_MS")  # bench/video_fanout.py
+if _FRAME_MS:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.video_fanout import install_frame_ms
+
+    install_frame_ms(float(_FRAME_MS))

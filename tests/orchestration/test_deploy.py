@@ -23,8 +23,11 @@ from flows.params import (
     BATCH_FLOW_NAME,
     DEPLOYMENT_NAME,
     FLOW_NAME,
+    VIDEO_ANALYSE_DEPLOYMENT,
     VIDEO_DEPLOYMENT_NAME,
     VIDEO_FLOW_NAME,
+    VIDEO_PART_FLOW_NAME,
+    VIDEO_RENDER_DEPLOYMENT,
     FuseBatchParams,
     FuseFacesParams,
     JobAttempt,
@@ -68,6 +71,8 @@ def deployed(prefect_server: PrefectServer) -> dict[str, dict[str, Any]]:
             f"{FLOW_NAME}/{DEPLOYMENT_NAME}",
             f"{BATCH_FLOW_NAME}/{BATCH_DEPLOYMENT_NAME}",
             f"{VIDEO_FLOW_NAME}/{VIDEO_DEPLOYMENT_NAME}",
+            f"{VIDEO_PART_FLOW_NAME}/{VIDEO_ANALYSE_DEPLOYMENT}",
+            f"{VIDEO_PART_FLOW_NAME}/{VIDEO_RENDER_DEPLOYMENT}",
             "reconcile/reconcile",
             "retention/retention",
         )
@@ -116,8 +121,14 @@ def test_deploy_all_creates_the_deployments(deployed: dict[str, dict[str, Any]])
     assert fuse["schedules"] == []
     video = deployed[f"{VIDEO_FLOW_NAME}/{VIDEO_DEPLOYMENT_NAME}"]
     assert video["entrypoint"] == "flows/video.py:fuse_video_flow"
-    assert (video["work_pool_name"], video["work_queue_name"]) == ("gpu", "video")
+    # the coordinator waits on the control pool; its parts run on the GPU pool's queue
+    assert (video["work_pool_name"], video["work_queue_name"]) == ("control", "video")
     assert video["parameters"] == fuse["parameters"]
+    for name in (VIDEO_ANALYSE_DEPLOYMENT, VIDEO_RENDER_DEPLOYMENT):
+        part = deployed[f"{VIDEO_PART_FLOW_NAME}/{name}"]
+        assert part["entrypoint"] == "flows/video_parts.py:fuse_video_part"
+        assert (part["work_pool_name"], part["work_queue_name"]) == ("gpu", "video")
+        assert part["parameters"]["storage_block"] == fuse["parameters"]["storage_block"]
 
 
 def test_the_batch_deployment_takes_what_the_relay_sends(

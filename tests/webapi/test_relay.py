@@ -48,6 +48,7 @@ from flows.params import (
     idempotency_key,
     result_error_key,
     result_key,
+    video_parts_tag,
 )
 from tests.webapi.conftest import make_settings
 from webapi import crud
@@ -549,6 +550,29 @@ def test_cancel_running_job_then_scheduled_job(
     prefect_server.rest.set_state(busy_run, "CANCELLED")  # the worker stopped the process
     sync.run_once(relay)
     assert job(relay.engine, busy).status is JobStatus.cancelled
+
+
+def test_cancel_stops_the_video_parts_of_the_cancelled_attempt_only(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """A video attempt's ``fuse-video-part`` runs carry its tag: a cancel stops them with
+    its coordinator (running → Cancelling, not started → Cancelled), not another attempt's."""
+    job_id, run_id = running(relay, owner, prefect_server)
+    flow_id = prefect_server.rest.run(run_id)["flow_id"]
+
+    def part(attempt: int, state: str) -> str:
+        body = {"flow_id": flow_id, "tags": [video_parts_tag(str(job_id), attempt)]}
+        created = str(prefect_server.rest.call("POST", "/flow_runs/", body)["id"])
+        prefect_server.rest.set_state(created, state)
+        return created
+
+    busy, waiting, other = part(1, "RUNNING"), part(1, "SCHEDULED"), part(2, "RUNNING")
+    done = part(1, "COMPLETED")
+    with Session(relay.engine) as session:
+        crud.cancel_job(session, owner=owner.user, job_id=job_id)
+    reap.run_once(relay)
+    states = {r: prefect_server.rest.run(r)["state_type"] for r in (busy, waiting, other, done)}
+    assert states == {busy: "CANCELLING", waiting: "CANCELLED", other: "RUNNING", done: "COMPLETED"}
 
 
 def test_cancel_that_never_stops_is_forced_after_grace(

@@ -31,6 +31,7 @@ from flows.params import (
     result_error_key,
     result_key,
     result_meta_key,
+    video_plan_key,
 )
 from tests.webapi.conftest import make_settings
 from webapi import crud
@@ -220,7 +221,8 @@ def test_result_keys_cover_every_attempt_and_format() -> None:
     assert result_key(str(job_id), 2, "webp") in keys and result_meta_key(str(job_id), 1) in keys
     assert result_key(str(job_id), 2, "mp4") in keys  # a video's result
     assert result_error_key(str(job_id), 1) in keys and progress_key(str(job_id), 2) in keys
-    assert len(keys) == 2 * (4 + 3)
+    assert video_plan_key(str(job_id), 2) in keys  # a video attempt's face plan
+    assert len(keys) == 2 * (4 + 4)
 
 
 def test_a_retention_pass_over_many_jobs_touches_only_what_is_due(

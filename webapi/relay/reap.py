@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 
 from sqlmodel import col, select
 
+from flows.params import video_parts_tag
 from tasks.error_codes import JobErrorCode
 from webapi.jobstate import transition
 from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Outbox, utcnow
@@ -85,6 +86,10 @@ def _cancel_row(relay: Relay, row: Outbox) -> bool:
             if run is not None
             else None
         )
+        attempt = row.payload.get("attempt")
+        if isinstance(attempt, int):  # a video attempt's parts (none for a photo job)
+            tag = video_parts_tag(str(row.job_id), attempt)
+            relay.prefect.cancel_tagged(tag, message="Cancelled by FaceFlow")
     except PrefectUnavailable as exc:
         runs.prefect_down(relay, row, str(exc))
         return False

@@ -1,0 +1,180 @@
+"""The ``fuse-video-part`` flow: one piece of a video job attempt on one GPU worker.
+
+A ``fuse-video`` coordinator (``flows/video.py``, on the control pool) creates these runs
+from two deployments on the GPU pool's ``video`` queue: ``video-analyse`` (part
+``analyse``: probe, moderation of sampled input frames, analysis of every frame and the
+plan, stored under ``video_plan_key``) and ``video-render`` (part ``chunk-<i>``: one chunk
+rendered and stored under its content key, ``flows.video_steps.VideoJob.chunk_key``). The
+steps are ``flows.video_steps``' tasks, the same stage code as every other path; a GPU
+runs one part at a time, so a video's chunks spread over the pool's workers.
+
+A part checks the job's binding and deadline as the coordinator does (it carries the
+job's parameters); it returns a small dict, or ends ``Failed`` with ``"[code] message"``
+(the coordinator turns that back into the typed error). A render part whose chunk is
+stored already returns at once: a re-run of a killed part re-renders only its chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.states import Completed, State
+
+from blocks.settings import load_settings
+from blocks.storage import ByteStore, fetch_to, is_stored, load_storage, read_from, write_to
+from flows.deadline import Deadline
+from flows.fuse import failed
+from flows.outcome import check_binding
+from flows.params import (
+    DEFAULT_SETTINGS_BLOCK,
+    DEFAULT_SIGNING_BLOCK,
+    DEFAULT_STORAGE_BLOCK,
+    VIDEO_PART_FLOW_NAME,
+    JobAttempt,
+    chunk_part,
+    part_progress_key,
+    video_plan_key,
+)
+from flows.run import pipeline_context
+from flows.video_progress import MIN_INTERVAL_S
+from flows.video_steps import (
+    WORKDIR_PREFIX,
+    StoredPlan,
+    VideoJob,
+    analyse_task,
+    guarded,
+    load_plan,
+    probe_task,
+    render_chunk_task,
+    save_plan,
+    sweep_workdirs,
+)
+from tasks.errors import DeadlineExceeded, InvalidInput
+from tasks.video import FrameRunner
+from tasks.watermark import payload_for
+
+RENDERED, STORED = "rendered", "stored"
+"""How a completed part's state message starts: it did its work, or found its chunk
+stored (then ``by pid <process>``: where it ran)."""
+ANALYSE = "analyse"
+"""The analysis part's name; a render part is ``chunk_part(index)``."""
+
+
+class PartFrames:
+    """The frames a render part has rendered, written to ``part_progress_key`` at most
+    once per ``MIN_INTERVAL_S`` (a record that cannot be written is skipped: progress
+    never fails the part)."""
+
+    def __init__(
+        self, store: ByteStore, key: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.store, self.key, self.clock, self.frames = store, key, clock, 0
+        self.written_at: float | None = None
+
+    def frame_rendered(self) -> None:
+        """One more frame rendered; written when the interval passed."""
+        self.frames += 1
+        now = self.clock()
+        if self.written_at is None or now - self.written_at >= MIN_INTERVAL_S:
+            self.written_at = now
+            self.write({})
+
+    def write(self, failures: dict[str, int]) -> None:
+        """Write the count, and ``failures`` (frames a stage failed on, by code: once the
+        chunk is stored, for the coordinator's report)."""
+        record = {"frames": self.frames, "failures": failures}
+        with suppress(Exception):
+            write_to(self.store, self.key, json.dumps(record).encode())
+
+
+@flow(
+    name=VIDEO_PART_FLOW_NAME,
+    persist_result=False,
+    retries=0,
+    validate_parameters=True,
+    log_prints=False,
+)
+def fuse_video_part(
+    job: JobAttempt,
+    part: str,
+    storage_block: str = DEFAULT_STORAGE_BLOCK,
+    settings_block: str = DEFAULT_SETTINGS_BLOCK,
+    signing_block: str = DEFAULT_SIGNING_BLOCK,
+    chunk_s: float | None = None,
+) -> State[Any]:
+    """Run one part of the video job attempt ``job`` (its parameters as the coordinator
+    got them, with their binding): ``analyse`` (store the plan) or ``chunk-<i>`` (render
+    and store chunk ``i``). Ends ``Completed`` with a message that starts with
+    ``RENDERED`` or ``STORED``; on failure ``Failed`` with ``"[code] message"``. The
+    coordinator names the run ``<job id>-<part>``."""
+    deadline = Deadline.of(job.deadline_at)
+    try:
+        check_binding(
+            job,
+            storage_block=storage_block,
+            settings_block=settings_block,
+            signing_block=signing_block,
+        )
+        if deadline.passed():
+            raise DeadlineExceeded(detail=f"part {part} started after the deadline")
+        rendered = run_part(job, part, deadline, storage_block, settings_block,
+                            signing_block, chunk_s)  # fmt: skip
+    except Exception as exc:
+        return failed(exc, f"Video job {job.job_id} attempt {job.attempt} part {part}")
+    get_run_logger().info("Video job %s part %s: rendered=%s", job.job_id, part, rendered)
+    said = f"{RENDERED if rendered else STORED} by pid {os.getpid()}"
+    return Completed(message=said, data={"part": part})
+
+
+def run_part(
+    spec: JobAttempt,
+    part: str,
+    deadline: Deadline,
+    storage_block: str,
+    settings_block: str,
+    signing_block: str,
+    chunk_s: float | None,
+) -> bool:
+    """Do ``part`` of the attempt ``spec``; whether it rendered anything."""
+    settings = load_settings(settings_block)
+    store = load_storage(storage_block)
+    ctx = pipeline_context(settings, signing_block)
+    chosen = settings.apply_defaults(spec.options)
+    sources = [read_from(store, k) for k in [spec.source_key, *spec.extra_source_keys]]
+    plan_key = video_plan_key(spec.job_id, spec.attempt)
+    sweep_workdirs()
+    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as tmp:
+        workdir = Path(tmp)
+        chunk_len = chunk_s or settings.video_chunk_s
+        job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_len)
+        job.payload = payload_for(spec.job_id) if ctx.marker is not None else None
+        if part == ANALYSE:
+            job.references = [read_from(store, k) for k in spec.reference_keys]
+            job.probed = guarded("probe", deadline).run(probe_task, job, spec.target_key)
+            job.planned = guarded("analyse", deadline).run(analyse_task, job)
+            save_plan(store, plan_key, StoredPlan(job.digest, job.probed, job.planned))
+            return True
+        stored = load_plan(store, plan_key)
+        job.digest, job.probed, job.planned = stored.digest, stored.probed, stored.planned
+        chunks = {chunk_part(c.index): c for c in stored.planned.chunks}
+        if part not in chunks:
+            raise InvalidInput(detail=f"no part {part!r} in the plan")
+        chunk = chunks[part]
+        if is_stored(store, job.chunk_key(chunk)):  # stored by an earlier run of it
+            return False
+        fetch_to(store, spec.target_key, job.video)
+        counter = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
+        job.progress = counter
+        render = render_chunk_task.with_options(task_run_name=f"render-{part}")
+        runner = FrameRunner(ctx)
+        rendered = bool(guarded("render_chunk", deadline).run(render, job, chunk, runner))
+        counter.write(dict(runner.failures))
+        return rendered

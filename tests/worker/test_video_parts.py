@@ -1,0 +1,277 @@
+"""A ``fuse-video`` coordinator (in this process, as on the control pool) fanning its parts
+out to two warm GPU workers on a real Prefect server: the story clip (90 frames, three
+scenes) with grace_hopper as the source, in 2-s chunks (three)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from flows.artifacts import artifact_key
+from flows.params import (
+    VIDEO_ANALYSE_DEPLOYMENT,
+    VIDEO_PART_FLOW_NAME,
+    VIDEO_RENDER_DEPLOYMENT,
+    JobFailure,
+    VideoResultRef,
+    chunk_part,
+    part_progress_key,
+    result_error_key,
+    result_key,
+    result_meta_key,
+    video_parts_tag,
+)
+from flows.video import fuse_video_flow
+from tasks import watermark
+from tasks.provenance import dev_root_path, inspect_file, read_manifest
+from tasks.video_io import frame_timestamps, probe_video, read_frames
+from tests import samples
+from tests.orchestration.helpers import job_params
+from tests.videos import Videos
+from tests.worker.conftest import Api, WarmWorker, start_warm_worker
+from webapi.prefect_api import PrefectAPI
+
+CHUNKS = 3  # the story clip in 2-s chunks, moved to its cuts (tests/test_video_job.py)
+PART_ENTRYPOINT = "flows/video_parts.py:fuse_video_part"
+
+
+@pytest.fixture(scope="module")
+def workers(
+    prefect_api: Api, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[WarmWorker]]:
+    """Two warm workers (one child each) on one pool holding the two part deployments."""
+    tmp = tmp_path_factory.mktemp("video-parts")
+    pool = f"video-{uuid.uuid4().hex[:6]}"
+    env = {"FACEFLOW_WORKER_ACQUIRE_TIMEOUT_S": "30"}
+    started = [start_warm_worker(prefect_api, tmp / "a", pool, env, name="gpu-a")]
+    try:
+        started.append(
+            start_warm_worker(prefect_api, tmp / "b", pool, env, name="gpu-b", create_pool=False)
+        )
+        for name in (VIDEO_ANALYSE_DEPLOYMENT, VIDEO_RENDER_DEPLOYMENT):
+            prefect_api.deploy(VIDEO_PART_FLOW_NAME, PART_ENTRYPOINT, pool, name=name)
+        yield started
+    finally:
+        for worker in started:
+            worker.service.stop(grace=15)
+
+
+def child_pids(workers: list[WarmWorker]) -> list[int]:
+    return [int(w.wait_idle()["children"][0]["pid"]) for w in workers]
+
+
+def coordinate(prefect_api: Api, params: dict[str, Any]) -> Any:
+    """Run the coordinator here against the test server; its final state."""
+    with temporary_settings({PREFECT_API_URL: prefect_api.url}):
+        return fuse_video_flow(**params, chunk_s=2.0, return_state=True)
+
+
+def parts_of(prefect_api: Api, job_id: str) -> list[dict[str, Any]]:
+    body = {"flow_runs": {"tags": {"all_": [video_parts_tag(job_id, 1)]}}, "limit": 50}
+    return list(prefect_api.call("POST", "/flow_runs/filter", body))
+
+
+def new_job(
+    prefect_api: Api, videos: Videos, source: bytes, seconds: float = 900
+) -> dict[str, Any]:
+    home = prefect_api.home
+    return job_params(
+        home.put_input(source), home.put_input(videos.story.read_bytes(), "mp4"), seconds=seconds
+    )
+
+
+def chunk_files(prefect_api: Api) -> dict[str, int]:
+    root = prefect_api.home.storage / "video-chunks"
+    return {p.name: p.stat().st_mtime_ns for p in root.glob("*.mp4")}
+
+
+def watch_parts(
+    prefect_api: Api, job_id: str, act: Callable[[dict[str, Any]], bool]
+) -> threading.Thread:
+    """A thread that polls the job's parts until ``act(run)`` returns True for one."""
+
+    def loop() -> None:
+        end = time.monotonic() + 600
+        while time.monotonic() < end:
+            for run in parts_of(prefect_api, job_id):
+                if act(run):
+                    return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_chunks_render_on_both_workers_and_the_video_is_whole(
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos, tmp_path: Path
+) -> None:
+    pids = child_pids(workers)
+    params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
+    before = set(chunk_files(prefect_api))
+    state = coordinate(prefect_api, params)
+    assert state.is_completed(), state.message
+    ref = VideoResultRef.model_validate(state.result())
+    job_id = params["job_id"]
+    assert ref.chunks == ref.chunks_rendered == CHUNKS
+    assert len(set(chunk_files(prefect_api)) - before) == CHUNKS
+
+    parts = parts_of(prefect_api, job_id)
+    renders = [r for r in parts if r["name"] != f"{job_id}-analyse"]
+    assert sorted(r["name"] for r in renders) == [f"{job_id}-chunk-{i:04d}" for i in range(3)]
+    assert all(r["state_type"] == "COMPLETED" for r in parts)
+    by_pid = Counter(int(r["state"]["message"].rsplit(" ", 1)[1]) for r in renders)
+    print(f"\nchunks per worker child: {dict(by_pid)} (children {pids})")
+    assert set(by_pid) == set(pids)  # both workers rendered chunks
+    for i in range(CHUNKS):  # each render part wrote its frames for the job's progress
+        counted = prefect_api.home.storage / part_progress_key(job_id, 1, chunk_part(i))
+        assert json.loads(counted.read_text())["frames"] > 0
+
+    result = prefect_api.home.storage / ref.key
+    assert probe_video(result).frame_count == probe_video(videos.story).frame_count == ref.frames
+    assert frame_timestamps(result) == frame_timestamps(videos.story)
+    assert ref.faces_replaced > 0 and ref.tracks and ref.frame_failures == {}
+    sidecar = (prefect_api.home.storage / result_meta_key(job_id, 1)).read_text()
+    assert VideoResultRef.model_validate_json(sidecar) == ref
+    assert ref.key == result_key(job_id, 1, "mp4")
+    assert_marked(prefect_api, job_id, ref, result, state.state_details.flow_run_id)
+
+
+def assert_marked(
+    prefect_api: Api, job_id: str, ref: VideoResultRef, result: Path, run: Any
+) -> None:
+    """The result is signed by the stack's chain, every frame rendered by the parts carries
+    the job's watermark, and the coordinator's result artifact says so."""
+    root = dev_root_path(prefect_api.home.path).read_text()
+    manifest = read_manifest(result.read_bytes(), "video/mp4", root)
+    assert manifest.valid and manifest.trusted and manifest.ours, manifest
+    assert ref.marks == ["c2pa", "watermark"]
+    payload = watermark.payload_for(job_id)
+    bits = np.asarray(payload.bits())
+    frames = [f.image for f in read_frames(result, 0, ref.frames)]
+    assert len(frames) == ref.frames
+    for index, frame in enumerate(frames):  # chunks from both workers: every frame marked
+        scores = watermark.VIDEO.scores(frame)
+        assert scores is not None and np.mean((scores > 0) == bits) >= 0.9, index
+    assert inspect_file(result.read_bytes(), root).watermark == payload
+    body = {"artifacts": {"flow_run_id": {"any_": [str(run)]}}, "limit": 20}
+    artifacts = prefect_api.call("POST", "/artifacts/filter", body)
+    (view,) = [a for a in artifacts if a["type"] == "markdown"]
+    assert view["key"] == artifact_key(job_id, "result")
+    assert "Marked: signed C2PA Content Credentials, invisible watermark in every frame" in str(
+        view["data"]
+    )
+
+
+def test_a_coordinator_run_again_for_the_same_attempt_reuses_its_parts(
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos
+) -> None:
+    """The same attempt coordinated twice (its first coordinator lost after its parts
+    ran): the idempotency keys give back the part it created, it does not run again.
+    (The chunks of this video and source are stored by the first test: no render part.)"""
+    params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
+    assert coordinate(prefect_api, params).is_completed()
+    job_id = params["job_id"]
+    first = {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)}
+    assert set(first) == {f"{job_id}-analyse"}
+    again = coordinate(prefect_api, params)
+    assert again.is_completed(), again.message
+    assert {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)} == first
+
+
+def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos
+) -> None:
+    child_pids(workers)
+    params = new_job(prefect_api, videos, samples.astronaut_jpeg_bytes())
+    job_id = params["job_id"]
+    killed: list[str] = []
+
+    def kill_first_render(run: dict[str, Any]) -> bool:
+        """SIGKILL the worker child running chunk 1's part (found by its run id)."""
+        if not run["name"].endswith("chunk-0001") or run["state_type"] != "RUNNING":
+            return False
+        for worker in workers:
+            for child in worker.status()["children"]:
+                if child["flow_run_id"] == run["id"] and child["pid"]:
+                    os.kill(int(child["pid"]), signal.SIGKILL)
+                    killed.append(str(child["pid"]))
+                    return True
+        return False
+
+    before = chunk_files(prefect_api)
+    watcher = watch_parts(prefect_api, job_id, kill_first_render)
+    state = coordinate(prefect_api, params)
+    watcher.join(timeout=5)
+    assert state.is_completed(), state.message
+    assert killed, "the chunk's part was never seen running"
+    ref = VideoResultRef.model_validate(state.result())
+    runs = Counter(r["name"] for r in parts_of(prefect_api, job_id))
+    assert runs[f"{job_id}-chunk-0001"] == 2  # crashed, then run again
+    assert all(n == 1 for name, n in runs.items() if not name.endswith("chunk-0001"))
+    new = set(chunk_files(prefect_api)) - set(before)
+    assert len(new) == CHUNKS and ref.chunks_rendered == CHUNKS  # each written once
+    for worker in workers:
+        worker.wait_idle()  # a fresh child for the next test
+
+
+def test_cancelling_the_parts_ends_the_attempt_cancelled_without_a_result(
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos
+) -> None:
+    child_pids(workers)
+    own = samples.encode(samples.astronaut_rgb(), quality=80)  # chunks not stored yet
+    params = new_job(prefect_api, videos, own)
+    job_id = params["job_id"]
+
+    def cancel_when_rendering(run: dict[str, Any]) -> bool:
+        if "chunk-" not in run["name"] or run["state_type"] != "RUNNING":
+            return False
+        with PrefectAPI(prefect_api.url) as api:  # what the relay's cancel path does
+            api.cancel_tagged(video_parts_tag(job_id, 1), message="Cancelled by FaceFlow")
+        return True
+
+    before = chunk_files(prefect_api)
+    watcher = watch_parts(prefect_api, job_id, cancel_when_rendering)
+    state = coordinate(prefect_api, params)
+    watcher.join(timeout=5)
+    assert state.is_cancelled(), state
+    end = time.monotonic() + 60
+    while any(
+        r["state_type"] not in ("CANCELLED", "COMPLETED") for r in parts_of(prefect_api, job_id)
+    ):
+        assert time.monotonic() < end, parts_of(prefect_api, job_id)
+        time.sleep(0.2)
+    storage = prefect_api.home.storage
+    assert not (storage / result_key(job_id, 1, "mp4")).exists()
+    assert not (storage / result_meta_key(job_id, 1)).exists()
+    assert len(set(chunk_files(prefect_api)) - set(before)) < CHUNKS  # stopped mid-video
+    assert not list(storage.glob("video-chunks/*.partial"))
+    for worker in workers:
+        worker.wait_idle()
+
+
+def test_too_little_time_fails_deadline_exceeded_without_a_result(
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos
+) -> None:
+    params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes(), seconds=10.0)
+    state = coordinate(prefect_api, params)  # below what probe + analysis (10 s) need
+    assert state.is_failed()
+    assert state.message is not None and state.message.startswith("[deadline_exceeded]")
+    job_id = params["job_id"]
+    failure = JobFailure.model_validate(
+        json.loads((prefect_api.home.storage / result_error_key(job_id, 1)).read_text())
+    )
+    assert failure.code == "deadline_exceeded" and not failure.retryable
+    assert not (prefect_api.home.storage / result_key(job_id, 1, "mp4")).exists()
