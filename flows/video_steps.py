@@ -13,6 +13,9 @@ rendered again, so a re-dispatched attempt renders only the missing chunks.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import io
 import os
 import pickle
 import shutil
@@ -26,9 +29,10 @@ from prefect.cache_policies import NO_CACHE
 
 from blocks.settings import StagePolicy
 from blocks.storage import ByteStore, fetch_to, is_stored, put_from, read_from, write_to
+from flows.binding import worker_keys
 from flows.deadline import Deadline, StageGuard
 from flows.params import VideoResultRef, video_chunk_key
-from tasks.errors import TransientError
+from tasks.errors import InvalidInput, RunBindingInvalid, TransientError
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
 from tasks.provenance import Ingredient, input_ingredients
@@ -222,17 +226,69 @@ class StoredPlan:
     planned: Planned
 
 
+PLAN_MAGIC = b"FFPLAN1"
+"""The first bytes of a stored plan: then its HMAC-SHA256 (32 bytes), then the pickle."""
+
+#: What a stored plan may name besides FaceFlow's own classes: numpy's arrays, fractions.
+_PLAN_GLOBALS = {
+    ("fractions", "Fraction"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy._core.numeric", "_frombuffer"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"),
+}
+
+
+class _PlanUnpickler(pickle.Unpickler):
+    """Unpickles classes of ``tasks``/``flows`` and numpy arrays only: no function of
+    another module can be called while a plan is read."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PLAN_GLOBALS:
+            return super().find_class(module, name)
+        if module.split(".")[0] in ("tasks", "flows"):
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
+        raise pickle.UnpicklingError(f"a video plan may not name {module}.{name}")
+
+
+def plan_mac(key: str, body: bytes) -> bytes:
+    """The HMAC-SHA256 of a stored plan's pickle ``body`` under run-signing ``key``."""
+    return hmac.new(key.encode(), PLAN_MAGIC + body, hashlib.sha256).digest()
+
+
 def save_plan(store: ByteStore, key: str, plan: StoredPlan) -> None:
-    """Store a plan (pickled: written and read only by FaceFlow's own flows; the class
-    lives here, a module imported by name, so any process unpickles it)."""
-    write_to(store, key, pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+    """Store a plan: pickled, behind an HMAC with the run-signing key (the key that binds
+    runs to jobs, ``flows.binding.worker_keys``), so that only FaceFlow's flows can write
+    one that another process reads."""
+    body = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    keys = worker_keys()
+    if not keys:
+        raise RunBindingInvalid(detail="no run-signing key: a video plan cannot be stored")
+    write_to(store, key, PLAN_MAGIC + plan_mac(keys[0], body) + body)
 
 
 def load_plan(store: ByteStore, key: str) -> StoredPlan:
-    """The plan the analysis part stored under ``key``."""
-    plan = pickle.loads(read_from(store, key))  # our own flows wrote it
+    """The plan the analysis part stored under ``key``; ``InvalidInput`` when its HMAC
+    matches no accepted key (written by something else) or it names a foreign global."""
+    data = read_from(store, key)
+    head, rest = data[: len(PLAN_MAGIC)], data[len(PLAN_MAGIC) :]
+    mac, body = rest[:32], rest[32:]
+    if head != PLAN_MAGIC or not any(
+        hmac.compare_digest(mac, plan_mac(k, body)) for k in worker_keys()
+    ):
+        raise InvalidInput(detail=f"{key} holds no video plan signed by this service")
+    try:
+        plan = _PlanUnpickler(io.BytesIO(body)).load()
+    except pickle.UnpicklingError as exc:
+        raise InvalidInput(detail=f"{key}: {exc}") from exc
     if not isinstance(plan, StoredPlan):
-        raise TypeError(f"{key} holds no video plan")
+        raise InvalidInput(detail=f"{key} holds no video plan")
     return plan
 
 
