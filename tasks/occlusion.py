@@ -52,6 +52,9 @@ occluders (``WIDE_OCCLUDER``) are looked for there only."""
 HAIRLINE_BAND = -0.5
 """Above this (in eye-to-mouth distances from the eye line, upwards negative) a source
 pixel that is not skin is its hair: the fused face stops below it."""
+HAIRLINE_EDGE = 0.03
+"""How far (eye distances) the source's cut hair (``hairline_parts``) is grown over its own
+soft edge, strands that are not yet far from the skin's colour."""
 OCCLUDER_DISTANCE = 6.0
 """A part of the target face is an occluder only this far from the skin's colour
 (``skin_distance``; ``occluder_parts`` says of which pixels): a cap's brim is ≈ 6.6, a
@@ -225,7 +228,11 @@ def hairline_parts(
     keep = np.zeros(count, dtype=bool)
     for k in range(1, count):
         keep[k] = float(np.median(distance.ravel()[flat == k])) >= OCCLUDER_DISTANCE
-    return np.asarray(keep.astype(np.float32)[labels], dtype=np.float32)
+    parts = keep.astype(np.uint8)[labels]
+    # Grown over the hair's soft edge (hair_map below one half), which would be a dark seam.
+    grow = 2 * max(1, round(HAIRLINE_EDGE * eye)) + 1
+    grown = cv2.dilate(parts, cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (grow, grow)))
+    return np.asarray(grown, dtype=np.float32)
 
 
 def occluder_parts(
