@@ -9,9 +9,12 @@ where that is sure (``occluder_parts``): far from the skin's colour (``OCCLUDER_
 and either spanning ``WIDE_OCCLUDER[1]`` eye distances across (a frame joined by its
 bridge, a cap's brim) or one of a glasses frame's two sides, each the other's mirror
 image across the face's midline. On the source, what is not skin above the brows is its
-hair. What this does not catch: an occluder of the skin's own colour and shading (a hand
+hair (``hair_map``, left out of the light's low-passes), and the fused face stops below
+it where it is surely hair (``hairline_parts``: as far from the skin's colour as an
+occluder). What this does not catch: an occluder of the skin's own colour and shading (a hand
 of the same tone, pale rims on pale skin), a fringe near the skin's colour (the
-astronaut's), a narrow one (a finger, one strand of hair), one that covers only one eye.
+astronaut's: on the target it stays under the fused face, on the source it comes along),
+a narrow one (a finger, one strand of hair), one that covers only one eye.
 A false occluder costs the source's identity (t1.jpg's shadows and brows, kept, cost 0.12
 on some pairs), so a doubtful patch is left to the fused face.
 """
@@ -49,6 +52,9 @@ occluders (``WIDE_OCCLUDER``) are looked for there only."""
 HAIRLINE_BAND = -0.5
 """Above this (in eye-to-mouth distances from the eye line, upwards negative) a source
 pixel that is not skin is its hair: the fused face stops below it."""
+HAIRLINE_EDGE = 0.03
+"""How far (eye distances) the source's cut hair (``hairline_parts``) is grown over its own
+soft edge, strands that are not yet far from the skin's colour."""
 OCCLUDER_DISTANCE = 6.0
 """A part of the target face is an occluder only this far from the skin's colour
 (``skin_distance``; ``occluder_parts`` says of which pixels): a cap's brim is ≈ 6.6, a
@@ -141,13 +147,24 @@ def below_eyes(landmarks_in_crop: npt.ArrayLike, size: int) -> FloatArray:
     )
 
 
-def occlusion_mask(target: AlignedFace, source: AlignedFace | None = None) -> FloatArray:
+def occlusion_mask(
+    target: AlignedFace,
+    source: AlignedFace | None = None,
+    *,
+    target_distance: FloatArray | None = None,
+    source_distance: FloatArray | None = None,
+) -> FloatArray:
     """1 where the fused face must not go: an occluder of the target face (glasses, a
     brim, a fringe) and, given the aligned ``source``, the source's hair above its brows.
-    Only confident occluders (``occluder_parts``). Grown and softened by a pixel or two
-    so an occluder's edge blends."""
+    Only confident occluders (``occluder_parts``, ``hairline_parts``). Grown and softened
+    by a pixel or two so an occluder's edge blends. The faces' ``skin_distance`` maps may
+    be given (the fuser has them already)."""
     size = target.size
-    small = _skin_distance(target.crop, target.landmarks)
+    small = (
+        _skin_distance(target.crop, target.landmarks)
+        if target_distance is None
+        else target_distance
+    )
     distance = _full_size(small, size)
     not_skin = (1.0 - _full_size(skin_likeness(small), size)) * (
         face_mask(size, target.landmarks, erode=0.0, blur=0.0) > 0.0
@@ -163,16 +180,59 @@ def occlusion_mask(target: AlignedFace, source: AlignedFace | None = None) -> Fl
     )
     wide, mirrored = occluder_parts(solid, distance, target.landmarks)
     if source is not None:
-        source_skin = skin_map(source.crop, source.landmarks)
+        if source_distance is None:
+            source_distance = skin_distance(source.crop, source.landmarks)
+        source_skin = skin_likeness(source_distance)
         band = below_eyes(target.landmarks, size)
         glasses = mirrored * source_skin * ((band > GLASSES_BAND[0]) & (band < GLASSES_BAND[1]))
         parts = np.maximum(wide, glasses)
-        hair = (1.0 - source_skin) * (below_eyes(source.landmarks, size) < HAIRLINE_BAND)
+        hair = hairline_parts(source, source_distance, target.landmarks)
     else:
         parts, hair = wide, np.zeros_like(wide)
     covered = np.maximum(parts * not_skin * (1 - feature_zones(size, target.landmarks)), hair)
     grown = cv2.dilate(covered, cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (3, 3)))
     return np.asarray(cv2.GaussianBlur(grown, (0, 0), 0.004 * size + 0.5), dtype=np.float32)
+
+
+def hair_map(distance: FloatArray, landmarks_in_crop: npt.ArrayLike) -> FloatArray:
+    """How much each pixel of a face crop is its hair (or a cap, or the background): not
+    skin (``skin_likeness`` of its ``skin_distance``) above ``HAIRLINE_BAND``."""
+    above = below_eyes(landmarks_in_crop, distance.shape[0]) < HAIRLINE_BAND
+    return np.asarray((1.0 - skin_likeness(distance)) * above, dtype=np.float32)
+
+
+def hairline_parts(
+    source: AlignedFace, distance: FloatArray, target_landmarks: npt.ArrayLike
+) -> FloatArray:
+    """The source's hair the fused face stops below: the connected parts of its hair
+    (``hair_map``) inside the target's face whose median ``distance`` from the source's
+    skin is at least ``OCCLUDER_DISTANCE`` (dark hair on a light face, a cap), each made
+    solid (its gaps closed) so the cut has one clean edge. A fringe near the skin's colour
+    (the astronaut's, ≈ 4.5) is doubtful and goes with the fused face: cut, it cost her
+    identity 0.05 on t1.jpg's faces and left a pale band of the target's forehead."""
+    size = source.size
+    inside = face_mask(size, target_landmarks, erode=0.0, blur=0.0) > 0.0
+    binary = ((hair_map(distance, source.landmarks) > 0.5) & inside).astype(np.uint8)
+    eye = eye_distance(source.landmarks)
+    close = max(3, 2 * round(0.06 * eye) + 1)
+    binary = np.asarray(
+        cv2.morphologyEx(
+            binary, cv2.MORPH_CLOSE, cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (close, close))
+        ),
+        dtype=np.uint8,
+    ) & inside.astype(np.uint8)
+    count, labels = cv2.connectedComponents(binary, connectivity=8)
+    if count <= 1:
+        return np.zeros((size, size), dtype=np.float32)
+    flat = labels.ravel()
+    keep = np.zeros(count, dtype=bool)
+    for k in range(1, count):
+        keep[k] = float(np.median(distance.ravel()[flat == k])) >= OCCLUDER_DISTANCE
+    parts = keep.astype(np.uint8)[labels]
+    # Grown over the hair's soft edge (hair_map below one half), which would be a dark seam.
+    grow = 2 * max(1, round(HAIRLINE_EDGE * eye)) + 1
+    grown = cv2.dilate(parts, cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (grow, grow)))
+    return np.asarray(grown, dtype=np.float32)
 
 
 def occluder_parts(
