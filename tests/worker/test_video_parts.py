@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -115,16 +116,52 @@ def watch_parts(
     return thread
 
 
+def running_child(workers: list[WarmWorker], run_id: str) -> int | None:
+    """The pid of the worker child running flow run ``run_id``, if one is."""
+    for worker in workers:
+        for child in worker.status()["children"]:
+            if child["flow_run_id"] == run_id and child["pid"]:
+                return int(child["pid"])
+    return None
+
+
 def test_chunks_render_on_both_workers_and_the_video_is_whole(
     prefect_api: Api, workers: list[WarmWorker], videos: Videos, tmp_path: Path
 ) -> None:
+    """The first chunk's child is held (SIGSTOP) until the other chunks are done: they
+    can only go to the other worker, so the spread does not depend on this machine's
+    speed; then the held chunk finishes and the video is joined from both workers'."""
     pids = child_pids(workers)
     params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
-    before = set(chunk_files(prefect_api))
-    state = coordinate(prefect_api, params)
-    assert state.is_completed(), state.message
-    ref = VideoResultRef.model_validate(state.result())
     job_id = params["job_id"]
+    held: list[int] = []
+
+    def hold_first_chunk(run: dict[str, Any]) -> bool:
+        if not held:
+            if "chunk-" in run["name"] and run["state_type"] == "RUNNING":
+                pid = running_child(workers, run["id"])
+                if pid is not None:
+                    os.kill(pid, signal.SIGSTOP)
+                    held.append(pid)
+            return False
+        others = [r for r in parts_of(prefect_api, job_id) if "chunk-" in r["name"]]
+        if len(others) == CHUNKS and sum(r["state_type"] == "COMPLETED" for r in others) == 2:
+            os.kill(held[0], signal.SIGCONT)
+            return True
+        return False
+
+    before = set(chunk_files(prefect_api))
+    watcher = watch_parts(prefect_api, job_id, hold_first_chunk)
+    try:
+        state = coordinate(prefect_api, params)
+    finally:
+        for pid in held:  # never leave a child stopped
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    watcher.join(timeout=5)
+    assert state.is_completed(), state.message
+    assert held, "no chunk part was seen running"
+    ref = VideoResultRef.model_validate(state.result())
     assert ref.chunks == ref.chunks_rendered == CHUNKS
     assert len(set(chunk_files(prefect_api)) - before) == CHUNKS
 
@@ -134,7 +171,7 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
     assert all(r["state_type"] == "COMPLETED" for r in parts)
     by_pid = Counter(int(r["state"]["message"].rsplit(" ", 1)[1]) for r in renders)
     print(f"\nchunks per worker child: {dict(by_pid)} (children {pids})")
-    assert set(by_pid) == set(pids)  # both workers rendered chunks
+    assert set(by_pid) == set(pids) and sorted(by_pid.values()) == [1, 2]  # held: 1
     for i in range(CHUNKS):  # each render part wrote its frames for the job's progress
         counted = prefect_api.home.storage / part_progress_key(job_id, 1, chunk_part(i))
         assert json.loads(counted.read_text())["frames"] > 0
@@ -179,13 +216,14 @@ def test_a_coordinator_run_again_for_the_same_attempt_reuses_its_parts(
     prefect_api: Api, workers: list[WarmWorker], videos: Videos
 ) -> None:
     """The same attempt coordinated twice (its first coordinator lost after its parts
-    ran): the idempotency keys give back the part it created, it does not run again.
-    (The chunks of this video and source are stored by the first test: no render part.)"""
+    ran): the idempotency keys give back the parts it created, none runs again. (Every
+    job renders its own chunks: its frames carry its own watermark.)"""
     params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
     assert coordinate(prefect_api, params).is_completed()
     job_id = params["job_id"]
     first = {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)}
-    assert set(first) == {f"{job_id}-analyse"}
+    chunks = {f"{job_id}-chunk-{i:04d}" for i in range(CHUNKS)}
+    assert set(first) == {f"{job_id}-analyse"} | chunks
     again = coordinate(prefect_api, params)
     assert again.is_completed(), again.message
     assert {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)} == first
@@ -203,13 +241,12 @@ def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
         """SIGKILL the worker child running chunk 1's part (found by its run id)."""
         if not run["name"].endswith("chunk-0001") or run["state_type"] != "RUNNING":
             return False
-        for worker in workers:
-            for child in worker.status()["children"]:
-                if child["flow_run_id"] == run["id"] and child["pid"]:
-                    os.kill(int(child["pid"]), signal.SIGKILL)
-                    killed.append(str(child["pid"]))
-                    return True
-        return False
+        pid = running_child(workers, run["id"])
+        if pid is None:
+            return False
+        os.kill(pid, signal.SIGKILL)
+        killed.append(str(pid))
+        return True
 
     before = chunk_files(prefect_api)
     watcher = watch_parts(prefect_api, job_id, kill_first_render)
