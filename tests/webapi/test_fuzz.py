@@ -36,6 +36,7 @@ def test_fuzz_submit_never_answers_5xx(database_url: str, tmp_path: Path, engine
         max_examples=EXAMPLES,
         deadline=None,
         database=None,
+        derandomize=True,  # the same cases every run: the deep-path check cannot flake
         suppress_health_check=list(HealthCheck),
     )
     def check(case: Any, with_images: bool) -> None:
