@@ -13,6 +13,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from webapi.webhooks import new_secret as new_webhook_secret
@@ -68,9 +69,12 @@ class KeyCache(Generic[T]):
     rotation's grace period) is never kept past it. Keys are held only as hashes.
     """
 
-    def __init__(self, ttl_s: float, max_entries: int = 4096) -> None:
+    def __init__(
+        self, ttl_s: float, max_entries: int = 4096, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.clock = clock
         self._entries: OrderedDict[str, tuple[float, T]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -82,7 +86,7 @@ class KeyCache(Generic[T]):
             entry = self._entries.get(key_hash)
             if entry is None:
                 return None
-            if time.monotonic() >= entry[0]:
+            if self.clock() >= entry[0]:
                 del self._entries[key_hash]
                 return None
             self._entries.move_to_end(key_hash)
@@ -95,7 +99,7 @@ class KeyCache(Generic[T]):
         if lifetime <= 0:
             return
         with self._lock:
-            self._entries[key_hash] = (time.monotonic() + lifetime, value)
+            self._entries[key_hash] = (self.clock() + lifetime, value)
             self._entries.move_to_end(key_hash)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
