@@ -44,6 +44,7 @@ from tests.worker.conftest import Api, WarmWorker, start_warm_worker
 from webapi.prefect_api import PrefectAPI
 
 CHUNKS = 3  # the story clip in 2-s chunks, moved to its cuts (tests/test_video_job.py)
+RANGES = 3  # its analysis in ranges of about 2 s (tests/test_video_analysis.py)
 PART_ENTRYPOINT = "flows/video_parts.py:fuse_video_part"
 
 
@@ -129,12 +130,17 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
     assert len(set(chunk_files(prefect_api)) - before) == CHUNKS
 
     parts = parts_of(prefect_api, job_id)
-    renders = [r for r in parts if r["name"] != f"{job_id}-analyse"]
+    renders = [r for r in parts if "-chunk-" in r["name"]]
+    ranges = [r for r in parts if "-analyse-" in r["name"]]
     assert sorted(r["name"] for r in renders) == [f"{job_id}-chunk-{i:04d}" for i in range(3)]
+    assert len(ranges) == RANGES and len(parts) == RANGES + CHUNKS + 2  # and probe, plan
+    assert {f"{job_id}-probe", f"{job_id}-plan"} <= {r["name"] for r in parts}
     assert all(r["state_type"] == "COMPLETED" for r in parts)
     by_pid = Counter(int(r["state"]["message"].rsplit(" ", 1)[1]) for r in renders)
-    print(f"\nchunks per worker child: {dict(by_pid)} (children {pids})")
+    analysed = Counter(int(r["state"]["message"].rsplit(" ", 1)[1]) for r in ranges)
+    print(f"\nper worker child: chunks {dict(by_pid)}, ranges {dict(analysed)} ({pids})")
     assert set(by_pid) == set(pids)  # both workers rendered chunks
+    assert set(analysed) == set(pids)  # and analysed frame ranges
     for i in range(CHUNKS):  # each render part wrote its frames for the job's progress
         counted = prefect_api.home.storage / part_progress_key(job_id, 1, chunk_part(i))
         assert json.loads(counted.read_text())["frames"] > 0
@@ -179,13 +185,15 @@ def test_a_coordinator_run_again_for_the_same_attempt_reuses_its_parts(
     prefect_api: Api, workers: list[WarmWorker], videos: Videos
 ) -> None:
     """The same attempt coordinated twice (its first coordinator lost after its parts
-    ran): the idempotency keys give back the part it created, it does not run again.
-    (The chunks of this video and source are stored by the first test: no render part.)"""
+    ran): the idempotency keys give back the parts it created, they do not run again.
+    (The analysis of this video is stored by the first test: no range part; its chunks
+    carry this job's watermark, so they are rendered.)"""
     params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
     assert coordinate(prefect_api, params).is_completed()
     job_id = params["job_id"]
     first = {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)}
-    assert set(first) == {f"{job_id}-analyse"}
+    chunks = {f"{job_id}-chunk-{i:04d}" for i in range(CHUNKS)}
+    assert set(first) == {f"{job_id}-probe", f"{job_id}-plan"} | chunks
     again = coordinate(prefect_api, params)
     assert again.is_completed(), again.message
     assert {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)} == first
