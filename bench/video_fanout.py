@@ -9,7 +9,9 @@ deleted between counts (and analysed ranges), so each does all the work.
 
 ``--gpu-frame-ms`` makes every rendered frame's compute a fixed sleep on the workers
 (``FACEFLOW_BENCH_VIDEO_FRAME_MS``, installed by ``bench/gpu_shaped_site``): decode and
-encode stay real, the frame's face stages become what a GPU would leave on the CPU. Prints
+encode stay real, the frame's face stages become what a GPU would leave on the CPU.
+``--gpu-detect-ms`` does the same for each analysed frame's detection
+(``FACEFLOW_BENCH_VIDEO_DETECT_MS``; no face found, the signature real). Prints
 per worker count the probe part's time, the analysis span (first range part's start →
 last one's end, from Prefect's timestamps), the plan part's time, the render span (the
 same for the render parts), the whole job's wall time and the ranges and chunks each
@@ -62,6 +64,27 @@ def install_frame_ms(ms: float) -> None:
             yield index, frame
 
     video.render = render  # type: ignore[assignment]
+
+
+DETECT_MS_ENV = "FACEFLOW_BENCH_VIDEO_DETECT_MS"
+
+
+def install_detect_ms(ms: float) -> None:
+    """Every frame ``tasks.video.analyse`` analyses becomes a ``ms`` sleep (its detection, as
+    on a GPU) with no face; its signature (scene cuts) stays real, as does the decode."""
+    from collections.abc import Iterable
+
+    from tasks import video
+    from tasks.video_plan import frame_signature
+
+    def analyse(frames: Iterable[Any], options: Any, ctx: Any, analysis: Any) -> Any:
+        for frame in frames:
+            time.sleep(ms / 1000.0)
+            analysis.faces.append([])
+            analysis.signatures.append(frame_signature(frame))
+        return analysis
+
+    video.analyse = analyse  # type: ignore[assignment]
 
 
 def start_workers(
@@ -145,7 +168,13 @@ def ts(value: str) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
-def run(clip: Path, counts: list[int], chunk_s: float, frame_ms: float | None) -> None:
+def run(
+    clip: Path,
+    counts: list[int],
+    chunk_s: float,
+    frame_ms: float | None,
+    detect_ms: float | None = None,
+) -> None:
     """The fan-out bench (see the module docstring); prints one line per worker count."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -169,6 +198,8 @@ def run(clip: Path, counts: list[int], chunk_s: float, frame_ms: float | None) -
             env = {"PYTHONPATH": f"{REPO / 'bench' / gpu_shaped.SITE}:{REPO}"}
             if frame_ms:
                 env[FRAME_MS_ENV] = str(frame_ms)
+            if detect_ms:
+                env[DETECT_MS_ENV] = str(detect_ms)
             results = {}
             for count in counts:
                 for stored in ("video-chunks", "video-analysis"):  # each count does it all
