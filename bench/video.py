@@ -1,7 +1,7 @@
 """Video jobs in one process: the whole job against the bare per-frame loop, and memory.
 
 Run: ``.venv/bin/python bench/video.py [--seconds 20] [--size 480x360] [--fps 15]
-[--modes bare,job] [--chunk-s 10]``; ``--workers 1,2 [--gpu-frame-ms 100]``: the job
+[--modes bare,job] [--chunk-s 10]``; ``--workers 1,2 [--gpu-frame-ms 100] [--gpu-detect-ms 100]``: the job
 fanned out over that many warm GPU workers instead (``bench/video_fanout.py``). Writes a clip (a slow pan and zoom over insightface's
 t1.jpg group photo, H.264, streamed to disk frame by frame), then, each mode in a fresh
 process (so peak RSS is its own):
@@ -204,6 +204,9 @@ def main() -> None:
     parser.add_argument(
         "--gpu-frame-ms", type=float, help="with --workers: each rendered frame a fixed sleep"
     )
+    parser.add_argument(
+        "--gpu-detect-ms", type=float, help="with --workers: each analysed frame a fixed sleep"
+    )
     parser.add_argument("--child", nargs=2, metavar=("MODE", "CLIP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -217,7 +220,7 @@ def main() -> None:
             from bench.video_fanout import run
 
             counts = [int(n) for n in args.workers.split(",")]
-            run(clip, counts, args.chunk_s, args.gpu_frame_ms)
+            run(clip, counts, args.chunk_s, args.gpu_frame_ms, args.gpu_detect_ms)
             return
         results = {}
         for mode in args.modes.split(","):

@@ -5,14 +5,17 @@ blocks, stores the source photo and the clip, deploys ``video-analyse`` and
 ``video-render`` (``fuse-video-part``) into one ``faceflow-gpu`` pool and, per worker
 count, starts that many warm workers (one child each, stopped by PID) and runs the
 ``fuse-video`` coordinator in this process (as the control worker would). Chunks are
-deleted between counts, so each renders every chunk.
+deleted between counts (and analysed ranges), so each does all the work.
 
 ``--gpu-frame-ms`` makes every rendered frame's compute a fixed sleep on the workers
 (``FACEFLOW_BENCH_VIDEO_FRAME_MS``, installed by ``bench/gpu_shaped_site``): decode and
-encode stay real, the frame's face stages become what a GPU would leave on the CPU. Prints
-per worker count the render span (first render part's start → last one's end, from
-Prefect's timestamps), the whole job's wall time and the chunks each worker child
-rendered. Asserts nothing.
+encode stay real, the frame's face stages become what a GPU would leave on the CPU.
+``--gpu-detect-ms`` does the same for each analysed frame's detection
+(``FACEFLOW_BENCH_VIDEO_DETECT_MS``; no face found, the signature real). Prints
+per worker count the probe part's time, the analysis span (first range part's start →
+last one's end, from Prefect's timestamps), the plan part's time, the render span (the
+same for the render parts), the whole job's wall time and the ranges and chunks each
+worker child ran. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +64,27 @@ def install_frame_ms(ms: float) -> None:
             yield index, frame
 
     video.render = render  # type: ignore[assignment]
+
+
+DETECT_MS_ENV = "FACEFLOW_BENCH_VIDEO_DETECT_MS"
+
+
+def install_detect_ms(ms: float) -> None:
+    """Every frame ``tasks.video.analyse`` analyses becomes a ``ms`` sleep (its detection, as
+    on a GPU) with no face; its signature (scene cuts) stays real, as does the decode."""
+    from collections.abc import Iterable
+
+    from tasks import video
+    from tasks.video_plan import frame_signature
+
+    def analyse(frames: Iterable[Any], options: Any, ctx: Any, analysis: Any) -> Any:
+        for frame in frames:
+            time.sleep(ms / 1000.0)
+            analysis.faces.append([])
+            analysis.signatures.append(frame_signature(frame))
+        return analysis
+
+    video.analyse = analyse  # type: ignore[assignment]
 
 
 def start_workers(
@@ -114,24 +138,43 @@ def one_job(server: PrefectServer, keys: tuple[str, str], chunk_s: float) -> dic
     body = {"flow_runs": {"tags": {"all_": [video_parts_tag(params["job_id"], 1)]}}, "limit": 200}
     parts = server.rest.call("POST", "/flow_runs/filter", body)
     renders = [r for r in parts if "-chunk-" in r["name"]]
-    start = min(ts(r["start_time"]) for r in renders)
-    end = max(ts(r["end_time"]) for r in renders)
-    analyse = next(r for r in parts if r["name"].endswith("-analyse"))
-    per_child = Counter(r["state"]["message"].rsplit(" ", 1)[1] for r in renders)
+    ranges = [r for r in parts if "-analyse-" in r["name"]]
+    (probe,) = [r for r in parts if r["name"].endswith("-probe")]
+    (plan,) = [r for r in parts if r["name"].endswith("-plan")]
     return {
         "job_s": round(wall, 1),
-        "analyse_s": round(ts(analyse["end_time"]) - ts(analyse["start_time"]), 1),
-        "render_span_s": round(end - start, 1),
-        "chunks": len(renders),
-        "chunks_per_child": sorted(per_child.values(), reverse=True),
+        "probe_s": round(ts(probe["end_time"]) - ts(probe["start_time"]), 1),
+        "analysis_span_s": span(ranges),
+        "plan_s": round(ts(plan["end_time"]) - ts(plan["start_time"]), 1),
+        "render_span_s": span(renders),
+        "ranges_per_child": per_child(ranges),
+        "chunks_per_child": per_child(renders),
     }
+
+
+def span(runs: list[dict[str, Any]]) -> float:
+    """First run's start → last run's end, seconds (Prefect's timestamps)."""
+    start = min(ts(r["start_time"]) for r in runs)
+    return round(max(ts(r["end_time"]) for r in runs) - start, 1)
+
+
+def per_child(runs: list[dict[str, Any]]) -> list[int]:
+    """How many of ``runs`` each worker child ran (their messages end with its pid)."""
+    counted = Counter(r["state"]["message"].rsplit(" ", 1)[1] for r in runs)
+    return sorted(counted.values(), reverse=True)
 
 
 def ts(value: str) -> float:
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
-def run(clip: Path, counts: list[int], chunk_s: float, frame_ms: float | None) -> None:
+def run(
+    clip: Path,
+    counts: list[int],
+    chunk_s: float,
+    frame_ms: float | None,
+    detect_ms: float | None = None,
+) -> None:
     """The fan-out bench (see the module docstring); prints one line per worker count."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -155,9 +198,12 @@ def run(clip: Path, counts: list[int], chunk_s: float, frame_ms: float | None) -
             env = {"PYTHONPATH": f"{REPO / 'bench' / gpu_shaped.SITE}:{REPO}"}
             if frame_ms:
                 env[FRAME_MS_ENV] = str(frame_ms)
+            if detect_ms:
+                env[DETECT_MS_ENV] = str(detect_ms)
             results = {}
             for count in counts:
-                shutil.rmtree(storage / "video-chunks", ignore_errors=True)
+                for stored in ("video-chunks", "video-analysis"):  # each count does it all
+                    shutil.rmtree(storage / stored, ignore_errors=True)
                 workers = start_workers(server, pool, count, home, env)
                 try:
                     results[count] = one_job(server, keys, chunk_s)
@@ -167,10 +213,12 @@ def run(clip: Path, counts: list[int], chunk_s: float, frame_ms: float | None) -
                 print(f"workers={count}: {json.dumps(results[count])}", flush=True)
             if 1 in results:
                 for count, figures in results.items():
-                    span = results[1]["render_span_s"] / figures["render_span_s"]
-                    whole = results[1]["job_s"] / figures["job_s"]
-                    print(
-                        f"workers={count}: render span {span:.2f}x faster, whole job {whole:.2f}x"
-                    )
+                    one = results[1]
+                    gains = ", ".join(
+                        f"{what} {one[key] / figures[key]:.2f}x"
+                        for what, key in (("analysis span", "analysis_span_s"),
+                                          ("render span", "render_span_s"), ("whole job", "job_s"))
+                    )  # fmt: skip
+                    print(f"workers={count}: {gains} faster")
         finally:
             server.stop(grace=10)

@@ -223,9 +223,26 @@ def chunks_manifest_key(job_id: str, attempt: int) -> str:
 
 
 def video_plan_key(job_id: str, attempt: int) -> str:
-    """Storage key of a video job attempt's plan (probe, analysis, chunks and face plan),
-    written by its analysis part and read by its render parts and coordinator."""
+    """Storage key of a video job attempt's plan (probe, then chunks and face plan),
+    written by its probe and plan parts and read by its other parts and coordinator."""
     return f"results/{job_id}/attempt-{attempt}.plan.pkl"
+
+
+def video_analysis_key(name: str) -> str:
+    """Storage key of the analysis of a video's frame range (``tasks.video_analysis``'s
+    ``range_name``: named by content, so any attempt reuses it)."""
+    return f"video-analysis/{name}"
+
+
+def analysis_manifest_key(job_id: str, attempt: int) -> str:
+    """Storage key of the JSON list of analysis keys (``video_analysis_key``) a video job
+    attempt analyses into: retention deletes them with the job's inputs."""
+    return f"results/{job_id}/attempt-{attempt}.analysis.json"
+
+
+def analysis_part(start: int, stop: int) -> str:
+    """The ``fuse-video-part`` part name of the analysis of frames ``[start, stop)``."""
+    return f"analyse-{start:06d}-{stop:06d}"
 
 
 def chunk_part(index: int) -> str:

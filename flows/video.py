@@ -3,17 +3,20 @@
 It runs on the control pool (its ``video`` queue), never on a GPU: it holds no GPU slot
 while it waits, so a one-worker GPU pool cannot deadlock. Its work is done by
 ``fuse-video-part`` runs on the GPU pool's ``video`` queue (``flows/video_parts.py``,
-created and waited on by ``flows.video_fanout.Parts``): the ``analyse`` part (probe,
-moderation of sampled input frames, analysis, plan), then one ``chunk-<i>`` part per chunk
+created and waited on by ``flows.video_fanout.Parts``): the ``probe`` part (probe,
+moderation of sampled input frames), one ``analyse-<start>-<stop>`` part per frame range
+not analysed yet (about a chunk each, spread over the pool's workers), the ``plan`` part
+(cuts, chunks, face plan from the merged analysis), then one ``chunk-<i>`` part per chunk
 not stored yet, spread over the pool's workers. The coordinator then fetches the stored
 chunks, joins them with the audio, moderates sampled result frames, reports and stores
 (``flows.video_steps``' tasks). It renders nothing itself. With marking on, every
 rendered frame carries the job's watermark (``tasks.watermark.VIDEO``) and the result its
 signed Content Credentials.
 
-A rendered chunk is stored under its content key (video, chunk, face plan, sources and
-options): a re-dispatched attempt creates parts only for the chunks missing, a crashed
-part is run again and renders only its chunk. One deadline (``deadline_at``) is shared by
+A range's analysis and a rendered chunk are stored under their content keys (video,
+frames, detector; chunk, face plan, sources and options): a re-dispatched attempt creates
+parts only for the ranges and chunks missing, a crashed part is run again and redoes only
+its own. One deadline (``deadline_at``) is shared by
 the coordinator and every part. Cancel: the relay cancels the coordinator run and its
 parts (tag ``video_parts_tag``); a coordinator stopped by SIGTERM cancels its parts and
 ends ``Cancelled`` itself.
@@ -54,6 +57,8 @@ from flows.params import (
     VIDEO_RENDER_DEPLOYMENT,
     JobAttempt,
     VideoResultRef,
+    analysis_manifest_key,
+    analysis_part,
     chunk_part,
     chunks_manifest_key,
     result_key,
@@ -62,7 +67,7 @@ from flows.params import (
 )
 from flows.run import pipeline_context
 from flows.video_fanout import Parts, PartsCancelled
-from flows.video_parts import ANALYSE, RENDERED
+from flows.video_parts import PLAN, PROBE, RENDERED
 from flows.video_progress import PartsProgress, VideoProgress
 from flows.video_steps import (
     VIDEO_STAGES,
@@ -77,6 +82,7 @@ from flows.video_steps import (
     sweep_workdirs,
     video_marks,
 )
+from tasks.errors import TransientError
 from tasks.options import FusionOptions
 from tasks.video import Samples, track_reports
 from tasks.watermark import payload_for
@@ -176,9 +182,23 @@ def fuse_video_flow(
                 job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_len)
                 job.payload = payload_for(job_id) if ctx.marker is not None else None
                 progress.start(stage := "probe")
-                parts.run([ANALYSE], VIDEO_ANALYSE_DEPLOYMENT)
+                parts.run([PROBE], VIDEO_ANALYSE_DEPLOYMENT)
                 stored = load_plan(store, video_plan_key(job_id, attempt))
-                job.digest, job.probed, job.planned = stored.digest, stored.probed, stored.planned
+                job.digest, job.probed = stored.digest, stored.probed
+                ranges = job.ranges()
+                analyses = [job.analysis_key(*span) for span in ranges]
+                write_to(
+                    store, analysis_manifest_key(job_id, attempt), json.dumps(analyses).encode()
+                )
+                progress.start(stage := "analyse")
+                missing = [analysis_part(*span)
+                           for span, key in zip(ranges, analyses, strict=True)
+                           if not is_stored(store, key)]  # fmt: skip
+                parts.run(missing, VIDEO_ANALYSE_DEPLOYMENT)  # spread over the workers
+                parts.run([PLAN], VIDEO_ANALYSE_DEPLOYMENT)
+                job.planned = load_plan(store, video_plan_key(job_id, attempt)).planned
+                if job.planned is None:
+                    raise TransientError(detail="the plan part stored no plan")
                 chunks = job.planned.chunks
                 progress.planned(job.probed.info.frame_count, len(chunks))
                 manifest = [job.chunk_key(chunk) for chunk in chunks]

@@ -1,17 +1,20 @@
 """The ``fuse-video-part`` flow: one piece of a video job attempt on one GPU worker.
 
 A ``fuse-video`` coordinator (``flows/video.py``, on the control pool) creates these runs
-from two deployments on the GPU pool's ``video`` queue: ``video-analyse`` (part
-``analyse``: probe, moderation of sampled input frames, analysis of every frame and the
-plan, stored under ``video_plan_key``) and ``video-render`` (part ``chunk-<i>``: one chunk
-rendered and stored under its content key, ``flows.video_steps.VideoJob.chunk_key``). The
-steps are ``flows.video_steps``' tasks, the same stage code as every other path; a GPU
-runs one part at a time, so a video's chunks spread over the pool's workers.
+from two deployments on the GPU pool's ``video`` queue: ``video-analyse`` (part ``probe``:
+probe, moderation of sampled input frames and the sources' check, stored under
+``video_plan_key``; parts ``analyse-<start>-<stop>``: one frame range's analysis, stored
+under its content key, ``VideoJob.analysis_key``; part ``plan``: chunks and face plan from
+every range's analysis, stored under ``video_plan_key``) and ``video-render`` (part
+``chunk-<i>``: one chunk rendered and stored under its content key,
+``flows.video_steps.VideoJob.chunk_key``). The steps are ``flows.video_steps``' tasks, the
+same stage code as every other path; a GPU runs one part at a time, so a video's frame
+ranges and chunks spread over the pool's workers.
 
 A part checks the job's binding and deadline as the coordinator does (it carries the
 job's parameters); it returns a small dict, or ends ``Failed`` with ``"[code] message"``
-(the coordinator turns that back into the typed error). A render part whose chunk is
-stored already returns at once: a re-run of a killed part re-renders only its chunk.
+(the coordinator turns that back into the typed error). A range or render part whose
+result is stored already returns at once: a re-run of a killed part redoes only its own.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from flows.params import (
     DEFAULT_STORAGE_BLOCK,
     VIDEO_PART_FLOW_NAME,
     JobAttempt,
+    analysis_part,
     chunk_part,
     part_progress_key,
     video_plan_key,
@@ -52,6 +56,7 @@ from flows.video_steps import (
     analyse_task,
     guarded,
     load_plan,
+    plan_task,
     probe_task,
     render_chunk_task,
     save_plan,
@@ -64,8 +69,9 @@ from tasks.watermark import payload_for
 RENDERED, STORED = "rendered", "stored"
 """How a completed part's state message starts: it did its work, or found its chunk
 stored (then ``by pid <process>``: where it ran)."""
-ANALYSE = "analyse"
-"""The analysis part's name; a render part is ``chunk_part(index)``."""
+PROBE, PLAN = "probe", "plan"
+"""The names of the probe and plan parts; a range's is ``analysis_part(start, stop)``, a
+render part's ``chunk_part(index)``."""
 
 
 class PartFrames:
@@ -111,8 +117,9 @@ def fuse_video_part(
     chunk_s: float | None = None,
 ) -> State[Any]:
     """Run one part of the video job attempt ``job`` (its parameters as the coordinator
-    got them, with their binding): ``analyse`` (store the plan) or ``chunk-<i>`` (render
-    and store chunk ``i``). Ends ``Completed`` with a message that starts with
+    got them, with their binding): ``probe``, ``analyse-<start>-<stop>`` (store the
+    range's analysis), ``plan`` (store the plan) or ``chunk-<i>`` (render and store chunk
+    ``i``). Ends ``Completed`` with a message that starts with
     ``RENDERED`` or ``STORED``; on failure ``Failed`` with ``"[code] message"``. The
     coordinator names the run ``<job id>-<part>``."""
     deadline = Deadline.of(job.deadline_at)
@@ -156,14 +163,28 @@ def run_part(
         chunk_len = chunk_s or settings.video_chunk_s
         job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_len)
         job.payload = payload_for(spec.job_id) if ctx.marker is not None else None
-        if part == ANALYSE:
+        if part == PROBE:
             job.references = [read_from(store, k) for k in spec.reference_keys]
             job.probed = guarded("probe", deadline).run(probe_task, job, spec.target_key)
-            job.planned = guarded("analyse", deadline).run(analyse_task, job)
-            save_plan(store, plan_key, StoredPlan(job.digest, job.probed, job.planned))
+            save_plan(store, plan_key, StoredPlan(job.digest, job.probed))
             return True
         stored = load_plan(store, plan_key)
         job.digest, job.probed, job.planned = stored.digest, stored.probed, stored.planned
+        ranges = {analysis_part(*span): span for span in job.ranges()}
+        if part in ranges:
+            if is_stored(store, job.analysis_key(*ranges[part])):  # by an earlier run
+                return False
+            fetch_to(store, spec.target_key, job.video)  # the range is read by a seek
+            task = analyse_task.with_options(task_run_name=part)
+            return bool(guarded("analyse", deadline).run(task, job, *ranges[part]))
+        if part == PLAN:
+            if chosen.mapping:  # the mapping's identities read a few frames
+                fetch_to(store, spec.target_key, job.video)
+            job.planned = guarded("analyse", deadline).run(plan_task, job)
+            save_plan(store, plan_key, StoredPlan(job.digest, job.probed, job.planned))
+            return True
+        if stored.planned is None:
+            raise InvalidInput(detail=f"part {part!r} before the plan")
         chunks = {chunk_part(c.index): c for c in stored.planned.chunks}
         if part not in chunks:
             raise InvalidInput(detail=f"no part {part!r} in the plan")

@@ -1,6 +1,7 @@
 """The steps of a video job attempt as Prefect tasks, shared by the ``fuse-video``
 coordinator (``flows/video.py``: join, report, store) and its parts
-(``flows/video_parts.py``: probe and analysis, one chunk's render). Each step is
+(``flows/video_parts.py``: probe, one frame range's analysis, the plan, one chunk's
+render). Each step is
 ``tasks.video``'s, the one its in-process ``fuse_video`` runs, under
 ``flows.deadline.StageGuard`` with the job's one deadline (``VIDEO_STAGES``).
 
@@ -8,7 +9,8 @@ Videos never pass through memory whole: the input is copied from the storage blo
 temporary directory (``blocks.storage.fetch_to``), chunks and the result go back file by
 file (``put_from``). A rendered chunk is stored under ``video-chunks/<chunk_name>`` (a name
 made from the video, chunk, face plan, sources and options): a chunk found there is not
-rendered again, so a re-dispatched attempt renders only the missing chunks.
+rendered again, so a re-dispatched attempt renders only the missing chunks. The analysis
+of a frame range is stored the same way, under ``video-analysis/<range_name>`` (``.npz``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from blocks.settings import StagePolicy
 from blocks.storage import ByteStore, fetch_to, is_stored, put_from, read_from, write_to
 from flows.binding import worker_keys
 from flows.deadline import Deadline, StageGuard
-from flows.params import VideoResultRef, video_chunk_key
+from flows.params import VideoResultRef, video_analysis_key, video_chunk_key
+from tasks import video_analysis
 from tasks.errors import InvalidInput, RunBindingInvalid, TransientError
 from tasks.options import FusionOptions
 from tasks.pipeline import PipelineContext
@@ -41,10 +44,13 @@ from tasks.video import (
     Planned,
     Probed,
     Samples,
-    analyse_and_plan,
+    analyse_range,
+    check_sources,
     chunk_name,
     file_digest,
+    frame_ranges,
     join_segments,
+    plan_video,
     probe_and_moderate,
     render_chunk,
 )
@@ -114,6 +120,17 @@ class VideoJob:
         name = chunk_name(self.digest, chunk, plan, self.sources, self.options, self.payload)
         return video_chunk_key(name)
 
+    def analysis_key(self, start: int, stop: int) -> str:
+        """Where the analysis of frames ``[start, stop)`` is stored (named by content)."""
+        d, ctx = self.options.detector, self.ctx
+        name = video_analysis.range_name(self.digest, start, stop, d, ctx.detect_max_side, ctx.pins)
+        return video_analysis_key(name)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The frame ranges of the video's analysis (one part each)."""
+        assert self.probed is not None
+        return frame_ranges(self.probed, self.chunk_s)
+
     def keep(self, index: int, image: Any) -> None:
         """A rendered frame: the report's samples (if kept here) see it, the progress
         counts it."""
@@ -125,17 +142,40 @@ class VideoJob:
 
 @task(name="probe", task_run_name="probe", **_TASK)  # type: ignore[call-overload]
 def probe_task(job: VideoJob, target_key: str) -> Probed:
-    """Copy the video from storage, probe it and moderate sampled frames."""
+    """Copy the video from storage, probe it, moderate sampled frames, then check the
+    sources (``check_sources``: the first face model runs after moderation)."""
     fetch_to(job.store, target_key, job.video)
     job.digest = file_digest(job.video)
-    return probe_and_moderate(job.sources, job.video, job.ctx, references=job.references)
+    probed = probe_and_moderate(job.sources, job.video, job.ctx, references=job.references)
+    check_sources(probed, job.options, job.ctx)  # a source without a face fails here
+    return probed
 
 
 @task(name="analyse", task_run_name="analyse", **_TASK)  # type: ignore[call-overload]
-def analyse_task(job: VideoJob) -> Planned:
-    """Analyse every frame and plan the chunks and faces."""
+def analyse_task(job: VideoJob, start: int, stop: int) -> bool:
+    """Analyse frames ``[start, stop)`` and store the result under its content key, unless
+    an earlier run stored it; whether it analysed."""
     assert job.probed is not None
-    return analyse_and_plan(job.video, job.probed, job.options, job.ctx, job.chunk_s)
+    key = job.analysis_key(start, stop)
+    if is_stored(job.store, key):
+        return False
+    found = analyse_range(job.video, job.probed, start, stop, job.options, job.ctx)
+    write_to(job.store, key, video_analysis.encode(found))
+    return True
+
+
+@task(name="plan", task_run_name="plan", **_TASK)  # type: ignore[call-overload]
+def plan_task(job: VideoJob) -> Planned:
+    """The chunks and face plan from every range's stored analysis."""
+    assert job.probed is not None
+    parts = []
+    for start, stop in job.ranges():
+        key = job.analysis_key(start, stop)
+        if not is_stored(job.store, key):  # deleted since its part stored it: another try
+            raise TransientError("An analysed frame range went missing.", detail=key)
+        parts.append(video_analysis.decode(read_from(job.store, key)))
+    analysis = video_analysis.merged(parts)
+    return plan_video(job.video, job.probed, analysis, job.options, job.ctx, job.chunk_s)
 
 
 @task(name="render_chunk", task_run_name="render_chunk", **_TASK)  # type: ignore[call-overload]
@@ -219,11 +259,12 @@ def video_marks(marking: bool, info: VideoInfo) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class StoredPlan:
-    """What the analysis part stores for the render parts and the coordinator."""
+    """What the probe part stores (``planned`` None) and the plan part then stores for the
+    render parts and the coordinator."""
 
     digest: str
     probed: Probed
-    planned: Planned
+    planned: Planned | None = None
 
 
 PLAN_MAGIC = b"FFPLAN1"

@@ -35,6 +35,7 @@ from tasks.pipeline import Detections, PipelineContext, SourceFace
 from tasks.registry import sha256_file
 from tasks.stages import InMemory, InProcess, InputBytes, Stage, Work, run_stages
 from tasks.types import Box, Face, FloatArray, RGBImage
+from tasks.video_analysis import Analysis, analysis_ranges
 from tasks.video_io import (
     DEFAULT_ENCODING,
     SegmentWriter,
@@ -67,14 +68,6 @@ class Source:
 
     image: RGBImage
     face: Face
-
-
-@dataclass
-class Analysis:
-    """What the analysis pass found: each frame's faces (largest first) and signature."""
-
-    faces: list[list[Face]] = field(default_factory=list)
-    signatures: list[FloatArray] = field(default_factory=list)
 
 
 def sources_of(
@@ -409,13 +402,57 @@ class Planned:
 def analyse_and_plan(
     video: Path, probed: Probed, options: FusionOptions, ctx: PipelineContext, chunk_s: float
 ) -> Planned:
-    """The analysis pass over every frame, then scene cuts, chunks (``chunk_s`` apart,
-    moved to a cut nearby) and the face plan (a per-face mapping's: ``identities``)."""
+    """The analysis pass over every frame, then the plan (``plan_video``)."""
+    check_sources(probed, options, ctx)
+    analysis = analyse_range(video, probed, 0, len(probed.pts), options, ctx)
+    return plan_video(video, probed, analysis, options, ctx, chunk_s)
+
+
+def check_sources(probed: Probed, options: FusionOptions, ctx: PipelineContext) -> None:
+    """Fail early (before any frame is analysed) on a mapping that names what is not there
+    or a source photo without a face (``NoFaceFound``)."""
+    check_entries(options.mapping, len(probed.images), len(probed.references))
+    sources_of(probed.images, options, ctx)
+
+
+def frame_ranges(probed: Probed, chunk_s: float) -> list[tuple[int, int]]:
+    """The frame ranges the analysis of ``probed``'s video is split into (one part each):
+    ``video_analysis.analysis_ranges``, cut at multiples of ``FRAME_GROUP``."""
+    info = probed.info
+    seconds = [(p - info.first_pts) * float(info.time_base) for p in probed.pts]
+    return analysis_ranges(seconds, chunk_s, FRAME_GROUP)
+
+
+def analyse_range(
+    video: Path,
+    probed: Probed,
+    start: int,
+    stop: int,
+    options: FusionOptions,
+    ctx: PipelineContext,
+) -> Analysis:
+    """The analysis of frames ``[start, stop)`` (decoding from the keyframe before
+    ``start``); ``start`` a multiple of ``FRAME_GROUP`` keeps the single pass's batches."""
+    frames = (f.image for f in read_frames(video, start, stop, timestamps=probed.pts))
+    return analyse(frames, options, ctx, Analysis())
+
+
+def plan_video(
+    video: Path,
+    probed: Probed,
+    analysis: Analysis,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    chunk_s: float,
+) -> Planned:
+    """From the analysis of every frame: scene cuts, chunks (``chunk_s`` apart, moved to a
+    cut nearby) and the face plan (a per-face mapping's: ``identities``, which reads a few
+    frames of ``video``)."""
     check_entries(options.mapping, len(probed.images), len(probed.references))
     found = sources_of(probed.images, options, ctx)
     references = sources_of(probed.references, options, ctx, role="reference")
-    frames = (f.image for f in read_frames(video, 0, len(probed.pts), timestamps=probed.pts))
-    analysis = analyse(frames, options, ctx, Analysis())
+    if len(analysis.faces) != len(probed.pts):
+        raise ValueError(f"{len(analysis.faces)} frames analysed of {len(probed.pts)}")
     cuts = scene_cuts(analysis.signatures)
     info = probed.info
     seconds = [(p - info.first_pts) * float(info.time_base) for p in probed.pts]

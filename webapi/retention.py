@@ -41,6 +41,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from flows.params import (
+    analysis_manifest_key,
     chunk_part,
     chunks_manifest_key,
     part_progress_key,
@@ -48,6 +49,7 @@ from flows.params import (
     result_error_key,
     result_key,
     result_meta_key,
+    video_analysis_key,
     video_chunk_key,
     video_plan_key,
 )
@@ -62,6 +64,8 @@ log = logging.getLogger(__name__)
 
 CHUNKS = video_chunk_key("")
 """The prefix of every rendered video chunk's key."""
+ANALYSES = video_analysis_key("")
+"""The prefix of every analysed video frame range's key."""
 RESULT_FORMATS: tuple[str, ...] = (*get_args(OutputFormat), "mp4")
 
 
@@ -156,25 +160,39 @@ def _purge_inputs(
 
 
 def chunk_keys(store: ObjectStore, job_id: uuid.UUID, attempts: int) -> list[str]:
-    """The rendered chunks a video job's attempts listed (``chunks_manifest_key``), the
-    lists themselves, the attempts' plans (faces of every frame) and their render parts'
-    frame counts; none for a photo job
-    (it has no list)."""
+    """The rendered chunks and analysed frame ranges a video job's attempts listed
+    (``chunks_manifest_key``, ``analysis_manifest_key``), the lists themselves, the
+    attempts' plans (faces of every frame) and their render parts' frame counts; none for a
+    photo job (it has no list)."""
     found: list[str] = []
     for attempt in range(1, attempts + 1):
+        analysed = analysis_manifest_key(str(job_id), attempt)
+        ranges = _listed(store, analysed)
+        if ranges is not None:
+            found += [key for key in ranges if isinstance(key, str) and key.startswith(ANALYSES)]
+            found += [analysed, video_plan_key(str(job_id), attempt)]
         manifest = chunks_manifest_key(str(job_id), attempt)
-        try:
-            listed = json.loads(store.get(manifest))
-        except ObjectNotFound:
+        listed = _listed(store, manifest)
+        if listed is None:
             continue
-        except ValueError:  # unreadable: the list goes, its chunks stay for an operator
-            listed = []
         found += [key for key in listed if isinstance(key, str) and key.startswith(CHUNKS)]
         found += [manifest, video_plan_key(str(job_id), attempt)]
         found += [
             part_progress_key(str(job_id), attempt, chunk_part(i)) for i in range(len(listed))
         ]
-    return found
+    return list(dict.fromkeys(found))
+
+
+def _listed(store: ObjectStore, key: str) -> list[object] | None:
+    """The JSON list stored under ``key`` (empty when unreadable: the list goes, what it
+    names stays for an operator); None when there is none."""
+    try:
+        listed = json.loads(store.get(key))
+    except ObjectNotFound:
+        return None
+    except ValueError:
+        return []
+    return listed if isinstance(listed, list) else []
 
 
 def keys_in_use(session: Session, *, keys: set[str], now: datetime) -> set[str]:

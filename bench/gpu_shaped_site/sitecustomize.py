@@ -25,3 +25,9 @@ if _FRAME_MS:
     from bench.video_fanout import install_frame_ms
 
     install_frame_ms(float(_FRAME_MS))
+_DETECT_MS = os.environ.get("FACEFLOW_BENCH_VIDEO_DETECT_MS")  # bench/video_fanout.py
+if _DETECT_MS:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.video_fanout import install_detect_ms
+
+    install_detect_ms(float(_DETECT_MS))

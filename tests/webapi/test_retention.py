@@ -26,6 +26,7 @@ from faceflow.testing.jobs import (
     target_jpeg,
 )
 from flows.params import (
+    analysis_manifest_key,
     chunks_manifest_key,
     progress_key,
     result_error_key,
@@ -304,20 +305,24 @@ def test_a_mapping_job_s_other_sources_and_references_expire_unless_still_used(
 def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
     engine: Engine, settings: Settings, store: ObjectStore
 ) -> None:
-    """A cancelled video job's attempts listed their chunks: the first pass after its end
-    deletes them and the lists; another job's chunk stays."""
+    """A cancelled video job's attempts listed their chunks and analysed ranges: the first
+    pass after its end deletes them and the lists; another job's chunk stays."""
     user = make_user(engine, settings)
     job = new_job(engine, settings, user)
     mine = [f"video-chunks/{uuid.uuid4().hex}-{i}.mp4" for i in range(3)]
     other = f"video-chunks/{uuid.uuid4().hex}-other.mp4"
-    for key in [*mine, other]:
+    analysed = [f"video-analysis/{uuid.uuid4().hex}-{i}.npz" for i in range(2)]
+    for key in [*mine, other, *analysed]:
         store.put(key, b"segment")
     store.put(chunks_manifest_key(str(job.id), 1), json.dumps(mine[:2]).encode())
     store.put(chunks_manifest_key(str(job.id), 2), json.dumps(mine[1:]).encode())
+    store.put(analysis_manifest_key(str(job.id), 2), json.dumps(analysed).encode())
     move(engine, job.id, JobStatus.queued, JobStatus.queued, flow_run_id=uuid.uuid4(), attempts=2)
     move(engine, job.id, JobStatus.cancelled, JobStatus.queued)
     report = run_pass(engine, store, settings, now=utcnow() + timedelta(seconds=1))
     assert report.input_jobs == 1
     assert not any(store.exists(key) for key in mine)
+    assert not any(store.exists(key) for key in analysed)  # its analysed frame ranges
     assert not store.exists(chunks_manifest_key(str(job.id), 1))
+    assert not store.exists(analysis_manifest_key(str(job.id), 2))
     assert store.exists(other)

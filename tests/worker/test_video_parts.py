@@ -45,6 +45,7 @@ from tests.worker.conftest import Api, WarmWorker, start_warm_worker
 from webapi.prefect_api import PrefectAPI
 
 CHUNKS = 3  # the story clip in 2-s chunks, moved to its cuts (tests/test_video_job.py)
+RANGES = 3  # its analysis in ranges of about 2 s (tests/test_video_analysis.py)
 PART_ENTRYPOINT = "flows/video_parts.py:fuse_video_part"
 
 
@@ -128,50 +129,61 @@ def running_child(workers: list[WarmWorker], run_id: str) -> int | None:
 def test_chunks_render_on_both_workers_and_the_video_is_whole(
     prefect_api: Api, workers: list[WarmWorker], videos: Videos, tmp_path: Path
 ) -> None:
-    """The first chunk's child is held (SIGSTOP) until the other chunks are done: they
-    can only go to the other worker, so the spread does not depend on this machine's
-    speed; then the held chunk finishes and the video is joined from both workers'."""
+    """The first analysis range's and the first chunk's children are held (SIGSTOP) until
+    the other ranges or chunks are done: those can only go to the other worker, so the
+    spread does not depend on this machine's speed; then the held part finishes."""
     pids = child_pids(workers)
     params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
     job_id = params["job_id"]
-    held: list[int] = []
+    steps = [("-analyse-", RANGES), ("-chunk-", CHUNKS)]
+    held: dict[str, int] = {}
+    released: set[str] = set()
 
-    def hold_first_chunk(run: dict[str, Any]) -> bool:
-        if not held:
-            if "chunk-" in run["name"] and run["state_type"] == "RUNNING":
+    def hold_the_first_of_each_step(run: dict[str, Any]) -> bool:
+        step = next(((kind, n) for kind, n in steps if kind not in released), None)
+        if step is None:
+            return True
+        kind, total = step
+        if kind not in held:
+            if kind in run["name"] and run["state_type"] == "RUNNING":
                 pid = running_child(workers, run["id"])
                 if pid is not None:
                     os.kill(pid, signal.SIGSTOP)
-                    held.append(pid)
+                    held[kind] = pid
             return False
-        others = [r for r in parts_of(prefect_api, job_id) if "chunk-" in r["name"]]
-        if len(others) == CHUNKS and sum(r["state_type"] == "COMPLETED" for r in others) == 2:
-            os.kill(held[0], signal.SIGCONT)
-            return True
+        runs = [r for r in parts_of(prefect_api, job_id) if kind in r["name"]]
+        if len(runs) == total and sum(r["state_type"] == "COMPLETED" for r in runs) == total - 1:
+            os.kill(held[kind], signal.SIGCONT)
+            released.add(kind)
         return False
 
     before = set(chunk_files(prefect_api))
-    watcher = watch_parts(prefect_api, job_id, hold_first_chunk)
+    watcher = watch_parts(prefect_api, job_id, hold_the_first_of_each_step)
     try:
         state = coordinate(prefect_api, params)
     finally:
-        for pid in held:  # never leave a child stopped
+        for pid in held.values():  # never leave a child stopped
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
     watcher.join(timeout=5)
     assert state.is_completed(), state.message
-    assert held, "no chunk part was seen running"
+    assert released == {"-analyse-", "-chunk-"}, (held, released)
     ref = VideoResultRef.model_validate(state.result())
     assert ref.chunks == ref.chunks_rendered == CHUNKS
     assert len(set(chunk_files(prefect_api)) - before) == CHUNKS
 
     parts = parts_of(prefect_api, job_id)
-    renders = [r for r in parts if r["name"] != f"{job_id}-analyse"]
+    renders = [r for r in parts if "-chunk-" in r["name"]]
+    ranges = [r for r in parts if "-analyse-" in r["name"]]
     assert sorted(r["name"] for r in renders) == [f"{job_id}-chunk-{i:04d}" for i in range(3)]
+    assert len(ranges) == RANGES and len(parts) == RANGES + CHUNKS + 2  # and probe, plan
+    assert {f"{job_id}-probe", f"{job_id}-plan"} <= {r["name"] for r in parts}
     assert all(r["state_type"] == "COMPLETED" for r in parts)
     by_pid = Counter(int(r["state"]["message"].rsplit(" ", 1)[1]) for r in renders)
-    print(f"\nchunks per worker child: {dict(by_pid)} (children {pids})")
-    assert set(by_pid) == set(pids) and sorted(by_pid.values()) == [1, 2]  # held: 1
+    analysed = Counter(int(r["state"]["message"].rsplit(" ", 1)[1]) for r in ranges)
+    print(f"\nper worker child: chunks {dict(by_pid)}, ranges {dict(analysed)} ({pids})")
+    for spread in (by_pid, analysed):  # the held part: 1, the rest: the other worker
+        assert set(spread) == set(pids) and sorted(spread.values()) == [1, 2], spread
     for i in range(CHUNKS):  # each render part wrote its frames for the job's progress
         counted = prefect_api.home.storage / part_progress_key(job_id, 1, chunk_part(i))
         assert json.loads(counted.read_text())["frames"] > 0
@@ -216,14 +228,15 @@ def test_a_coordinator_run_again_for_the_same_attempt_reuses_its_parts(
     prefect_api: Api, workers: list[WarmWorker], videos: Videos
 ) -> None:
     """The same attempt coordinated twice (its first coordinator lost after its parts
-    ran): the idempotency keys give back the parts it created, none runs again. (Every
-    job renders its own chunks: its frames carry its own watermark.)"""
+    ran): the idempotency keys give back the parts it created, they do not run again.
+    (The analysis of this video is stored by the first test: no range part; its chunks
+    carry this job's watermark, so they are rendered.)"""
     params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
     assert coordinate(prefect_api, params).is_completed()
     job_id = params["job_id"]
     first = {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)}
     chunks = {f"{job_id}-chunk-{i:04d}" for i in range(CHUNKS)}
-    assert set(first) == {f"{job_id}-analyse"} | chunks
+    assert set(first) == {f"{job_id}-probe", f"{job_id}-plan"} | chunks
     again = coordinate(prefect_api, params)
     assert again.is_completed(), again.message
     assert {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)} == first
