@@ -195,10 +195,11 @@ def _listed_chunks(stack: VideoStack, job_id: str, timeout: float = 600) -> list
     before it renders any; waits for the list."""
     listed = stack.home / "storage" / chunks_manifest_key(job_id, 1)
     end = time.monotonic() + timeout
-    while not listed.exists():
+    while True:  # the local storage block writes in place: a list may be seen half written
+        with suppress(FileNotFoundError, json.JSONDecodeError):
+            return [str(key) for key in json.loads(listed.read_text())]
         assert time.monotonic() < end, "the attempt never listed its chunks"
         time.sleep(0.005)
-    return [str(key) for key in json.loads(listed.read_text())]
 
 
 @contextmanager
