@@ -181,6 +181,17 @@ class WarmChild:
                 msg = f"faceflow-gpu child: preload of {entrypoint} failed: {exc!r}"
                 print(msg, file=sys.stderr)
 
+    @staticmethod
+    def flow_run_of(request: RunRequest, client: Any) -> Any:
+        """The request's flow run: the one the worker sent, else read from the API."""
+        if request.flow_run_json is not None:
+            from prefect.client.schemas.objects import FlowRun
+
+            flow_run = FlowRun.model_validate_json(request.flow_run_json)
+            if str(flow_run.id) == request.flow_run_id:
+                return flow_run
+        return client.read_flow_run(UUID(request.flow_run_id))
+
     def run(self, request: RunRequest, client: Any) -> RunFinished:
         """Run one flow run through Prefect's engine; never raises."""
         from prefect.flow_engine import run_flow
@@ -190,7 +201,7 @@ class WarmChild:
         try:
             working_dir = request.working_dir or self.spec.working_dir
             flow = self.load_flow(request.entrypoint, working_dir)
-            flow_run = client.read_flow_run(UUID(request.flow_run_id))
+            flow_run = self.flow_run_of(request, client)
             flow = self.named_already(flow, flow_run)
             self.conn.send(RunStarted(request.flow_run_id, (time.perf_counter() - start) * 1e3))
             with run_environment(request.env, working_dir):
