@@ -220,3 +220,39 @@ def test_a_child_runs_the_flow_run_the_worker_sent_without_reading_it() -> None:
     assert reads.ids == [UUID(other.flow_run_id)]
     assert WarmChild.flow_run_of(RunRequest(str(sent.id), request.entrypoint), reads) is sent
     assert len(reads.ids) == 2
+
+
+def test_a_childs_plain_console_writes_the_lines_prefects_console_handler_wrote() -> None:
+    import io
+    import logging
+
+    from prefect.logging.formatters import PrefectFormatter
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from faceflow.worker.child import plain_console
+
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger()] + [
+        lg for lg in list(manager.loggerDict.values()) if isinstance(lg, logging.Logger)
+    ]
+    saved = {lg: list(lg.handlers) for lg in loggers}
+    stream = io.StringIO()
+    rich = PrefectConsoleHandler(stream=stream, level=logging.INFO)
+    rich.setFormatter(PrefectFormatter("%(levelname)-7s | %(name)s - %(message)s"))
+    logger = logging.getLogger("faceflow.test.console")
+    logger.addHandler(rich)
+    logger.propagate = False
+    try:
+        logger.warning("stage %s took %d ms [bold]", "detect", 12)
+        logger.debug("below the handler's level")
+        before = stream.getvalue()
+        assert plain_console() >= 1
+        assert not any(isinstance(h, PrefectConsoleHandler) for h in logger.handlers)
+        logger.warning("stage %s took %d ms [bold]", "detect", 12)
+        logger.debug("below the handler's level")
+        assert stream.getvalue() == before * 2
+        assert before == "WARNING | faceflow.test.console - stage detect took 12 ms [bold]\n"
+    finally:
+        for lg, handlers in saved.items():
+            lg.handlers = handlers
+        logger.handlers, logger.propagate = [], True
