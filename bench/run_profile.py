@@ -144,9 +144,14 @@ def profile_runs(
     updates = {PREFECT_API_URL: url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
     with temporary_settings(updates=updates), SyncClientContext.get_or_create() as ctx:
         install_shared_observer()  # as the warm child does
+        rich = handlers_now()
+        plain = rich
         if not args.rich_console:
             plain_console()
+            plain = handlers_now()
         for i in range(args.jobs + 1):
+            console = "rich" if args.ab_console and i % 2 else "plain"
+            restore(rich if console == "rich" or args.rich_console else plain)
             run_id = api.create_run(deployment_id, job_parameters(*inputs[:2]))
             flow_run = ctx.client.read_flow_run(UUID(run_id))
             time.sleep(0.3)  # the last run's background writes settle
@@ -173,13 +178,32 @@ def profile_runs(
                     "requests": list(recorder.requests),
                     "handlers": dict(recorder.handler_s),
                     "returned_s": returned - called,
+                    "console": "rich" if args.rich_console else console,
                 }
             )
-    print_table(rows)
+    for console in sorted({r["console"] for r in rows}):
+        print(f"console handler: {console}")
+        print_table([r for r in rows if r["console"] == console])
     if profiler is not None:
         stats = pstats.Stats(profiler)
         stats.sort_stats("cumulative").print_stats(args.profile_lines)
         stats.sort_stats("tottime").print_stats(args.profile_lines)
+
+
+def handlers_now() -> dict[logging.Logger, list[logging.Handler]]:
+    """Every logger's handlers now (the root's included)."""
+    loggers = [logging.getLogger()] + [
+        lg
+        for lg in list(logging.Logger.manager.loggerDict.values())
+        if isinstance(lg, logging.Logger)
+    ]
+    return {lg: list(lg.handlers) for lg in loggers}
+
+
+def restore(handlers: dict[logging.Logger, list[logging.Handler]]) -> None:
+    """Give each logger the handlers of ``handlers_now``'s snapshot."""
+    for logger, saved in handlers.items():
+        logger.handlers = list(saved)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -229,6 +253,11 @@ def main() -> None:
         "--rich-console",
         action="store_true",
         help="keep Prefect's rich console handler (FACEFLOW_WORKER_RICH_CONSOLE=true)",
+    )
+    parser.add_argument(
+        "--ab-console",
+        action="store_true",
+        help="alternate the rich and the plain console handler run by run; a table for each",
     )
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions")
     parser.add_argument("--profile-lines", type=int, default=40)
