@@ -279,7 +279,9 @@ def relay_mode(
         "batch_max_jobs": batch_max_jobs,
         "failed": not_ok,
         "dispatch_median_s": statistics.median(seq["dispatch"]) if seq["dispatch"] else None,
+        "dispatch_p90_s": p90(seq["dispatch"]),
         "e2e_median_s": statistics.median(seq["e2e"]) if seq["e2e"] else None,
+        "e2e_p90_s": p90(seq["e2e"]),
         "run_median_s": statistics.median(seq["run"]) if seq["run"] else None,
         "notice_median_s": statistics.median(seq["notice"]) if seq["notice"] else None,
         "burst_jobs_per_min": jobs / (max(finished) - min(created)) * 60.0,
@@ -291,3 +293,8 @@ def relay_mode(
         "burst_cpu_ms_per_job": cpu,
         "burst_requests_per_job": requests,
     }
+
+
+def p90(values: list[float]) -> float | None:
+    """The 90th percentile of ``values`` (None when there are fewer than two)."""
+    return statistics.quantiles(values, n=10)[-1] if len(values) >= 2 else None

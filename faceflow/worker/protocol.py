@@ -20,6 +20,7 @@ class ChildSpec:
     working_dir: str | None = None
     flow_heartbeats: bool = False
     shared_suspension_observer: bool = True
+    rich_console: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,17 @@ class Telemetry:
 
 @dataclass(frozen=True)
 class RunRequest:
-    """Run the existing flow run ``flow_run_id`` from ``entrypoint`` through Prefect's engine."""
+    """Run the existing flow run ``flow_run_id`` from ``entrypoint`` through Prefect's engine.
+
+    ``flow_run_json``: the flow run as the worker claimed it (Prefect's ``FlowRun`` as JSON),
+    so the child need not read it again (one API request per run fewer); None: the child
+    reads it."""
 
     flow_run_id: str
     entrypoint: str
     working_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    flow_run_json: str | None = None
 
 
 @dataclass(frozen=True)

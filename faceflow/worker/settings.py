@@ -95,6 +95,11 @@ class WorkerSettings(BaseSettings):
         default=True,
         description="One suspension observer per child instead of one per run (-0.2 s/run).",
     )
+    rich_console: bool = Field(
+        default=False,
+        description="Keep Prefect's rich console handler in children (colours on a terminal; "
+        "≈ 3-5 ms per log line here) instead of a plain one writing the same lines.",
+    )
     health_port: int | None = Field(
         default=None,
         ge=0,
@@ -147,6 +152,7 @@ class WorkerSettings(BaseSettings):
                     working_dir=self.working_dir,
                     flow_heartbeats=self.flow_heartbeats,
                     shared_suspension_observer=self.shared_suspension_observer,
+                    rich_console=self.rich_console,
                 )
             )
         return specs

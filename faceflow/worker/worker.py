@@ -518,6 +518,7 @@ class FaceFlowGpuWorker(
             entrypoint=configuration.entrypoint or DEFAULT_ENTRYPOINT,
             working_dir=str(configuration.working_dir) if configuration.working_dir else None,
             env={k: v for k, v in configuration.env.items() if v is not None},
+            flow_run_json=flow_run.model_dump_json(),
         )
         done = False
         try:

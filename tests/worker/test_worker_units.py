@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from uuid import UUID
 
 import pytest
 
@@ -187,3 +188,71 @@ def test_release_memory_returns_freed_heap_pages_to_the_os() -> None:
     assert rss_mb() < peak - 150
     assert release_memory() in (True, False)  # nothing left to return: still no error
     del pin
+
+
+def test_a_child_runs_the_flow_run_the_worker_sent_without_reading_it() -> None:
+    from uuid import uuid4
+
+    from prefect.client.schemas.objects import FlowRun
+
+    from faceflow.worker.child import WarmChild
+    from faceflow.worker.protocol import RunRequest
+
+    sent = FlowRun(id=uuid4(), flow_id=uuid4(), name="job-1", parameters={"job_id": "job-1"})
+    request = RunRequest(
+        str(sent.id), "flows/fuse.py:fuse_faces", flow_run_json=sent.model_dump_json()
+    )
+    assert WarmChild.flow_run_of(request, client=None) == sent  # None: any read would raise
+
+    class Reads:
+        def __init__(self) -> None:
+            self.ids: list[Any] = []
+
+        def read_flow_run(self, flow_run_id: Any) -> FlowRun:
+            self.ids.append(flow_run_id)
+            return sent
+
+    other, reads = (
+        RunRequest(str(uuid4()), request.entrypoint, flow_run_json=request.flow_run_json),
+        Reads(),
+    )
+    assert WarmChild.flow_run_of(other, reads) is sent  # a run that is not the one named: read
+    assert reads.ids == [UUID(other.flow_run_id)]
+    assert WarmChild.flow_run_of(RunRequest(str(sent.id), request.entrypoint), reads) is sent
+    assert len(reads.ids) == 2
+
+
+def test_a_childs_plain_console_writes_the_lines_prefects_console_handler_wrote() -> None:
+    import io
+    import logging
+
+    from prefect.logging.formatters import PrefectFormatter
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from faceflow.worker.child import plain_console
+
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger()] + [
+        lg for lg in list(manager.loggerDict.values()) if isinstance(lg, logging.Logger)
+    ]
+    saved = {lg: list(lg.handlers) for lg in loggers}
+    stream = io.StringIO()
+    rich = PrefectConsoleHandler(stream=stream, level=logging.INFO)
+    rich.setFormatter(PrefectFormatter("%(levelname)-7s | %(name)s - %(message)s"))
+    logger = logging.getLogger("faceflow.test.console")
+    logger.addHandler(rich)
+    logger.propagate = False
+    try:
+        logger.warning("stage %s took %d ms [bold]", "detect", 12)
+        logger.debug("below the handler's level")
+        before = stream.getvalue()
+        assert plain_console() >= 1
+        assert not any(isinstance(h, PrefectConsoleHandler) for h in logger.handlers)
+        logger.warning("stage %s took %d ms [bold]", "detect", 12)
+        logger.debug("below the handler's level")
+        assert stream.getvalue() == before * 2
+        assert before == "WARNING | faceflow.test.console - stage detect took 12 ms [bold]\n"
+    finally:
+        for lg, handlers in saved.items():
+            lg.handlers = handlers
+        logger.handlers, logger.propagate = [], True
