@@ -46,9 +46,16 @@ from tasks.options import FusionOptions
 def start_attempt(
     spec: JobAttempt, *, storage_block: str, settings_block: str, signing_block: str
 ) -> None:
-    """What a single-job flow (``fuse-faces``, ``fuse-video``) does first: refuse parameters
-    not bound to the job (``run_binding_invalid``) and a start after the deadline
-    (``deadline_exceeded``), then tag the run with its job and owner."""
+    """What a single-job flow (``fuse-faces``, ``fuse-video``) does first: ``admit`` the
+    attempt, then tag the run with its job and owner."""
+    admit(spec, storage_block=storage_block, settings_block=settings_block,
+          signing_block=signing_block)  # fmt: skip
+    tag_flow_run(spec.job_id, spec.owner_id)
+
+
+def admit(spec: JobAttempt, *, storage_block: str, settings_block: str, signing_block: str) -> None:
+    """Refuse parameters not bound to the job (``run_binding_invalid``) and a start after
+    the deadline (``deadline_exceeded``); what every run of a job attempt checks first."""
     check_binding(
         spec,
         storage_block=storage_block,
@@ -58,7 +65,6 @@ def start_attempt(
     deadline = Deadline.of(spec.deadline_at)
     if deadline.passed():
         raise DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
-    tag_flow_run(spec.job_id, spec.owner_id)
 
 
 def tag_flow_run(job_id: str, owner_id: str) -> None:

@@ -34,8 +34,7 @@ from prefect.states import Completed, State
 from blocks.settings import load_settings
 from blocks.storage import ByteStore, fetch_to, is_stored, load_storage, read_from, write_to
 from flows.deadline import Deadline
-from flows.fuse import failed
-from flows.outcome import check_binding
+from flows.fuse import admit, failed
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_SIGNING_BLOCK,
@@ -62,7 +61,7 @@ from flows.video_steps import (
     save_plan,
     sweep_workdirs,
 )
-from tasks.errors import DeadlineExceeded, InvalidInput
+from tasks.errors import InvalidInput
 from tasks.video import FrameRunner
 from tasks.watermark import payload_for
 
@@ -124,14 +123,8 @@ def fuse_video_part(
     coordinator names the run ``<job id>-<part>``."""
     deadline = Deadline.of(job.deadline_at)
     try:
-        check_binding(
-            job,
-            storage_block=storage_block,
-            settings_block=settings_block,
-            signing_block=signing_block,
-        )
-        if deadline.passed():
-            raise DeadlineExceeded(detail=f"part {part} started after the deadline")
+        admit(job, storage_block=storage_block, settings_block=settings_block,
+              signing_block=signing_block)  # fmt: skip
         rendered = run_part(job, part, deadline, storage_block, settings_block,
                             signing_block, chunk_s)  # fmt: skip
     except Exception as exc:
