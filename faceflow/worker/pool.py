@@ -471,6 +471,10 @@ class ChildPool:
         else:
             await self._set_idle(slot)
 
+    async def release_unused(self, slot: Slot) -> None:
+        """Give back a slot acquired for a run that was not sent to its child after all."""
+        await self._set_idle(slot)
+
     def replace(self, slot: Slot, reason: str) -> None:
         """Have the supervisor stop this slot's child and start a fresh one."""
         slot.move(SlotState.STOPPING)

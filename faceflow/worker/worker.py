@@ -60,6 +60,9 @@ LOST_CODE = JobErrorCode.worker_lost
 SCHEDULED_EVENT = "prefect.flow-run.Scheduled"
 CANCELLING_EVENT = "prefect.flow-run.Cancelling"
 _KEEP_ON_KILL = frozenset({StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED})
+# A run that waited longer than this for a child is read again before one gets it (it may
+# have been cancelled meanwhile); one that got a child at once goes without the extra read.
+ACQUIRE_RECHECK_S = 0.05
 
 
 class FaceFlowWorkerResult(BaseWorkerResult):
@@ -499,6 +502,12 @@ class FaceFlowGpuWorker(
             slot = await self.pool.acquire(
                 str(flow_run.id), self.settings.acquire_timeout_s, priority=priority
             )
+            if time.time() - started > ACQUIRE_RECHECK_S:
+                current = await self._still_wanted(flow_run)
+                if current is None:  # cancelled while it waited for a child
+                    await self.pool.release_unused(slot)
+                    return FaceFlowWorkerResult(identifier="", status_code=0, outcome="cancelled")
+                flow_run = current
         except NoChildReady as exc:  # claimed ahead, but no child came free: give it back
             self._prefetch_paused = True  # (and claim nothing ahead until a child is free)
             await self._reschedule(flow_run, f"no warm child became free ({exc})")
@@ -633,8 +642,40 @@ class FaceFlowGpuWorker(
         )
         return True
 
+    async def _still_wanted(self, flow_run: FlowRun) -> FlowRun | None:
+        """The run as it is now if it may still start; ``None`` when it was cancelled (or
+        otherwise ended) while no child held it.
+
+        Prefect lets a Cancelled run go back to Running (a manual rerun), so a run
+        cancelled while it waited for a child would run anyway once the child proposed
+        Running: it is read again before a child gets it. A Cancelling run (no process
+        holds it) is made Cancelled here."""
+        try:
+            current = await self.client.read_flow_run(flow_run.id)
+        except Exception as exc:  # transient API trouble: run it; the watch still checks
+            self._logger.debug("could not read flow run %s: %s", flow_run.id, exc)
+            return flow_run
+        state = current.state
+        if state is None or not (state.is_final() or state.is_cancelling()):
+            return current
+        if state.is_cancelling():
+            await self.client.set_flow_run_state(
+                flow_run.id,
+                Cancelled(message="Cancelled before a faceflow-gpu child started it."),
+                force=True,
+            )
+        self._logger.info(
+            "Flow run %s was %s before a child was free: not started.",
+            flow_run.id,
+            state.type.value,
+        )
+        return None
+
     async def _reschedule(self, flow_run: FlowRun, why: str) -> None:
-        """Put a claimed run that never reached a child back to Scheduled for any worker."""
+        """Put a claimed run that never reached a child back to Scheduled for any worker,
+        unless it was cancelled (or ended) meanwhile: a forced Scheduled would revive it."""
+        if await self._still_wanted(flow_run) is None:
+            return
         self._logger.warning("Rescheduling flow run %s: %s", flow_run.id, why)
         try:
             state: State[Any] = Scheduled(message=f"Rescheduled by the faceflow-gpu worker: {why}.")

@@ -18,6 +18,7 @@ import pytest
 
 from faceflow.testing.prefect import PREFECT
 from flows.params import result_key
+from webapi.prefect_api import PrefectAPI, StateType
 from tests.worker.conftest import (
     REPO,
     Api,
@@ -197,6 +198,32 @@ def test_a_prefetched_run_waits_for_the_child_or_goes_back_to_the_queue(
     states = warm_worker.api.call("GET", f"/flow_run_states/?flow_run_id={behind}")
     assert any("Rescheduled by the faceflow-gpu worker" in (s["message"] or "") for s in states)
     assert warm_worker.api.run(slow)["state_type"] == "COMPLETED"
+
+
+@pytest.mark.parametrize("busy_s", [3, 12], ids=["child-frees", "acquire-times-out"])
+def test_a_run_cancelled_while_it_waits_for_a_child_never_starts(
+    warm_worker: WarmWorker, busy_s: int
+) -> None:
+    """Prefect lets a Cancelled run go back to Running, so a claimed run cancelled before a
+    child was free (the relay cancels a Pending run straight to Cancelled) must not reach
+    the child; nor may the acquire timeout's reschedule revive it (acquire timeout 8 s)."""
+    warm_worker.wait_idle()
+    busy = warm_worker.submit(c_sleep_s=busy_s, fuse=False)
+    warm_worker.wait_started(busy)
+    waiting = warm_worker.submit(fuse=False)
+    end = time.monotonic() + 20
+    while warm_worker.api.state(waiting) != "PENDING":  # claimed ahead, waiting for the child
+        assert time.monotonic() < end, warm_worker.api.run(waiting)["state"]
+        time.sleep(0.05)
+    with PrefectAPI(warm_worker.api.url) as api:  # what the relay's cancel path does
+        run = api.read_flow_runs([waiting])[waiting]
+        assert api.cancel_flow_run(run, message="Cancelled by FaceFlow") is StateType.CANCELLED
+    assert warm_worker.api.wait_final(busy, timeout=60)["state_type"] == "COMPLETED"
+    time.sleep(1.0)  # the waiting claim has had the free child (or its timeout) by now
+    states = warm_worker.api.call("GET", f"/flow_run_states/?flow_run_id={waiting}")
+    after = [s["type"] for s in states][[s["type"] for s in states].index("CANCELLED") :]
+    assert after == ["CANCELLED"], [s["type"] for s in states]
+    assert not (warm_worker.out_dir / f"{waiting}.started.json").exists()
 
 
 def test_faceflow_worker_status_command(warm_worker: WarmWorker) -> None:
