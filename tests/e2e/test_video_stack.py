@@ -22,7 +22,7 @@ import pytest
 from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
 from blocks.settings import FusionSettings
-from flows.params import chunks_manifest_key
+from flows.params import chunks_manifest_key, video_parts_tag
 from tasks.video_io import frame_timestamps, probe_video
 from tests import samples
 from tests.e2e.harness import (
@@ -30,6 +30,7 @@ from tests.e2e.harness import (
     create_user,
     local_stack,
     pid_of,
+    pids_with_home,
     prefect_auth,
     watch,
 )
@@ -37,6 +38,8 @@ from tests.videos import Videos
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CHUNK_S = 0.5
+FINAL_TYPES = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+LIVE_TYPES = ("SCHEDULED", "PENDING", "RUNNING")
 
 
 @dataclass
@@ -249,6 +252,64 @@ def test_a_worker_killed_mid_video_renders_only_the_missing_chunks_again(
     assert {key: (storage / key).stat().st_mtime_ns for key in done} == done
     assert total - len(done) <= report["chunks_rendered"] <= total
     print(f"\nkill after {len(done)}/{total} chunks: {total - len(done)} rendered after it")
+
+
+def _run_process(stack: VideoStack, flow_run_id: str) -> int:
+    """The pid of the stack process running Prefect flow run ``flow_run_id``."""
+    marker = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
+    for pid in pids_with_home(stack.home):
+        with suppress(OSError):
+            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+    raise AssertionError(f"no stack process runs flow run {flow_run_id}")
+
+
+def _parts(stack: VideoStack, job_id: str, attempt: int) -> list[dict[str, Any]]:
+    body = {"flow_runs": {"tags": {"all_": [video_parts_tag(job_id, attempt)]}}, "limit": 50}
+    return list(stack.prefect.post("/flow_runs/filter", json=body).json())
+
+
+def test_a_coordinator_killed_mid_video_runs_again_and_its_parts_stop(
+    stack: VideoStack, videos: Videos
+) -> None:
+    """The control pool's process running ``fuse-video`` is SIGKILLed while a render part
+    holds the GPU worker's child (paused): the relay re-dispatches the job (attempt 2) and
+    cancels attempt 1's parts, so no GPU keeps rendering for the fenced attempt; attempt 2
+    reuses what attempt 1 stored and the job succeeds."""
+    own = samples.encode(samples.astronaut_rgb(), quality=83)  # no chunk of it is stored
+    with stack.client() as client:
+        job_id = _submit(client, videos.short, own)
+        listed = _listed_chunks(stack, job_id)
+        with _child_paused(stack):
+            body = {"flow_runs": {"name": {"any_": [job_id]}}}
+            (run,) = stack.prefect.post("/flow_runs/filter", json=body).json()
+            run_id = str(run["id"])
+            os.kill(_run_process(stack, run_id), signal.SIGKILL)
+            killed = datetime.now(UTC)
+            _until(client, job_id, lambda job: job["attempts"] == 2, timeout=120)
+            end = time.monotonic() + 60  # the relay's cancel lands while the part is held
+            while any(r["state_type"] in LIVE_TYPES for r in _parts(stack, job_id, 1)):
+                assert time.monotonic() < end, [
+                    (r["name"], r["state_type"]) for r in _parts(stack, job_id, 1)
+                ]
+                time.sleep(0.1)
+        job, _ = watch(client, job_id, timeout=900)
+    assert job["status"] == "succeeded" and job["attempts"] == 2, job
+    assert job["video_report"]["chunks"] == len(listed)
+    end = time.monotonic() + 60
+    while any(r["state_type"] not in FINAL_TYPES for r in _parts(stack, job_id, 1)):
+        assert time.monotonic() < end, [
+            (r["name"], r["state_type"]) for r in _parts(stack, job_id, 1)
+        ]
+        time.sleep(0.2)
+    first = _parts(stack, job_id, 1)
+    assert any(r["name"].endswith("chunk-0000") for r in first), "attempt 1 was rendering"
+    late = [
+        r["name"]
+        for r in first
+        if r["state_type"] == "COMPLETED" and datetime.fromisoformat(r["end_time"]) > killed
+    ]
+    assert late == [], f"attempt 1's parts rendered on after its coordinator died: {late}"
 
 
 def test_cancel_mid_video_stops_the_worker_and_leaves_no_partials(

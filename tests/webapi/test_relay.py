@@ -54,7 +54,7 @@ from tests.webapi.conftest import make_settings
 from webapi import crud
 from webapi.config import Settings
 from webapi.main import create_app
-from webapi.models import JobStatus, Outbox, utcnow
+from webapi.models import Job, JobStatus, Outbox, utcnow
 from webapi.prefect_api import FlowRun, PrefectAPI, PrefectUnavailable, StateType
 from webapi.relay import dispatch, expire, fetch_lane, reap, sync
 from webapi.relay.context import Relay
@@ -573,6 +573,36 @@ def test_cancel_stops_the_video_parts_of_the_cancelled_attempt_only(
     reap.run_once(relay)
     states = {r: prefect_server.rest.run(r)["state_type"] for r in (busy, waiting, other, done)}
     assert states == {busy: "CANCELLING", waiting: "CANCELLED", other: "RUNNING", done: "COMPLETED"}
+
+
+def test_a_crashed_video_coordinators_parts_are_cancelled_and_the_job_runs_again(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """A video attempt's parts outlive its coordinator: when the coordinator's run crashes
+    (its control-pool process killed) the relay re-dispatches the job and cancels the
+    fenced attempt's parts, though the crashed run itself needs no cancel."""
+    job_id, run_id = running(relay, owner, prefect_server)
+    with Session(relay.engine) as session:  # a video job as the relay sees it
+        stored = session.get(Job, job_id)
+        assert stored is not None
+        stored.media = "video"
+        session.add(stored)
+        session.commit()
+    flow_id = prefect_server.rest.run(run_id)["flow_id"]
+
+    def part(state: str) -> str:
+        body = {"flow_id": flow_id, "tags": [video_parts_tag(str(job_id), 1)]}
+        created = str(prefect_server.rest.call("POST", "/flow_runs/", body)["id"])
+        prefect_server.rest.set_state(created, state)
+        return created
+
+    busy, waiting = part("RUNNING"), part("PENDING")
+    prefect_server.rest.set_state(run_id, "CRASHED")
+    assert reap.run_once(relay) >= 1
+    assert job(relay.engine, job_id).status is JobStatus.queued
+    reap.run_once(relay)  # the cancel_run row
+    states = {r: prefect_server.rest.run(r)["state_type"] for r in (busy, waiting, run_id)}
+    assert states == {busy: "CANCELLING", waiting: "CANCELLED", run_id: "CRASHED"}
 
 
 def test_cancel_that_never_stops_is_forced_after_grace(

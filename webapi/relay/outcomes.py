@@ -274,8 +274,11 @@ def retry_or_fail(
         )
         if changed and can_retry:
             session.add(_outbox("dispatch", job.job_id, {"attempt": job.attempts + 1}, now))
-        if changed and run is not None and not run.state_type.is_final:
-            payload = {"flow_run_id": run.id, "attempt": job.attempts}
+        # A video attempt's parts outlive its coordinator: they are cancelled even when the
+        # coordinator's run is over (crashed, lost), so no GPU renders for a fenced attempt.
+        live = run is not None and not run.state_type.is_final
+        if changed and (live or job.media == "video"):
+            payload = {"flow_run_id": run.id if live and run else None, "attempt": job.attempts}
             session.add(_outbox("cancel_run", job.job_id, payload, now))
         session.commit()
     if changed:
