@@ -18,7 +18,6 @@ import pytest
 
 from faceflow.testing.prefect import PREFECT
 from flows.params import result_key
-from webapi.prefect_api import PrefectAPI, StateType
 from tests.worker.conftest import (
     REPO,
     Api,
@@ -27,6 +26,7 @@ from tests.worker.conftest import (
     pid_alive,
     start_warm_worker,
 )
+from webapi.prefect_api import PrefectAPI, StateType
 
 pytestmark = pytest.mark.prefect
 
