@@ -28,7 +28,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
@@ -78,24 +78,18 @@ def canonical(
     return text.encode()
 
 
-def sign(
-    job: JobAttempt,
-    key: str,
-    *,
-    storage_block: str = DEFAULT_STORAGE_BLOCK,
-    settings_block: str = DEFAULT_SETTINGS_BLOCK,
-    signing_block: str = DEFAULT_SIGNING_BLOCK,
-    version: str = VERSION,
-) -> str:
-    """The binding of ``job`` under ``key``: ``v2=<hex HMAC-SHA256>`` (``version="v1"``:
-    the previous format, for tests of its acceptance)."""
-    body = canonical(
-        job,
-        storage_block=storage_block,
-        settings_block=settings_block,
-        signing_block=signing_block,
-        version=version,
-    )
+class BlockNames(TypedDict, total=False):
+    """The blocks a binding names, as ``canonical`` takes them (its defaults when left out)."""
+
+    storage_block: str
+    settings_block: str
+    signing_block: str
+
+
+def sign(job: JobAttempt, key: str, *, version: str = VERSION, **blocks: Unpack[BlockNames]) -> str:
+    """The binding of ``job`` and ``blocks`` under ``key``: ``v2=<hex HMAC-SHA256>``
+    (``version="v1"``: the previous format, for tests of its acceptance)."""
+    body = canonical(job, version=version, **blocks)
     return f"{version}={hmac.new(key.encode(), body, hashlib.sha256).hexdigest()}"
 
 
@@ -115,12 +109,13 @@ def verify(
         return False
     if version not in (VERSION, LEGACY_VERSION):
         return False
-    blocks = {"storage_block": storage_block, "settings_block": settings_block}
+    blocks: BlockNames = {
+        "storage_block": storage_block,
+        "settings_block": settings_block,
+        "signing_block": signing_block,
+    }
     return any(
-        hmac.compare_digest(
-            offered, sign(job, key, **blocks, signing_block=signing_block, version=version)
-        )
-        for key in keys
+        hmac.compare_digest(offered, sign(job, key, version=version, **blocks)) for key in keys
     )
 
 

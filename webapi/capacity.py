@@ -19,8 +19,8 @@ from datetime import datetime
 from typing import Any, TypeVar, get_args
 
 import sqlalchemy as sa
-from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, col, select
+from sqlmodel.sql.expression import Select
 
 from tasks.recent import Recent
 from webapi.config import Settings
@@ -240,12 +240,21 @@ def service_seconds(session: Session, *, settings: Settings) -> float:
     return service_estimate(session, settings=settings)[0]
 
 
-def _ran_and_succeeded(media: str) -> tuple[ColumnElement[bool], ...]:
-    """Where a job of ``media`` ran and succeeded: the jobs both estimates sample."""
+#: A select of some of ``Job``'s columns.
+Q = TypeVar("Q", bound=Select[*tuple[Any, ...]])
+
+
+def _latest_succeeded(query: Q, media: str, limit: int) -> Q:
+    """``query`` narrowed to the last ``limit`` jobs of ``media`` (newest first) that ran and
+    succeeded: the jobs every estimate samples."""
     return (
-        col(Job.status) == JobStatus.succeeded,
-        col(Job.started_at).is_not(None),
-        col(Job.media) == media,
+        query.where(
+            col(Job.status) == JobStatus.succeeded,
+            col(Job.started_at).is_not(None),
+            col(Job.media) == media,
+        )
+        .order_by(col(Job.created_at).desc())
+        .limit(limit)
     )
 
 
@@ -265,12 +274,10 @@ def service_estimate(session: Session, *, settings: Settings) -> tuple[float, bo
 
 
 def _measure_service(session: Session, settings: Settings) -> tuple[float, bool]:
-    rows = session.exec(
-        select(Job.created_at, Job.finished_at, Job.flow_run_id)
-        .where(*_ran_and_succeeded("photo"))
-        .order_by(col(Job.created_at).desc())
-        .limit(SERVICE_TIME_SAMPLE)
-    ).all()
+    query = _latest_succeeded(
+        select(Job.created_at, Job.finished_at, Job.flow_run_id), "photo", SERVICE_TIME_SAMPLE
+    )
+    rows = session.exec(query).all()
     costs = run_costs(
         [(created, end, run) for created, end, run in rows if end is not None and end >= created],
         slots=settings.worker_slots,
@@ -289,12 +296,12 @@ def drain_estimate(session: Session, *, settings: Settings) -> Drain | None:
 
 
 def _measure_drain(session: Session, settings: Settings) -> Drain | None:
-    rows = session.exec(
-        select(Job.created_at, Job.finished_at, Job.flow_run_id, Job.timings)
-        .where(*_ran_and_succeeded("photo"))
-        .order_by(col(Job.created_at).desc())
-        .limit(SERVICE_TIME_SAMPLE)
-    ).all()
+    query = _latest_succeeded(
+        select(Job.created_at, Job.finished_at, Job.flow_run_id, Job.timings),
+        "photo",
+        SERVICE_TIME_SAMPLE,
+    )
+    rows = session.exec(query).all()
     jobs = [
         (created, end, run, sum(float(ms) for ms in (timings or {}).values()) / 1000.0)
         for created, end, run, timings in rows
@@ -322,12 +329,10 @@ def frame_estimate(session: Session, *, settings: Settings) -> float:
 
 
 def _measure_frame(session: Session, settings: Settings) -> float:
-    rows = session.exec(
-        select(Job.started_at, Job.finished_at, Job.video_report)
-        .where(*_ran_and_succeeded("video"))
-        .order_by(col(Job.created_at).desc())
-        .limit(VIDEO_SAMPLE)
-    ).all()
+    query = _latest_succeeded(
+        select(Job.started_at, Job.finished_at, Job.video_report), "video", VIDEO_SAMPLE
+    )
+    rows = session.exec(query).all()
     costs = []
     for started, finished, report in rows:
         frames, chunks = int((report or {}).get("frames") or 0), (report or {}).get("chunks")

@@ -798,28 +798,20 @@ def test_mapping_must_fit_the_images_given(
 def test_mapping_over_multipart_repeats_the_source_part(
     client: TestClient, engine: Engine, user: NewUser
 ) -> None:
+    two_sources = [
+        ("source", ("a.jpg", source_jpeg(), "image/jpeg")),
+        ("source", ("b.jpg", target_jpeg(), "image/jpeg")),
+        ("target", ("t.jpg", target_jpeg(), "image/jpeg")),
+    ]
     response = client.post(
         "/v1/jobs",
         headers=auth(user),
-        files=[
-            ("source", ("a.jpg", source_jpeg(), "image/jpeg")),
-            ("source", ("b.jpg", target_jpeg(), "image/jpeg")),
-            ("target", ("t.jpg", target_jpeg(), "image/jpeg")),
-            ("reference", ("r.jpg", source_jpeg(), "image/jpeg")),
-        ],
+        files=[*two_sources, ("reference", ("r.jpg", source_jpeg(), "image/jpeg"))],
         data={"params": json.dumps({"options": {"mapping": MAPPING}})},
     )
     assert response.status_code == 202, response.text
     [stored] = jobs_of(engine, user.user.id)
     assert stored.extra_inputs is not None
     assert len(stored.extra_inputs["sources"]) == 1 == len(stored.extra_inputs["references"])
-    two_sources_no_mapping = client.post(
-        "/v1/jobs",
-        headers=auth(user),
-        files=[
-            ("source", ("a.jpg", source_jpeg(), "image/jpeg")),
-            ("source", ("b.jpg", target_jpeg(), "image/jpeg")),
-            ("target", ("t.jpg", target_jpeg(), "image/jpeg")),
-        ],
-    )
+    two_sources_no_mapping = client.post("/v1/jobs", headers=auth(user), files=two_sources)
     assert two_sources_no_mapping.status_code == 422

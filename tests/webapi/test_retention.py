@@ -78,6 +78,12 @@ def _stored(store: ObjectStore, data: bytes, name: str, settings: Settings) -> I
     return store_image(data, name=name, limits=settings.image_limits, store=store)
 
 
+def _sample_inputs(store: ObjectStore, settings: Settings) -> tuple[InputRef, InputRef]:
+    """The sample source and target photos, stored as a submit stores them."""
+    source = _stored(store, source_jpeg(), "source", settings)
+    return source, _stored(store, target_jpeg(), "target", settings)
+
+
 def _finish_with_result(engine: Engine, store: ObjectStore, job: Job) -> str:
     key = result_key(str(job.id), 1, "png")
     store.put(key, image_bytes(64, 48))
@@ -95,8 +101,7 @@ def test_inputs_results_and_rows_expire_in_turn_and_nothing_else(
     engine: Engine, settings: Settings, store: ObjectStore
 ) -> None:
     user = make_user(engine, settings)
-    shared = _stored(store, source_jpeg(), "source", settings)
-    own = _stored(store, target_jpeg(), "target", settings)
+    shared, own = _sample_inputs(store, settings)
     other = _stored(store, image_bytes(200, 160, "PNG"), "target", settings)
     done = new_job(engine, settings, user, source=shared, target=own)
     waiting = new_job(
@@ -148,13 +153,8 @@ def test_the_owner_s_retention_times_override_the_settings(
     engine: Engine, settings: Settings, store: ObjectStore
 ) -> None:
     keeper = make_user(engine, settings, input_retention_s=600, result_retention_s=60)
-    job = new_job(
-        engine,
-        settings,
-        keeper,
-        source=_stored(store, source_jpeg(), "source", settings),
-        target=_stored(store, target_jpeg(), "target", settings),
-    )
+    source, target = _sample_inputs(store, settings)
+    job = new_job(engine, settings, keeper, source=source, target=target)
     assert (job.input_retention_s, job.result_retention_s) == (600, 60)
     _finish_with_result(engine, store, job)
     ended = _get(engine, job.id)
@@ -169,13 +169,8 @@ def test_a_failed_job_loses_its_inputs_and_attempt_files_but_is_not_result_expir
     engine: Engine, settings: Settings, store: ObjectStore
 ) -> None:
     user = make_user(engine, settings)
-    job = new_job(
-        engine,
-        settings,
-        user,
-        source=_stored(store, source_jpeg(), "source", settings),
-        target=_stored(store, target_jpeg(), "target", settings),
-    )
+    source, target = _sample_inputs(store, settings)
+    job = new_job(engine, settings, user, source=source, target=target)
     sidecar = result_meta_key(str(job.id), 1)
     store.put(sidecar, b"{}")  # a first attempt wrote its sidecar, then the job failed
     move(engine, job.id, JobStatus.failed, JobStatus.queued, error_code="x", error_message="y")
@@ -191,8 +186,7 @@ def test_a_submit_reusing_an_input_deleted_meanwhile_is_told_to_store_it_again(
     engine: Engine, settings: Settings, store: ObjectStore
 ) -> None:
     user = make_user(engine, settings)
-    source = _stored(store, source_jpeg(), "source", settings)
-    target = _stored(store, target_jpeg(), "target", settings)
+    source, target = _sample_inputs(store, settings)
     old = new_job(engine, settings, user, source=source, target=target)
     move(engine, old.id, JobStatus.cancelled, JobStatus.queued)
     # A new submit found both inputs stored (its check ran before the pass)...
@@ -203,10 +197,7 @@ def test_a_submit_reusing_an_input_deleted_meanwhile_is_told_to_store_it_again(
     assert isinstance(admission.error, InputsPurged) and admission.job is None
     # Stored again (the route does this), it is admitted.
     again = crud.Submission(
-        user.user,
-        JobCreate.model_validate({}),
-        _stored(store, source_jpeg(), "source", settings),
-        _stored(store, target_jpeg(), "target", settings),
+        user.user, JobCreate.model_validate({}), *_sample_inputs(store, settings)
     )
     assert store.exists(source.key or "")
     with Session(engine, expire_on_commit=False) as session:
@@ -262,8 +253,7 @@ def test_a_mapping_job_s_other_sources_and_references_expire_unless_still_used(
     engine: Engine, settings: Settings, store: ObjectStore
 ) -> None:
     user = make_user(engine, settings)
-    source = _stored(store, source_jpeg(), "source", settings)
-    target = _stored(store, target_jpeg(), "target", settings)
+    source, target = _sample_inputs(store, settings)
     second = _stored(store, image_bytes(150, 140, "PNG"), "sources[1]", settings)
     reference = _stored(store, image_bytes(140, 150, "PNG"), "references[0]", settings)
     mapped = new_job(

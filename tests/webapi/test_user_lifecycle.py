@@ -12,6 +12,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,17 @@ def cache_clock(client: TestClient, running: bool = False) -> Clock:
     clock = Clock(running)
     client.app.state.users.clock = clock  # type: ignore[attr-defined]
     return clock
+
+
+@contextmanager
+def cached_app(
+    database_url: str, tmp_path: Path, ttl: float, *, running: bool = False
+) -> Iterator[tuple[TestClient, Clock, Settings]]:
+    """A running app whose auth cache keeps keys ``ttl`` seconds on a ``Clock`` the test
+    controls (``cache_clock``), with the app's settings."""
+    with app_client(database_url, tmp_path, auth_cache_seconds=ttl) as client:
+        clock = cache_clock(client, running=running)
+        yield client, clock, client.app.state.settings  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -114,9 +126,7 @@ def test_disable_cancels_jobs_refuses_submits_at_once_and_keys_within_the_cache_
     database_url: str, tmp_path: Path, engine: Engine, cli: Callable[..., Result]
 ) -> None:
     ttl = 5.0
-    with app_client(database_url, tmp_path, auth_cache_seconds=ttl) as client:
-        clock = cache_clock(client)
-        settings: Settings = client.app.state.settings  # type: ignore[attr-defined]
+    with cached_app(database_url, tmp_path, ttl) as (client, clock, settings):
         alice = make_user(engine, settings, name="alice")
         bob = make_user(engine, settings, name="bob")
         queued = [submit(client, alice) for _ in range(2)]
@@ -183,9 +193,7 @@ def test_keys_are_listed_by_id_and_a_revoked_key_stops_within_the_cache_time(
     database_url: str, tmp_path: Path, engine: Engine, cli: Callable[..., Result]
 ) -> None:
     ttl = 1.0
-    with app_client(database_url, tmp_path, auth_cache_seconds=ttl) as client:
-        clock = cache_clock(client)
-        settings: Settings = client.app.state.settings  # type: ignore[attr-defined]
+    with cached_app(database_url, tmp_path, ttl) as (client, clock, settings):
         carol = make_user(engine, settings, name="carol")
         listed = cli("keys", "list", "carol").output
         assert key_ids(listed) == [str(carol.key_id)] and "\tactive" in listed
@@ -216,9 +224,7 @@ def test_rotate_keeps_the_old_key_for_the_grace_period_only(
     looked up during its grace is cached only until its end (an entry cached before
     the rotation lasts its ``ttl``; the grace is normally far longer)."""
     ttl, grace = 10.0, 3.0  # an entry cached in the grace would outlive it by far
-    with app_client(database_url, tmp_path, auth_cache_seconds=ttl) as client:
-        clock = cache_clock(client, running=True)
-        settings: Settings = client.app.state.settings  # type: ignore[attr-defined]
+    with cached_app(database_url, tmp_path, ttl, running=True) as (client, clock, settings):
         dave = make_user(engine, settings, name="dave")
         assert client.get("/v1/jobs", headers=auth(dave)).status_code == 200  # cached
 
