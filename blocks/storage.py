@@ -133,6 +133,27 @@ def fetch_to(store: ByteStore, key: str, path: Path) -> Path:
     return path
 
 
+def read_locally(store: ByteStore, key: str, path: Path) -> Path:
+    """``path``, at which the object under ``key`` can be read (never written): with
+    ``LocalFileSystem`` a symbolic link to the stored file, so no byte is copied (a video
+    part reads its frames from the stored upload in place); with other blocks a copy
+    (``fetch_to``). ``InvalidInput`` when absent, ``TransientError`` for other failures."""
+    if not isinstance(store, LocalFileSystem):
+        return fetch_to(store, key, path)
+    try:
+        stored = store._resolve_path(key)
+        if not stored.is_file():
+            raise FileNotFoundError(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        path.symlink_to(stored)
+    except Exception as exc:
+        if _is_missing(exc):
+            raise InvalidInput("An input was not found in storage.", detail=key) from exc
+        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
+    return path
+
+
 def put_from(store: ByteStore, key: str, path: Path) -> None:
     """Store the file ``path`` under ``key`` (overwrites) without reading it whole: a
     copy to a temporary name renamed when complete (``LocalFileSystem``), a streamed

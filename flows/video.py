@@ -43,7 +43,7 @@ from prefect import Task, flow, get_run_logger
 from prefect.states import Cancelled, State
 
 from blocks.settings import load_settings
-from blocks.storage import ByteStore, fetch_to, is_stored, load_storage, read_from, write_to
+from blocks.storage import ByteStore, is_stored, load_storage, read_from, read_locally, write_to
 from flows.artifacts import publish_video_result
 from flows.deadline import Deadline
 from flows.fuse import failed, start_attempt
@@ -229,7 +229,7 @@ def fuse_video_flow(
                     stage = name
                     return guarded(name, deadline).run(fn, *args)
 
-                fetch_to(store, target_key, job.video)  # the join takes its audio
+                read_locally(store, target_key, job.video)  # the join takes its audio
                 segments = step("join", collect_task, job)
                 info = step("join", join_task, job, segments)
                 flags, similarities = step("report", report_task, job)

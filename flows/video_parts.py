@@ -32,7 +32,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed, State
 
 from blocks.settings import load_settings
-from blocks.storage import ByteStore, fetch_to, is_stored, load_storage, read_from, write_to
+from blocks.storage import ByteStore, is_stored, load_storage, read_from, read_locally, write_to
 from flows.deadline import Deadline
 from flows.fuse import admit, failed
 from flows.params import (
@@ -167,12 +167,12 @@ def run_part(
         if part in ranges:
             if is_stored(store, job.analysis_key(*ranges[part])):  # by an earlier run
                 return False
-            fetch_to(store, spec.target_key, job.video)  # the range is read by a seek
+            read_locally(store, spec.target_key, job.video)  # the range is read by a seek
             task = analyse_task.with_options(task_run_name=part)
             return bool(guarded("analyse", deadline).run(task, job, *ranges[part]))
         if part == PLAN:
             if chosen.mapping:  # the mapping's identities read a few frames
-                fetch_to(store, spec.target_key, job.video)
+                read_locally(store, spec.target_key, job.video)
             job.planned = guarded("analyse", deadline).run(plan_task, job)
             save_plan(store, plan_key, StoredPlan(job.digest, job.probed, job.planned))
             return True
@@ -184,7 +184,7 @@ def run_part(
         chunk = chunks[part]
         if is_stored(store, job.chunk_key(chunk)):  # stored by an earlier run of it
             return False
-        fetch_to(store, spec.target_key, job.video)
+        read_locally(store, spec.target_key, job.video)
         counter = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
         job.progress = counter
         render = render_chunk_task.with_options(task_run_name=f"render-{part}")

@@ -5,9 +5,10 @@ render). Each step is
 ``tasks.video``'s, the one its in-process ``fuse_video`` runs, under
 ``flows.deadline.StageGuard`` with the job's one deadline (``VIDEO_STAGES``).
 
-Videos never pass through memory whole: the input is copied from the storage block to a
-temporary directory (``blocks.storage.fetch_to``), chunks and the result go back file by
-file (``put_from``). A rendered chunk is stored under ``video-chunks/<chunk_name>`` (a name
+Videos never pass through memory whole: the input and the chunks are read from the storage
+block where it is local (``blocks.storage.read_locally``: a link in the run's temporary
+directory, no byte copied) or copied there file by file, and chunks and the result go back
+file by file (``put_from``). A rendered chunk is stored under ``video-chunks/<chunk_name>`` (a name
 made from the video, chunk, face plan, sources and options): a chunk found there is not
 rendered again, so a re-dispatched attempt renders only the missing chunks. The analysis
 of a frame range is stored the same way, under ``video-analysis/<range_name>`` (``.npz``).
@@ -30,7 +31,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from blocks.settings import StagePolicy
-from blocks.storage import ByteStore, fetch_to, is_stored, put_from, read_from, write_to
+from blocks.storage import (
+    ByteStore,
+    is_stored,
+    put_from,
+    read_from,
+    read_locally,
+    write_to,
+)
 from flows.binding import worker_keys
 from flows.deadline import Deadline, StageGuard
 from flows.params import VideoResultRef, video_analysis_key, video_chunk_key
@@ -144,7 +152,7 @@ class VideoJob:
 def probe_task(job: VideoJob, target_key: str) -> Probed:
     """Copy the video from storage, probe it, moderate sampled frames, then check the
     sources (``check_sources``: the first face model runs after moderation)."""
-    fetch_to(job.store, target_key, job.video)
+    read_locally(job.store, target_key, job.video)
     job.digest = file_digest(job.video)
     probed = probe_and_moderate(job.sources, job.video, job.ctx, references=job.references)
     check_sources(probed, job.options, job.ctx)  # a source without a face fails here
@@ -212,7 +220,7 @@ def collect_task(job: VideoJob) -> list[Path]:
         segment.parent.mkdir(parents=True, exist_ok=True)
         if not is_stored(job.store, key):  # deleted since its part stored it: another try
             raise TransientError("A rendered chunk went missing.", detail=key)
-        fetch_to(job.store, key, segment)
+        read_locally(job.store, key, segment)
         job.samples.read_from(segment, chunk)
         segments.append(segment)
     return segments

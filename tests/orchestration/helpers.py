@@ -152,7 +152,9 @@ def probe_overlap(monkeypatch: pytest.MonkeyPatch, timeout_s: float = 5.0) -> Ov
 def check_file_transfer(block_name: str, tmp_path: Path) -> None:
     """``put_from`` / ``is_stored`` / ``fetch_to`` on the storage block ``block_name``:
     a 3 MiB file goes in and comes back byte for byte; a missing key reads as missing."""
-    from blocks.storage import fetch_to, is_stored, load_storage, put_from
+    from prefect.filesystems import LocalFileSystem
+
+    from blocks.storage import fetch_to, is_stored, load_storage, put_from, read_locally
     from tasks.errors import InvalidInput
 
     store = load_storage(block_name)
@@ -168,3 +170,8 @@ def check_file_transfer(block_name: str, tmp_path: Path) -> None:
     assert back.read_bytes() == data
     with pytest.raises(InvalidInput):
         fetch_to(store, f"{key}.missing", tmp_path / "missing.bin")
+    read = read_locally(store, key, tmp_path / "deep" / "read.bin")
+    assert read.read_bytes() == data
+    assert read.is_symlink() == isinstance(store, LocalFileSystem)  # local: not copied
+    with pytest.raises(InvalidInput):
+        read_locally(store, f"{key}.missing", tmp_path / "missing.bin")
