@@ -153,3 +153,14 @@ def test_without_the_event_no_progress_webhook_is_queued(
             session, job_id=job.id, flow_run_id=run, progress=_record(10, 0).model_dump(mode="json")
         )
     assert [r for r in outbox_of(engine, job.id) if r.kind == "webhook"] == []
+
+
+def test_the_openapi_document_describes_both_passes_of_a_videos_progress(
+    client: TestClient,
+) -> None:
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["JobProgress"]
+    fields = schema["properties"]
+    assert {"frames_analysed", "frames_done", "frames_total", "eta_seconds"} <= set(fields)
+    assert "analysis" in fields["frames_analysed"]["description"]
+    assert "analysis" in fields["eta_seconds"]["description"]
+    assert "render" in fields["eta_seconds"]["description"]
