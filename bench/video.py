@@ -13,9 +13,11 @@ process (so peak RSS is its own):
 - ``records``: the analysis pass and the face plan alone, and the bytes per frame of what
   they keep for the whole video (the Python objects' sizes, arrays included).
 
-Prints frames per second, wall, peak RSS, the job's step timings and its time to first
-progress (``first_progress_s``: start → first frame rendered, the moment ``fuse-video``
-writes its first progress record with ``frames_done`` > 0; a real job adds its dispatch);
+Prints frames per second, wall, peak RSS, the job's step timings and its times to first
+progress (``first_analysis_progress_s``: start → first frames analysed, the moment
+``fuse-video``'s progress record can first show ``frames_analysed`` > 0;
+``first_progress_s``: start → first frame rendered, its first record with ``frames_done``
+> 0; a real job adds its dispatch and up to a second of the records' write interval);
 then the job's fps as a share of the bare loop's. Run it for two lengths to see whether memory grows with the
 video (it must not: it is bounded by a render group and a chunk). Asserts nothing.
 """
@@ -100,8 +102,9 @@ def bare(clip: Path, out: Path) -> dict[str, float | None]:
 
 
 def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
-    """``fuse_video`` on the clip; ``first_progress_s``: from the start to the first
-    rendered frame, when the flow writes its first progress record with frames done."""
+    """``fuse_video`` on the clip; ``first_analysis_progress_s`` and ``first_progress_s``:
+    from the start to the first frames analysed and the first frame rendered (the flow's
+    first progress records with frames analysed and with frames done)."""
     from faceflow import samples
     from tasks.pipeline import PipelineContext, warm_up
     from tasks.video import fuse_video
@@ -109,10 +112,15 @@ def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
     ctx = PipelineContext.for_this_machine()
     warm_up(ctx)
     first: list[float] = []
+    first_analysed: list[float] = []
 
     def rendered_frame(index: int) -> None:
         if not first:
             first.append(time.perf_counter() - start)
+
+    def analysed_frames(count: int) -> None:
+        if not first_analysed:
+            first_analysed.append(time.perf_counter() - start)
 
     start = time.perf_counter()
     result = fuse_video(
@@ -122,6 +130,7 @@ def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
         ctx=ctx,
         chunk_s=chunk_s,
         rendered_frame=rendered_frame,
+        analysed_frames=analysed_frames,
     )
     wall = time.perf_counter() - start
     frames = result.info.frame_count
@@ -130,6 +139,7 @@ def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
         "wall_s": wall,
         "fps": frames / wall,
         "chunks": result.chunks,
+        "first_analysis_progress_s": round(first_analysed[0], 2) if first_analysed else None,
         "first_progress_s": round(first[0], 2) if first else None,
         **{f"{k}_ms": round(v) for k, v in result.timings_ms.items()},
     }

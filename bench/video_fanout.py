@@ -14,8 +14,9 @@ encode stay real, the frame's face stages become what a GPU would leave on the C
 (``FACEFLOW_BENCH_VIDEO_DETECT_MS``; no face found, the signature real). Prints
 per worker count the probe part's time, the analysis span (first range part's start →
 last one's end, from Prefect's timestamps), the plan part's time, the render span (the
-same for the render parts), the whole job's wall time and the ranges and chunks each
-worker child ran. Asserts nothing.
+same for the render parts), the whole job's wall time, the ranges and chunks each
+worker child ran, and the times to first progress (the coordinator's record first showing
+frames analysed, then frames done). Asserts nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -43,6 +45,7 @@ from flows.params import (
     VIDEO_ANALYSE_DEPLOYMENT,
     VIDEO_PART_FLOW_NAME,
     VIDEO_RENDER_DEPLOYMENT,
+    progress_key,
     video_parts_tag,
 )
 
@@ -72,16 +75,23 @@ DETECT_MS_ENV = "FACEFLOW_BENCH_VIDEO_DETECT_MS"
 def install_detect_ms(ms: float) -> None:
     """Every frame ``tasks.video.analyse`` analyses becomes a ``ms`` sleep (its detection, as
     on a GPU) with no face; its signature (scene cuts) stays real, as does the decode."""
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from tasks import video
     from tasks.video_plan import frame_signature
 
-    def analyse(frames: Iterable[Any], options: Any, ctx: Any, analysis: Any) -> Any:
+    def analyse(
+        frames: Iterable[Any],
+        options: Any,
+        ctx: Any,
+        analysis: Any,
+        analysed: Callable[[int], None] = lambda frames: None,
+    ) -> Any:
         for frame in frames:
             time.sleep(ms / 1000.0)
             analysis.faces.append([])
             analysis.signatures.append(frame_signature(frame))
+            analysed(1)  # the progress
         return analysis
 
     video.analyse = analyse  # type: ignore[assignment]
@@ -113,7 +123,31 @@ def start_workers(
     return started
 
 
-def one_job(server: PrefectServer, keys: tuple[str, str], chunk_s: float) -> dict[str, Any]:
+class FirstProgress(threading.Thread):
+    """Reads a job attempt's progress record every 0.1 s: when it first showed frames
+    analysed and frames done (seconds after ``started``), as the relay would copy it."""
+
+    def __init__(self, path: Path, started: float) -> None:
+        super().__init__(daemon=True)
+        self.path, self.started, self.stop = path, started, threading.Event()
+        self.first: dict[str, float] = {}
+
+    def run(self) -> None:
+        from flows.params import JobProgress
+
+        while not self.stop.wait(0.1):
+            try:
+                record = JobProgress.model_validate_json(self.path.read_bytes())
+            except (OSError, ValueError):  # not written yet, or being rewritten
+                continue
+            for name in ("frames_analysed", "frames_done"):
+                if getattr(record, name) > 0 and name not in self.first:
+                    self.first[name] = round(time.perf_counter() - self.started, 1)
+
+
+def one_job(
+    server: PrefectServer, keys: tuple[str, str], chunk_s: float, storage: Path
+) -> dict[str, Any]:
     """The coordinator in this process on a fresh job; its figures."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -130,9 +164,12 @@ def one_job(server: PrefectServer, keys: tuple[str, str], chunk_s: float) -> dic
         worker_keys()[0],
     )
     started = time.perf_counter()
+    watch = FirstProgress(storage / progress_key(params["job_id"], 1), started)
+    watch.start()
     with temporary_settings({PREFECT_API_URL: server.api_url}):
         state = fuse_video_flow(**params, chunk_s=chunk_s, return_state=True)
     wall = time.perf_counter() - started
+    watch.stop.set()
     if not state.is_completed():
         raise SystemExit(f"the job failed: {state.message}")
     body = {"flow_runs": {"tags": {"all_": [video_parts_tag(params["job_id"], 1)]}}, "limit": 200}
@@ -149,6 +186,8 @@ def one_job(server: PrefectServer, keys: tuple[str, str], chunk_s: float) -> dic
         "render_span_s": span(renders),
         "ranges_per_child": per_child(ranges),
         "chunks_per_child": per_child(renders),
+        "first_analysis_progress_s": watch.first.get("frames_analysed"),
+        "first_progress_s": watch.first.get("frames_done"),
     }
 
 
@@ -206,7 +245,7 @@ def run(
                     shutil.rmtree(storage / stored, ignore_errors=True)
                 workers = start_workers(server, pool, count, home, env)
                 try:
-                    results[count] = one_job(server, keys, chunk_s)
+                    results[count] = one_job(server, keys, chunk_s, storage)
                 finally:
                     for worker in workers:
                         worker.stop(grace=15)

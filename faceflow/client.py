@@ -323,26 +323,42 @@ class AsyncFaceFlowClient:
         return job
 
 
+#: What a video's progress line calls the pass of each stage that has one.
+_PASSES = {
+    "analyse": ("analysing", "frames_analysed"),
+    "render_chunk": ("rendering", "frames_done"),
+}
+
+
 def progress_line(job: Job) -> tuple[str, int | None, int]:
     """What a progress display shows of ``job``: a description (status, stage, and for a
-    video its frames per second and ETA), and the frames total and done (None, 0 for a
-    photo, or a video before its frames are counted)."""
-    stage = f" ({job['stage']})" if job.get("stage") else ""
-    text = f"job {job['id']}: {job['status']}{stage}"
+    video the pass running, its frames, frames per second and ETA), and the frames total
+    and done in that pass (None, 0 for a photo, or a video before it is probed)."""
     progress = job.get("progress") or {}
+    stage = progress.get("stage") or job.get("stage")
     total = progress.get("frames_total") or None
-    if total:
-        text += f" {progress.get('chunks_done', 0)}/{progress.get('chunks_total', 0)} chunks"
-        if progress.get("fps"):
-            text += f", {progress['fps']:.1f} fps"
-        if progress.get("eta_seconds") is not None:
-            text += f", ETA {progress['eta_seconds']:.0f} s"
-    return text, total, int(progress.get("frames_done") or 0)
+    text = f"job {job['id']}: {job['status']}"
+    if not total:
+        return text + (f" ({stage})" if stage else ""), None, 0
+    verb, field = _PASSES.get(stage or "", (None, "frames_done"))
+    done = int(progress.get(field) or 0)
+    if verb is None:  # probe, join, report, store
+        text += f" ({stage}) {done}/{total} frames" if stage else f" {done}/{total} frames"
+    else:
+        text += f", {verb} {done}/{total} frames"
+    if field == "frames_done":
+        text += f", {progress.get('chunks_done', 0)}/{progress.get('chunks_total', 0)} chunks"
+    if progress.get("fps"):
+        text += f", {progress['fps']:.1f} fps"
+    if progress.get("eta_seconds") is not None:
+        text += f", ETA {progress['eta_seconds']:.0f} s"
+    return text, total, done
 
 
 def wait_with_progress(client: FaceFlowClient, job_id: str, *, timeout: float = 300.0) -> Job:
     """``client.wait`` with a rich progress display: status and stage, and for a video a
-    bar of its frames with frames per second and ETA."""
+    bar of the pass running (analysing, then rendering its frames) with frames per second
+    and an ETA to the last frame rendered."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())

@@ -8,6 +8,7 @@ sidecar (``ResultRef``) under ``results/``; the relay reads the sidecar after th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any
@@ -201,13 +202,31 @@ class JobProgress(BaseModel):
     """How far a video job attempt is, as ``fuse-video`` writes it (``progress_key``) and
     the API shows it on the job (``JobPublic.progress``)."""
 
+    frames_analysed: int = Field(
+        0,
+        ge=0,
+        description="Frames through the analysis pass so far (faces found in every frame, "
+        "before any is fused; ranges analysed by an earlier attempt count). It reaches "
+        "frames_total before the render starts.",
+    )
     frames_done: int = Field(ge=0, description="Frames fused so far (stored chunks count).")
-    frames_total: int = Field(ge=0, description="Frames of the video.")
+    frames_total: int = Field(ge=0, description="Frames of the video (0 until probed).")
     chunks_done: int = Field(ge=0, description="Render chunks finished.")
     chunks_total: int = Field(ge=0, description="Render chunks of the video (0 until planned).")
-    fps: float | None = Field(None, description="Frames fused per second by this attempt.")
-    eta_seconds: float | None = Field(None, description="Estimated seconds until the result.")
-    stage: str | None = Field(None, description="The step the attempt is in.")
+    fps: float | None = Field(
+        None,
+        description="Frames per second of the pass running, by this attempt: analysed "
+        "during stage analyse, fused during render_chunk.",
+    )
+    eta_seconds: float | None = Field(
+        None,
+        description="Estimated seconds until every frame is fused: during the analysis, the "
+        "frames left to analyse and all the frames to fuse at the analysis's rate; during "
+        "the render, the frames left to fuse at the render's rate.",
+    )
+    stage: str | None = Field(
+        None, description="The step the attempt is in (probe, analyse, render_chunk, join, …)."
+    )
     updated_at: datetime | None = Field(None, description="When the flow wrote it.")
 
 
@@ -251,9 +270,20 @@ def chunk_part(index: int) -> str:
 
 
 def part_progress_key(job_id: str, attempt: int, part: str) -> str:
-    """Storage key of the frames one render part of a video job attempt has rendered so
-    far (``{"frames": n}``, rewritten as it goes): the coordinator's progress adds them."""
+    """Storage key of the frames one range or render part of a video job attempt has
+    analysed or rendered so far (``{"frames": n}``, rewritten as it goes): the
+    coordinator's progress adds them."""
     return f"results/{job_id}/attempt-{attempt}.parts/{part}.json"
+
+
+_RANGE_KEY = re.compile(r"(?:^|/)analysis-(\d+)-(\d+)-[0-9a-f]+\.npz$")
+
+
+def analysis_part_of(key: str) -> str | None:
+    """The range part (``analysis_part``) whose analysis is stored under ``key`` (a
+    ``video_analysis_key``), None for another key."""
+    found = _RANGE_KEY.search(key)
+    return None if found is None else analysis_part(int(found[1]), int(found[2]))
 
 
 def video_parts_tag(job_id: str, attempt: int) -> str:

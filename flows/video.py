@@ -190,11 +190,23 @@ def fuse_video_flow(
                 write_to(
                     store, analysis_manifest_key(job_id, attempt), json.dumps(analyses).encode()
                 )
+                progress.probed(job.probed.info.frame_count)
+                spans = {analysis_part(*span): span[1] - span[0] for span in ranges}
+                missing = []
+                for part, key in zip(spans, analyses, strict=True):
+                    if is_stored(store, key):  # analysed by an earlier attempt
+                        progress.found(progress.analysis, spans[part])
+                    else:
+                        missing.append(part)
+                progress.begin(progress.analysis)
                 progress.start(stage := "analyse")
-                missing = [analysis_part(*span)
-                           for span, key in zip(ranges, analyses, strict=True)
-                           if not is_stored(store, key)]  # fmt: skip
-                parts.run(missing, VIDEO_ANALYSE_DEPLOYMENT)  # spread over the workers
+                analysing = PartsProgress(progress, job_id, attempt, spans, progress.analysis)
+                parts.run(
+                    missing,
+                    VIDEO_ANALYSE_DEPLOYMENT,  # spread over the workers
+                    done=lambda part, message: analysing.done(part, message.startswith(RENDERED)),
+                    tick=analysing.tick,
+                )
                 parts.run([PLAN], VIDEO_ANALYSE_DEPLOYMENT)
                 job.planned = load_plan(store, video_plan_key(job_id, attempt)).planned
                 if job.planned is None:
@@ -203,16 +215,16 @@ def fuse_video_flow(
                 progress.planned(job.probed.info.frame_count, len(chunks))
                 manifest = [job.chunk_key(chunk) for chunk in chunks]
                 write_to(store, chunks_manifest_key(job_id, attempt), json.dumps(manifest).encode())
-                progress.start(stage := "render_chunk")
                 frames = {chunk_part(c.index): c.frames for c in chunks}
                 missing = []
                 for chunk in chunks:
-                    if is_stored(store, job.chunk_key(chunk)):
-                        progress.chunk_done(chunk.frames, rendered=False)
+                    if is_stored(store, job.chunk_key(chunk)):  # rendered by an earlier attempt
+                        progress.found(progress.render, chunk.frames)
                     else:
                         missing.append(chunk_part(chunk.index))
-                progress.rendering()
-                running = PartsProgress(progress, job_id, attempt, frames)
+                progress.begin(progress.render)
+                progress.start(stage := "render_chunk")
+                running = PartsProgress(progress, job_id, attempt, frames, progress.render)
                 parts.run(
                     missing,
                     VIDEO_RENDER_DEPLOYMENT,

@@ -74,9 +74,9 @@ render part's ``chunk_part(index)``."""
 
 
 class PartFrames:
-    """The frames a render part has rendered, written to ``part_progress_key`` at most
-    once per ``MIN_INTERVAL_S`` (a record that cannot be written is skipped: progress
-    never fails the part)."""
+    """The frames a range or render part has analysed or rendered, written to
+    ``part_progress_key`` at most once per ``MIN_INTERVAL_S`` (a record that cannot be
+    written is skipped: progress never fails the part)."""
 
     def __init__(
         self, store: ByteStore, key: str, clock: Callable[[], float] = time.monotonic
@@ -84,9 +84,9 @@ class PartFrames:
         self.store, self.key, self.clock, self.frames = store, key, clock, 0
         self.written_at: float | None = None
 
-    def frame_rendered(self) -> None:
-        """One more frame rendered; written when the interval passed."""
-        self.frames += 1
+    def add(self, frames: int = 1) -> None:
+        """``frames`` more frames done; written when the interval passed."""
+        self.frames += frames
         now = self.clock()
         if self.written_at is None or now - self.written_at >= MIN_INTERVAL_S:
             self.written_at = now
@@ -168,6 +168,7 @@ def run_part(
             if is_stored(store, job.analysis_key(*ranges[part])):  # by an earlier run
                 return False
             read_locally(store, spec.target_key, job.video)  # the range is read by a seek
+            job.progress = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
             task = analyse_task.with_options(task_run_name=part)
             return bool(guarded("analyse", deadline).run(task, job, *ranges[part]))
         if part == PLAN:

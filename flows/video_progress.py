@@ -2,11 +2,16 @@
 (``progress_key``: the job's ``progress`` field, the ``job.progress`` webhook, the CLI's
 bar) and the run's progress artifact for the Prefect UI.
 
-Frames count as done when rendered or when their chunk was found stored by an earlier
-attempt; frames per second are this attempt's rendered frames over the time since its
-first render began, and the ETA is the frames left at that rate. The record is rewritten
-at most once per ``min_interval_s`` while frames advance, and at once on a new step or a
-finished chunk. A record that cannot be written is logged and never fails the job.
+An attempt makes two passes over the video's frames, each a ``Pass``: the analysis
+(``frames_analysed``: faces found in every frame, by the range parts) and the render
+(``frames_done``: frames fused, by the render parts). A frame counts in a pass once its
+part reported it (``PartsProgress``) or its range or chunk was found stored by an earlier
+attempt. A pass's frames per second are this attempt's frames over the time since the
+pass began; the ETA is the frames left at the pass's rate, and during the analysis all the
+frames still to render at the analysis's rate (no render rate is known yet). The record is
+rewritten at most once per ``min_interval_s`` while frames advance, and at once on a new
+step or a stored range or chunk. A record that cannot be written is logged and never
+fails the job.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +34,29 @@ STEPS = ("probe", "analyse", "render_chunk", "join", "report", "store")
 """The steps of a video attempt in order (``flows.video.VIDEO_STAGES``' keys)."""
 MIN_INTERVAL_S = 1.0
 """Least time between two records written while frames advance."""
+
+
+@dataclass
+class Pass:
+    """One pass of an attempt over the video's frames (the analysis or the render)."""
+
+    done: int = 0  # frames of the ranges or chunks stored (by any attempt)
+    in_flight: int = 0  # frames the running parts reported, their range or chunk not stored
+    worked: int = 0  # frames of the stored ones this attempt analysed or rendered
+    parts: int = 0  # ranges or chunks stored
+    started: float | None = None  # when this attempt's parts of the pass began
+
+    @property
+    def frames(self) -> int:
+        """Frames through the pass so far."""
+        return self.done + self.in_flight
+
+    def rate(self, now: float) -> float | None:
+        """This attempt's frames per second in the pass (None before its first frame)."""
+        frames = self.worked + self.in_flight
+        if self.started is None or frames == 0 or now <= self.started:
+            return None
+        return frames / (now - self.started)
 
 
 class VideoProgress:
@@ -47,9 +76,7 @@ class VideoProgress:
         self.min_interval_s, self.clock, self.artifact = min_interval_s, clock, artifact
         self.step = STEPS[0]
         self.frames_total = self.chunks_total = 0
-        self.frames_done = self.chunks_done = self.rendered = 0
-        self.in_flight = 0  # frames render parts rendered of chunks not stored yet
-        self.render_started: float | None = None
+        self.analysis, self.render = Pass(), Pass()
         self.written_at: float | None = None
         self.writes = 0
 
@@ -65,73 +92,75 @@ class VideoProgress:
         self.step = step
         self.write()
 
+    def probed(self, frames: int) -> None:
+        """The video's frames, once probed (not written: the next step writes)."""
+        self.frames_total = frames
+
     def planned(self, frames: int, chunks: int) -> None:
         """The video's frames and render chunks, once planned."""
         self.frames_total, self.chunks_total = frames, chunks
         self.write()
 
-    def frame_rendered(self) -> None:
-        """One more frame fused by this attempt; written when ``min_interval_s`` passed."""
-        now = self.clock()
-        if self.render_started is None:
-            self.render_started = now
-        self.frames_done += 1
-        self.rendered += 1
-        if self.written_at is None or now - self.written_at >= self.min_interval_s:
-            self.write()
+    def found(self, phase: Pass, frames: int) -> None:
+        """A range or chunk of ``frames`` frames stored by an earlier attempt (counted, not
+        in the rate; not written: ``begin`` writes)."""
+        phase.done += frames
+        phase.parts += 1
 
-    def chunk_done(self, frames: int, rendered: bool) -> None:
-        """A chunk of ``frames`` frames is stored: rendered now (its frames were counted as
-        they went) or found from an earlier attempt (counted here); written now."""
-        self.chunks_done += 1
-        if not rendered:
-            self.frames_done += frames
-        self.write()
+    def begin(self, phase: Pass) -> None:
+        """This attempt's parts of ``phase`` start now (not written: ``start`` writes)."""
+        phase.started = self.clock()
 
-    def rendering(self) -> None:
-        """The render parts start now (the coordinator counts their chunks as stored)."""
-        self.render_started = self.clock()
-
-    def rendering_parts(self, frames: int) -> None:
-        """The render parts still running have rendered ``frames`` frames so far; written
+    def running(self, phase: Pass, frames: int) -> None:
+        """The parts of ``phase`` still running reported ``frames`` frames so far; written
         when ``min_interval_s`` passed and the count changed."""
-        if frames == self.in_flight:
+        if frames == phase.in_flight:
             return
-        self.in_flight = frames
+        phase.in_flight = frames
         now = self.clock()
         if self.written_at is None or now - self.written_at >= self.min_interval_s:
             self.write()
 
-    def chunk_stored(self, frames: int, rendered: bool) -> None:
-        """A render part stored its chunk of ``frames`` frames: it rendered them (counted
-        in the frames per second) or found the chunk stored; written now."""
-        self.chunks_done += 1
-        self.frames_done += frames
-        if rendered:
-            self.rendered += frames
+    def stored(self, phase: Pass, frames: int, worked: bool) -> None:
+        """A part of ``phase`` stored its range or chunk of ``frames`` frames: by doing it
+        (counted in the rate) or finding it stored; written now."""
+        phase.done += frames
+        phase.parts += 1
+        if worked:
+            phase.worked += frames
         self.write()
 
     @property
     def fps(self) -> float | None:
-        """This attempt's rendered frames per second (None before the first)."""
-        rendered = self.rendered + self.in_flight
-        if self.render_started is None or rendered == 0:
+        """Frames per second of the pass running (the render's once it began)."""
+        now = self.clock()
+        if self.render.started is not None:
+            return self.render.rate(now)
+        return self.analysis.rate(now)
+
+    def eta_seconds(self) -> float | None:
+        """Seconds until every frame is rendered: the render's frames left at its rate;
+        before the render began, the analysis's and all the render's frames left at the
+        analysis's rate. None while no rate is known."""
+        fps = self.fps
+        if fps is None or not self.frames_total:
             return None
-        elapsed = self.clock() - self.render_started
-        return rendered / elapsed if elapsed > 0 else None
+        left = max(0, self.frames_total - self.render.frames)
+        if self.render.started is None:
+            left += max(0, self.frames_total - self.analysis.frames)
+        return left / fps
 
     def record(self) -> JobProgress:
         """The progress as it stands."""
-        fps = self.fps
-        done = self.frames_done + self.in_flight
-        left = max(0, self.frames_total - done)
+        fps, eta, total = self.fps, self.eta_seconds(), self.frames_total
         return JobProgress(
-            frames_done=min(done, self.frames_total) if self.frames_total else 0,
-            frames_total=self.frames_total,
-            chunks_done=self.chunks_done,
+            frames_analysed=min(self.analysis.frames, total),
+            frames_done=min(self.render.frames, total),
+            frames_total=total,
+            chunks_done=self.render.parts,
             chunks_total=self.chunks_total,
             fps=None if fps is None else round(fps, 3),
-            eta_seconds=None if fps is None else round(left / fps, 1),
+            eta_seconds=None if eta is None else round(eta, 1),
             stage=self.step,
             updated_at=datetime.now(UTC),
         )
@@ -154,13 +183,20 @@ class VideoProgress:
             self.artifact.close(*self._shown(self.record()))
 
     def _shown(self, record: JobProgress) -> tuple[float, str]:
+        """The artifact's value (the pass's share of frames during the analysis and the
+        render, else the steps passed) and description."""
         index = STEPS.index(self.step)
-        share = record.frames_done / record.frames_total if record.frames_total else 0.0
-        value = 100.0 * (share if self.step == "render_chunk" else index / len(STEPS))
+        total = record.frames_total
+        passes = {"analyse": record.frames_analysed, "render_chunk": record.frames_done}
+        share = passes[self.step] / total if total and self.step in passes else None
+        value = 100.0 * (index / len(STEPS) if share is None else share)
         text = f"Stage {index + 1}/{len(STEPS)}: {self.step} (attempt {self.attempt})."
-        if record.frames_total:
-            text += f" {record.frames_done}/{record.frames_total} frames, "
+        if total and self.step == "analyse":
+            text += f" {record.frames_analysed}/{total} frames analysed"
+        elif total:
+            text += f" {record.frames_done}/{total} frames, "
             text += f"{record.chunks_done}/{record.chunks_total} chunks"
+        if total:
             if record.fps is not None and record.eta_seconds is not None:
                 text += f", {record.fps:.1f} fps, ETA {record.eta_seconds:.0f} s"
             text += "."
@@ -168,14 +204,20 @@ class VideoProgress:
 
 
 class PartsProgress:
-    """The coordinator's count of the frames its running render parts rendered (their
-    ``part_progress_key`` records, read at most once per ``min_interval_s``), added to
-    ``progress`` until each part's chunk is stored."""
+    """The coordinator's count of the frames its running range or render parts of one
+    pass (``phase``) did (their ``part_progress_key`` records, read at most once per
+    ``min_interval_s``), added to ``progress`` until each part's range or chunk is stored."""
 
     def __init__(
-        self, progress: VideoProgress, job_id: str, attempt: int, frames: dict[str, int]
+        self,
+        progress: VideoProgress,
+        job_id: str,
+        attempt: int,
+        frames: dict[str, int],
+        phase: Pass,
     ) -> None:
         self.progress, self.job_id, self.attempt, self.frames = progress, job_id, attempt, frames
+        self.phase = phase
         self.seen: dict[str, int] = {}
         self.read_at: float | None = None
         self.failures: dict[str, int] = {}  # the stored chunks' frame failures, by code
@@ -190,17 +232,17 @@ class PartsProgress:
             record = self._record(part)
             if record is not None:
                 self.seen[part] = min(int(record["frames"]), self.frames[part])
-        self.progress.rendering_parts(sum(self.seen.values()))
+        self.progress.running(self.phase, sum(self.seen.values()))
 
-    def done(self, part: str, rendered: bool) -> None:
-        """``part`` stored its chunk (``rendered``: by rendering it; its frame failures
-        are added to ``failures``)."""
-        record = self._record(part) if rendered else None
+    def done(self, part: str, worked: bool) -> None:
+        """``part`` stored its range or chunk (``worked``: by doing it; a chunk's frame
+        failures are added to ``failures``)."""
+        record = self._record(part) if worked else None
         for code, count in dict((record or {}).get("failures") or {}).items():
             self.failures[str(code)] = self.failures.get(str(code), 0) + int(count)
         self.seen.pop(part, None)
-        self.progress.in_flight = sum(self.seen.values())
-        self.progress.chunk_stored(self.frames[part], rendered=rendered)
+        self.phase.in_flight = sum(self.seen.values())
+        self.progress.stored(self.phase, self.frames[part], worked=worked)
 
     def _record(self, part: str) -> dict[str, Any] | None:
         key = part_progress_key(self.job_id, self.attempt, part)

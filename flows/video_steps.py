@@ -95,10 +95,10 @@ _TASK = {"persist_result": False, "cache_policy": NO_CACHE}
 
 
 class FrameCounter(Protocol):
-    """What counts a part's rendered frames (``flows.video_parts.PartFrames``)."""
+    """What counts a part's analysed or rendered frames (``flows.video_parts.PartFrames``)."""
 
-    def frame_rendered(self) -> None:
-        """One more frame rendered."""
+    def add(self, frames: int = 1) -> None:
+        """``frames`` more frames analysed or rendered."""
 
 
 @dataclass
@@ -145,7 +145,12 @@ class VideoJob:
         if self.samples is not None:
             self.samples.keep(index, image)
         if self.progress is not None:
-            self.progress.frame_rendered()
+            self.progress.add()
+
+    def analysed(self, frames: int) -> None:
+        """``frames`` more frames analysed: the progress counts them."""
+        if self.progress is not None:
+            self.progress.add(frames)
 
 
 @task(name="probe", task_run_name="probe", **_TASK)  # type: ignore[call-overload]
@@ -167,7 +172,9 @@ def analyse_task(job: VideoJob, start: int, stop: int) -> bool:
     key = job.analysis_key(start, stop)
     if is_stored(job.store, key):
         return False
-    found = analyse_range(job.video, job.probed, start, stop, job.options, job.ctx)
+    found = analyse_range(
+        job.video, job.probed, start, stop, job.options, job.ctx, analysed=job.analysed
+    )
     write_to(job.store, key, video_analysis.encode(found))
     return True
 

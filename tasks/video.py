@@ -115,15 +115,21 @@ def identities(
 
 
 def analyse(
-    frames: Iterable[RGBImage], options: FusionOptions, ctx: PipelineContext, analysis: Analysis
+    frames: Iterable[RGBImage],
+    options: FusionOptions,
+    ctx: PipelineContext,
+    analysis: Analysis,
+    analysed: Callable[[int], None] = lambda frames: None,
 ) -> Analysis:
     """Detect the faces of every frame (``FRAME_GROUP`` at a time, the detection stage's
-    own batched call) and take its signature, appending to ``analysis``."""
+    own batched call) and take its signature, appending to ``analysis``;
+    ``analysed(n)`` is called as each group of ``n`` frames is done (the progress)."""
     group: list[RGBImage] = []
 
     def flush() -> None:
         analysis.faces += pipeline.detect_images(group, options.detector, ctx)
         analysis.signatures += [frame_signature(f) for f in group]
+        analysed(len(group))
         group.clear()
 
     for frame in frames:
@@ -400,11 +406,17 @@ class Planned:
 
 
 def analyse_and_plan(
-    video: Path, probed: Probed, options: FusionOptions, ctx: PipelineContext, chunk_s: float
+    video: Path,
+    probed: Probed,
+    options: FusionOptions,
+    ctx: PipelineContext,
+    chunk_s: float,
+    analysed: Callable[[int], None] = lambda frames: None,
 ) -> Planned:
-    """The analysis pass over every frame, then the plan (``plan_video``)."""
+    """The analysis pass over every frame (``analysed(n)`` as each ``n`` are done), then
+    the plan (``plan_video``)."""
     check_sources(probed, options, ctx)
-    analysis = analyse_range(video, probed, 0, len(probed.pts), options, ctx)
+    analysis = analyse_range(video, probed, 0, len(probed.pts), options, ctx, analysed)
     return plan_video(video, probed, analysis, options, ctx, chunk_s)
 
 
@@ -430,11 +442,13 @@ def analyse_range(
     stop: int,
     options: FusionOptions,
     ctx: PipelineContext,
+    analysed: Callable[[int], None] = lambda frames: None,
 ) -> Analysis:
     """The analysis of frames ``[start, stop)`` (decoding from the keyframe before
-    ``start``); ``start`` a multiple of ``FRAME_GROUP`` keeps the single pass's batches."""
+    ``start``; ``analysed(n)`` as each ``n`` are done); ``start`` a multiple of
+    ``FRAME_GROUP`` keeps the single pass's batches."""
     frames = (f.image for f in read_frames(video, start, stop, timestamps=probed.pts))
-    return analyse(frames, options, ctx, Analysis())
+    return analyse(frames, options, ctx, Analysis(), analysed)
 
 
 def plan_video(
@@ -523,6 +537,7 @@ def fuse_video(
     chunk_dir: Path | None = None,
     chunk_s: float = 10.0,
     rendered_frame: Callable[[int], None] = lambda index: None,
+    analysed_frames: Callable[[int], None] = lambda frames: None,
     references: Sequence[bytes] = (),
     payload: watermark.Payload | None = None,
 ) -> VideoResult:
@@ -535,7 +550,8 @@ def fuse_video(
     ``chunk_dir`` keeps rendered chunks under names made from their content (``chunk_name``):
     a second call for the same video, sources, plan and options renders only the chunks
     missing there (a re-dispatched attempt resumes). ``rendered_frame(index)`` is called as
-    each frame is rendered (where the flow counts its progress). ``references``: the
+    each frame is rendered and ``analysed_frames(n)`` as each ``n`` frames are analysed
+    (where the flow counts its progress). ``references``: the
     reference photos a per-face mapping (``options.mapping``) names. ``payload``: the
     watermark every frame carries (``render_chunk``)."""
     options = options or FusionOptions()
@@ -546,7 +562,7 @@ def fuse_video(
         probed = probe_and_moderate(sources, video, ctx, limits, references)
     info, pts = probed.info, probed.pts
     with clock("analyse"):
-        planned = analyse_and_plan(video, probed, options, ctx, chunk_s)
+        planned = analyse_and_plan(video, probed, options, ctx, chunk_s, analysed_frames)
     plan = planned.plan
     runner = FrameRunner(ctx)
     samples = Samples(plan, probed.samples, ctx.pins)

@@ -84,15 +84,21 @@ def test_the_plan_of_a_video_analysed_in_ranges_is_the_plan_of_one_pass(
 ) -> None:
     ctx, options = PipelineContext(), FusionOptions()
     probed = probe_and_moderate([samples.grace_hopper_jpeg_bytes()], videos.story, ctx)
-    one = analyse_and_plan(videos.story, probed, options, ctx, 2.0)
+    counted: list[int] = []  # the progress: frames analysed, told a batch at a time
+    one = analyse_and_plan(videos.story, probed, options, ctx, 2.0, analysed=counted.append)
+    frames = len(probed.pts)
+    assert sum(counted) == frames and set(counted[:-1]) == {FRAME_GROUP}
 
     ranges = frame_ranges(probed, 2.0)
     assert len(ranges) >= 3 and all(start % FRAME_GROUP == 0 for start, _ in ranges)
     cuts = set(scenes().cuts)
     assert not cuts & {start for start, _ in ranges}  # a cut inside a range, not at its edge
+    counted.clear()
     stored = [
-        encode(analyse_range(videos.story, probed, a, b, options, ctx)) for a, b in ranges
+        encode(analyse_range(videos.story, probed, a, b, options, ctx, counted.append))
+        for a, b in ranges
     ]  # as the range parts store them
+    assert sum(counted) == frames
     analysis = merged([decode(data) for data in reversed(stored)][::-1])
     ranged = plan_video(videos.story, probed, analysis, options, ctx, 2.0)
 

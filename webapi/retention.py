@@ -42,6 +42,7 @@ from sqlmodel import Session, col, select
 
 from flows.params import (
     analysis_manifest_key,
+    analysis_part_of,
     chunk_part,
     chunks_manifest_key,
     part_progress_key,
@@ -162,15 +163,18 @@ def _purge_inputs(
 def chunk_keys(store: ObjectStore, job_id: uuid.UUID, attempts: int) -> list[str]:
     """The rendered chunks and analysed frame ranges a video job's attempts listed
     (``chunks_manifest_key``, ``analysis_manifest_key``), the lists themselves, the
-    attempts' plans (faces of every frame) and their render parts' frame counts; none for a
-    photo job (it has no list)."""
+    attempts' plans (faces of every frame) and their range and render parts' frame counts;
+    none for a photo job (it has no list)."""
     found: list[str] = []
     for attempt in range(1, attempts + 1):
         analysed = analysis_manifest_key(str(job_id), attempt)
         ranges = _listed(store, analysed)
         if ranges is not None:
-            found += [key for key in ranges if isinstance(key, str) and key.startswith(ANALYSES)]
+            keys = [key for key in ranges if isinstance(key, str) and key.startswith(ANALYSES)]
+            found += keys
             found += [analysed, video_plan_key(str(job_id), attempt)]
+            parts = [part for key in keys if (part := analysis_part_of(key)) is not None]
+            found += [part_progress_key(str(job_id), attempt, part) for part in parts]
         manifest = chunks_manifest_key(str(job_id), attempt)
         listed = _listed(store, manifest)
         if listed is None:

@@ -116,7 +116,8 @@ def test_a_video_job_runs_to_an_mp4_with_the_inputs_frames_timestamps_and_audio(
         report = job["video_report"]
         assert report["frames"] == 30 and report["chunks"] >= 1
         assert report["cuts"] == [5]  # the story's first hard cut
-        assert job["progress"]["frames_done"] == job["progress"]["frames_total"] == 30
+        done = job["progress"]
+        assert done["frames_analysed"] == done["frames_done"] == done["frames_total"] == 30
         out = tmp_path / "result.mp4"
         assert _download(client, job["result"]["url"], out) > 1
 

@@ -69,7 +69,7 @@ def test_the_clients_stream_a_video_file_and_download_a_result(
     assert asyncio.run(use())["video"]["container"] == "webm"  # type: ignore[index]
 
 
-def test_the_progress_line_shows_a_videos_frames_speed_and_eta() -> None:
+def test_the_progress_line_shows_a_videos_pass_frames_speed_and_eta() -> None:
     photo = {"id": "j", "status": "running", "stage": "detect"}
     assert progress_line(photo) == ("job j: running (detect)", None, 0)
     video = {
@@ -87,4 +87,27 @@ def test_the_progress_line_shows_a_videos_frames_speed_and_eta() -> None:
     }
     text, total, done = progress_line(video)
     assert (total, done) == (90, 45)
-    assert text == "job v: running (render_chunk) 1/3 chunks, 4.2 fps, ETA 11 s"
+    assert text == "job v: running, rendering 45/90 frames, 1/3 chunks, 4.2 fps, ETA 11 s"
+    analysing = {
+        "id": "v",
+        "status": "running",
+        "stage": "analyse",
+        "progress": {
+            "frames_analysed": 24,
+            "frames_done": 0,
+            "frames_total": 90,
+            "chunks_done": 0,
+            "chunks_total": 0,
+            "fps": 3.0,
+            "eta_seconds": 52.0,
+            "stage": "analyse",
+        },
+    }
+    text, total, done = progress_line(analysing)
+    assert (total, done) == (90, 24)  # the bar follows the analysis, then the render
+    assert text == "job v: running, analysing 24/90 frames, 3.0 fps, ETA 52 s"
+    joining = {**video, "stage": "join", "progress": {**video["progress"], "stage": "join"}}  # type: ignore[dict-item]
+    assert (
+        progress_line(joining)[0]
+        == "job v: running (join) 45/90 frames, 1/3 chunks, 4.2 fps, ETA 11 s"
+    )

@@ -27,7 +27,9 @@ from faceflow.testing.jobs import (
 )
 from flows.params import (
     analysis_manifest_key,
+    analysis_part,
     chunks_manifest_key,
+    part_progress_key,
     progress_key,
     result_error_key,
     result_key,
@@ -301,8 +303,10 @@ def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
     job = new_job(engine, settings, user)
     mine = [f"video-chunks/{uuid.uuid4().hex}-{i}.mp4" for i in range(3)]
     other = f"video-chunks/{uuid.uuid4().hex}-other.mp4"
-    analysed = [f"video-analysis/{uuid.uuid4().hex}-{i}.npz" for i in range(2)]
-    for key in [*mine, other, *analysed]:
+    analysed = [f"video-analysis/analysis-{i * 8:06d}-{i * 8 + 8:06d}-{uuid.uuid4().hex}.npz"
+                for i in range(2)]  # fmt: skip
+    counted = [part_progress_key(str(job.id), 2, analysis_part(i * 8, i * 8 + 8)) for i in range(2)]
+    for key in [*mine, other, *analysed, *counted]:
         store.put(key, b"segment")
     store.put(chunks_manifest_key(str(job.id), 1), json.dumps(mine[:2]).encode())
     store.put(chunks_manifest_key(str(job.id), 2), json.dumps(mine[1:]).encode())
@@ -313,6 +317,7 @@ def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
     assert report.input_jobs == 1
     assert not any(store.exists(key) for key in mine)
     assert not any(store.exists(key) for key in analysed)  # its analysed frame ranges
+    assert not any(store.exists(key) for key in counted)  # and their parts' frame counts
     assert not store.exists(chunks_manifest_key(str(job.id), 1))
     assert not store.exists(analysis_manifest_key(str(job.id), 2))
     assert store.exists(other)

@@ -36,8 +36,11 @@ def _video_job(engine: Engine, settings: Settings, **create: object) -> tuple[Jo
     return job, run
 
 
-def _record(frames: int, chunks: int, stage: str = "render_chunk") -> JobProgress:
+def _record(
+    frames: int, chunks: int, stage: str = "render_chunk", analysed: int = 90
+) -> JobProgress:
     return JobProgress(
+        frames_analysed=analysed,
         frames_done=frames,
         frames_total=90,
         chunks_done=chunks,
@@ -67,6 +70,14 @@ def test_the_relay_copies_a_video_jobs_progress_and_the_api_shows_it(
         assert not video_progress(relay, watched)  # no record yet: nothing to copy
 
         key = progress_key(str(job.id), 1)
+        store.put(key, _record(0, 0, "analyse", analysed=24).model_dump_json().encode())
+        assert video_progress(relay, watched)  # the analysis advances before any render
+        shown = client.get(f"/v1/jobs/{job.id}", headers=auth(user)).json()
+        assert (shown["progress"]["frames_analysed"], shown["progress"]["stage"]) == (24, "analyse")
+        [watched] = [w for w in watched_jobs(relay) if w.job_id == job.id]
+        store.put(key, _record(0, 0, "analyse", analysed=48).model_dump_json().encode())
+        assert video_progress(relay, watched)  # frames analysed alone is worth a write
+        [watched] = [w for w in watched_jobs(relay) if w.job_id == job.id]
         store.put(key, _record(30, 1).model_dump_json().encode())
         assert video_progress(relay, watched)
         shown = client.get(f"/v1/jobs/{job.id}", headers=auth(user)).json()
@@ -109,12 +120,20 @@ def test_job_progress_webhooks_are_opt_in_and_at_most_one_per_five_seconds(
         rows = [r for r in outbox_of(engine, job.id) if r.kind == "webhook"]
         return [r.payload["body"] for r in rows if r.payload["event"] == "job.progress"]
 
-    assert write(10, 0.0) and len(progress_hooks()) == 1
-    assert write(20, 2.0) and len(progress_hooks()) == 1  # within 5 s: stored, not sent
-    assert write(30, 4.9) and len(progress_hooks()) == 1
-    assert write(40, 5.1) and len(progress_hooks()) == 2
+    with Session(engine) as session:  # the analysis's progress is sent as it advances
+        analysing = _record(0, 0, "analyse", analysed=16).model_dump(mode="json")
+        assert record_progress(
+            session, job_id=job.id, flow_run_id=run, progress=analysing, now=start
+        )
+    first = progress_hooks()[0]["data"]["progress"]  # type: ignore[index]
+    assert (first["frames_analysed"], first["frames_done"], first["stage"]) == (16, 0, "analyse")  # type: ignore[index]
+    start += timedelta(seconds=5)
+    assert write(10, 0.0) and len(progress_hooks()) == 2
+    assert write(20, 2.0) and len(progress_hooks()) == 2  # within 5 s: stored, not sent
+    assert write(30, 4.9) and len(progress_hooks()) == 2
+    assert write(40, 5.1) and len(progress_hooks()) == 3
     bodies = progress_hooks()
-    assert [b["data"]["progress"]["frames_done"] for b in bodies] == [10, 40]  # type: ignore[index]
+    assert [b["data"]["progress"]["frames_done"] for b in bodies] == [0, 10, 40]  # type: ignore[index]
     assert all("notified_at" not in b["data"]["progress"] for b in bodies)  # type: ignore[operator]
     # a stale run never writes
     with Session(engine) as session:
@@ -134,3 +153,14 @@ def test_without_the_event_no_progress_webhook_is_queued(
             session, job_id=job.id, flow_run_id=run, progress=_record(10, 0).model_dump(mode="json")
         )
     assert [r for r in outbox_of(engine, job.id) if r.kind == "webhook"] == []
+
+
+def test_the_openapi_document_describes_both_passes_of_a_videos_progress(
+    client: TestClient,
+) -> None:
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["JobProgress"]
+    fields = schema["properties"]
+    assert {"frames_analysed", "frames_done", "frames_total", "eta_seconds"} <= set(fields)
+    assert "analysis" in fields["frames_analysed"]["description"]
+    assert "analysis" in fields["eta_seconds"]["description"]
+    assert "render" in fields["eta_seconds"]["description"]

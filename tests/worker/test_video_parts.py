@@ -26,9 +26,11 @@ from flows.params import (
     VIDEO_PART_FLOW_NAME,
     VIDEO_RENDER_DEPLOYMENT,
     JobFailure,
+    JobProgress,
     VideoResultRef,
     chunk_part,
     part_progress_key,
+    progress_key,
     result_error_key,
     result_key,
     result_meta_key,
@@ -131,13 +133,28 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
 ) -> None:
     """The first analysis range's and the first chunk's children are held (SIGSTOP) until
     the other ranges or chunks are done: those can only go to the other worker, so the
-    spread does not depend on this machine's speed; then the held part finishes."""
+    spread does not depend on this machine's speed; then the held part finishes. While
+    the range is held, the job's progress shows the other ranges' frames analysed."""
     pids = child_pids(workers)
     params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
     job_id = params["job_id"]
     steps = [("-analyse-", RANGES), ("-chunk-", CHUNKS)]
     held: dict[str, int] = {}
     released: set[str] = set()
+    analysing: list[JobProgress] = []  # records read while the first range was held
+    others_done_at: list[float] = []
+
+    def analysis_advanced() -> bool:
+        """The job's progress shows the other ranges analysed, before any render (given
+        up after 30 s: the assertion below then fails)."""
+        path = prefect_api.home.storage / progress_key(job_id, 1)
+        with suppress(OSError, ValueError):  # not written yet, or being rewritten
+            record = JobProgress.model_validate_json(path.read_bytes())
+            if 0 < record.frames_analysed < record.frames_total and record.frames_done == 0:
+                analysing.append(record)
+                return True
+        others_done_at[:] = others_done_at or [time.monotonic()]
+        return time.monotonic() - others_done_at[0] > 30
 
     def hold_the_first_of_each_step(run: dict[str, Any]) -> bool:
         step = next(((kind, n) for kind, n in steps if kind not in released), None)
@@ -153,6 +170,8 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
             return False
         runs = [r for r in parts_of(prefect_api, job_id) if kind in r["name"]]
         if len(runs) == total and sum(r["state_type"] == "COMPLETED" for r in runs) == total - 1:
+            if kind == "-analyse-" and not analysis_advanced():
+                return False
             os.kill(held[kind], signal.SIGCONT)
             released.add(kind)
         return False
@@ -168,6 +187,9 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
     watcher.join(timeout=5)
     assert state.is_completed(), state.message
     assert released == {"-analyse-", "-chunk-"}, (held, released)
+    # the progress moved while the frames were analysed, before the first was rendered
+    assert analysing and analysing[0].stage == "analyse", analysing
+    print(f"\nwhile the first range was held: {analysing[0]!r}")
     ref = VideoResultRef.model_validate(state.result())
     assert ref.chunks == ref.chunks_rendered == CHUNKS
     assert len(set(chunk_files(prefect_api)) - before) == CHUNKS

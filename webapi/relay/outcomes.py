@@ -177,6 +177,7 @@ def _video_fields(raw: bytes) -> dict[str, Any]:
         },
     )
     progress = {
+        "frames_analysed": ref.frames,
         "frames_done": ref.frames,
         "frames_total": ref.frames,
         "chunks_done": ref.chunks,

@@ -73,7 +73,14 @@ def video_progress(relay: Relay, job: Watched) -> bool:
 
 
 #: The progress fields whose change is worth a write (not the timestamp alone).
-_PROGRESS_MOVES = ("frames_done", "frames_total", "chunks_done", "chunks_total", "stage")
+_PROGRESS_MOVES = (
+    "frames_analysed",
+    "frames_done",
+    "frames_total",
+    "chunks_done",
+    "chunks_total",
+    "stage",
+)
 
 
 def _progress(relay: Relay, runs: list[FlowRun]) -> dict[str, str]:
