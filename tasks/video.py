@@ -332,7 +332,8 @@ def probe_and_moderate(
 def analyse_and_plan(
     video: Path, probed: Probed, options: FusionOptions, ctx: PipelineContext, chunk_s: float
 ) -> Planned:
-    """The analysis pass over every frame, then the plan (``plan_video``)."""
+    """The analysis pass over every frame, then the plan (``plan_video``; the sources'
+    faces are detected once, by ``check_sources``)."""
     check_sources(probed, options, ctx)
     analysis = analyse_range(video, probed, 0, len(probed.pts), options, ctx)
     return plan_video(video, probed, analysis, options, ctx, chunk_s)
@@ -340,9 +341,10 @@ def analyse_and_plan(
 
 def check_sources(probed: Probed, options: FusionOptions, ctx: PipelineContext) -> None:
     """Fail early (before any frame is analysed) on a mapping that names what is not there
-    or a source photo without a face (``NoFaceFound``)."""
+    or a source photo without a face (``NoFaceFound``); the faces found are kept
+    (``probed.source_faces``) for the plan."""
     check_entries(options.mapping, len(probed.images), len(probed.references))
-    sources_of(probed.images, options, ctx)
+    probed.source_faces = sources_of(probed.images, options, ctx)
 
 
 def frame_ranges(probed: Probed, chunk_s: float) -> list[tuple[int, int]]:
@@ -377,9 +379,9 @@ def plan_video(
 ) -> Planned:
     """From the analysis of every frame: scene cuts, chunks (``chunk_s`` apart, moved to a
     cut nearby) and the face plan (a per-face mapping's: ``identities``, which reads a few
-    frames of ``video``)."""
+    frames of ``video``). The sources' faces are ``check_sources``' when it ran."""
     check_entries(options.mapping, len(probed.images), len(probed.references))
-    found = sources_of(probed.images, options, ctx)
+    found = probed.source_faces or sources_of(probed.images, options, ctx)
     references = sources_of(probed.references, options, ctx, role="reference")
     if len(analysis.faces) != len(probed.pts):
         raise ValueError(f"{len(analysis.faces)} frames analysed of {len(probed.pts)}")

@@ -35,6 +35,9 @@ class Probed:
     samples: list[int]
     flags: list[str]
     references: list[RGBImage] = field(default_factory=list)
+    source_faces: list[Source] = field(default_factory=list)
+    """The sources' largest faces, once ``tasks.video.check_sources`` found them (the plan
+    takes them from here rather than detecting them again)."""
 
 
 @dataclass

@@ -123,10 +123,11 @@ def test_the_coordinator_imports_and_reads_its_plan_without_a_model(
     plan = FacePlan(frames=[[Swap(1, face)], [Swap(1, face)]], tracks=[track], cuts=[0])
     stored = a_plan(videos)
     assert stored.planned is not None
+    stored.probed.source_faces = [Source(stored.probed.images[0], face)]
     stored = StoredPlan(
         "digest",
         stored.probed,
-        Planned([Source(stored.probed.images[0], face)], [0], [Chunk(0, 0, 2)], plan),
+        Planned(stored.probed.source_faces, [0], [Chunk(0, 0, 2)], plan),
         ranges=[(0, 2)],
         analysis_keys=["video-analysis/a.npz"],
         chunk_keys=["video-chunks/c.mp4"],
