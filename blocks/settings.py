@@ -9,21 +9,45 @@ others keep their defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from functools import cache
+from typing import TYPE_CHECKING, Literal
 
 from prefect.blocks.core import Block
 from pydantic import Field, field_validator
 
 from blocks.cache import load_block
 from tasks.options import DetectorName, FuserName, FusionOptions, ImageLimits, ModerationPolicy
-from tasks.stages import PIPELINE, STAGE_NAMES, StageName, stage_named
+from tasks.stage_names import STAGE_NAMES, StageName
+
+if TYPE_CHECKING:
+    from tasks.stages import Stage
 
 __all__ = ["STAGE_NAMES", "FusionSettings", "StageName", "StagePolicy", "load_settings"]
 
+
+@cache
+def _table() -> dict[StageName, Stage]:
+    """The stage table by name, imported when first needed: loading the settings does not
+    import the pipeline and its models (the video coordinator on the control pool)."""
+    from tasks.stages import PIPELINE
+
+    return {s.name: s for s in PIPELINE}
+
+
 # The table's defaults (tasks.stages.PIPELINE): what a stage dictionary leaves out.
-DEFAULT_BUDGETS_S: dict[StageName, float] = {s.name: s.budget_s for s in PIPELINE}
-DEFAULT_EXPECTED_S: dict[StageName, float] = {s.name: s.expected_s for s in PIPELINE}
-DEFAULT_RETRIES: dict[StageName, int] = {s.name: s.retries for s in PIPELINE}
+def default_budgets_s() -> dict[StageName, float]:
+    """Each stage's budget in the table."""
+    return {name: s.budget_s for name, s in _table().items()}
+
+
+def default_expected_s() -> dict[StageName, float]:
+    """Each stage's expected cost in the table."""
+    return {name: s.expected_s for name, s in _table().items()}
+
+
+def default_retries() -> dict[StageName, int]:
+    """Each stage's retries in the table."""
+    return {name: s.retries for name, s in _table().items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +88,15 @@ class FusionSettings(Block):
         default="auto", description="Torch device: auto picks cuda when a GPU is visible, else cpu."
     )
     stage_budgets_s: dict[StageName, float] = Field(
-        default_factory=lambda: dict(DEFAULT_BUDGETS_S),
+        default_factory=default_budgets_s,
         description="Longest time one attempt of each stage may take, in seconds.",
     )
     stage_expected_s: dict[StageName, float] = Field(
-        default_factory=lambda: dict(DEFAULT_EXPECTED_S),
+        default_factory=default_expected_s,
         description="Typical duration of each stage in seconds; no attempt starts with less left.",
     )
     stage_retries: dict[StageName, int] = Field(
-        default_factory=lambda: dict(DEFAULT_RETRIES),
+        default_factory=default_retries,
         description="How many times a transient failure of each stage is retried.",
     )
     retry_delay_s: float = Field(
@@ -146,7 +170,7 @@ class FusionSettings(Block):
     def policy(self, stage: StageName) -> StagePolicy:
         """The effective policy of ``stage`` (stages missing from a dictionary use the
         table's defaults, ``tasks.stages.PIPELINE``)."""
-        default = stage_named(stage)
+        default = _table()[stage]
         return StagePolicy(
             stage=stage,
             budget_s=self.stage_budgets_s.get(stage, default.budget_s),

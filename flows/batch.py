@@ -24,8 +24,9 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import State
 
+from flows.attempt import failed
 from flows.batch_view import BatchView, JobRow
-from flows.fuse import JOB_FLOW_OPTIONS, failed
+from flows.fuse import JOB_FLOW_OPTIONS
 from flows.outcome import admit_bound, record_unsettled
 from flows.params import (
     BATCH_FLOW_NAME,

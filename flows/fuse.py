@@ -20,71 +20,24 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 from typing import Any
-from uuid import UUID
 
 from prefect import flow, get_run_logger
-from prefect.client.orchestration import get_client
-from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from flows.artifacts import OperatorView, wait_for_operator_view
-from flows.deadline import Deadline, alarm_timeouts_available
-from flows.outcome import check_binding, record_failure
+from flows.attempt import failed, start_attempt
+from flows.deadline import alarm_timeouts_available
+from flows.outcome import record_failure
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_SIGNING_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     FLOW_NAME,
     JobAttempt,
-    run_tags,
 )
 from flows.run import run_jobs
-from tasks.errors import DeadlineExceeded, FaceFlowError, drop_frames
+from tasks.errors import FaceFlowError
 from tasks.options import FusionOptions
-
-
-def start_attempt(
-    spec: JobAttempt, *, storage_block: str, settings_block: str, signing_block: str
-) -> None:
-    """What a single-job flow (``fuse-faces``, ``fuse-video``) does first: ``admit`` the
-    attempt, then tag the run with its job and owner."""
-    admit(spec, storage_block=storage_block, settings_block=settings_block,
-          signing_block=signing_block)  # fmt: skip
-    tag_flow_run(spec.job_id, spec.owner_id)
-
-
-def admit(spec: JobAttempt, *, storage_block: str, settings_block: str, signing_block: str) -> None:
-    """Refuse parameters not bound to the job (``run_binding_invalid``) and a start after
-    the deadline (``deadline_exceeded``); what every run of a job attempt checks first."""
-    check_binding(
-        spec,
-        storage_block=storage_block,
-        settings_block=settings_block,
-        signing_block=signing_block,
-    )
-    deadline = Deadline.of(spec.deadline_at)
-    if deadline.passed():
-        raise DeadlineExceeded(detail=f"started {-deadline.left():.1f} s after the deadline")
-
-
-def tag_flow_run(job_id: str, owner_id: str) -> None:
-    """Add job and owner tags to this flow run unless it has them already.
-
-    The relay creates every run with these tags (``flows.params.run_tags``), so a
-    dispatched run costs no API call here; a run started another way (a direct call, the
-    UI) is tagged through the run's own client.
-    """
-    run_id = flow_run.get_id()
-    current = set(flow_run.get_tags())
-    wanted = set(run_tags(job_id, owner_id))
-    if run_id is None or wanted <= current:
-        return
-    try:
-        with get_client(sync_client=True) as client:  # the run's own client, if it has one
-            client.update_flow_run(UUID(run_id), tags=sorted(current | wanted))
-    except Exception as exc:  # tags help operators; a failed update must not fail the job
-        get_run_logger().warning("Could not tag flow run %s: %r", run_id, exc)
-
 
 JOB_FLOW_OPTIONS: dict[str, Any] = {
     "persist_result": False,  # results are images in storage; the run returns a small ref
@@ -95,19 +48,6 @@ JOB_FLOW_OPTIONS: dict[str, Any] = {
     "on_failure": [wait_for_operator_view],
 }
 """``@flow`` options shared by the job flows (``fuse-faces`` and ``fuse-batch``)."""
-
-
-def failed(exc: Exception, what: str) -> State[Any]:
-    """The ``Failed`` state a job flow ends in for ``exc`` (logged): its typed error's
-    ``[code] message``, or ``internal_error`` for anything unexpected. The state outlives
-    the run in a warm worker: the error it keeps holds no frames (``drop_frames``)."""
-    logger = get_run_logger()
-    if isinstance(exc, FaceFlowError):
-        logger.error("%s failed: %s", what, exc)
-        return Failed(message=str(exc), data=drop_frames(exc))
-    logger.error("%s failed unexpectedly", what, exc_info=exc)
-    internal = FaceFlowError(detail=type(exc).__name__)
-    return Failed(message=str(internal), data=internal)
 
 
 @flow(name=FLOW_NAME, flow_run_name="{job_id}", **JOB_FLOW_OPTIONS)

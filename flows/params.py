@@ -286,6 +286,19 @@ def analysis_part_of(key: str) -> str | None:
     return None if found is None else analysis_part(int(found[1]), int(found[2]))
 
 
+PROBE_PART, PLAN_PART, REPORT_PART = "probe", "plan", "report"
+"""The ``fuse-video-part`` part names of the probe (probe, moderation of sampled input
+frames, the sources' faces), the plan (cuts, chunks, face plan) and the report
+(moderation of sampled result frames, each track's identity similarity to its source);
+a range's is ``analysis_part(start, stop)``, a render part's ``chunk_part(index)``."""
+
+
+def video_report_key(job_id: str, attempt: int) -> str:
+    """Storage key of the report part's record (``flows.video_store.ReportRecord``), beside
+    the render parts' (``part_progress_key``): its coordinator reads it."""
+    return part_progress_key(job_id, attempt, REPORT_PART)
+
+
 def video_parts_tag(job_id: str, attempt: int) -> str:
     """Tag of every ``fuse-video-part`` run of a job attempt: how a cancel of the
     attempt's coordinator run finds them (``webapi.relay.reap``)."""

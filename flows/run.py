@@ -27,9 +27,9 @@ from typing import Protocol
 from prefect import get_run_logger
 
 from blocks.settings import FusionSettings, StagePolicy, load_settings
-from blocks.signing import load_credentials
 from blocks.storage import ByteStore, exists, load_storage, location_of, read_from, write_to
 from flows import faults
+from flows.attempt import result_marker
 from flows.deadline import Deadline, StageGuard
 from flows.outcome import write_failure
 from flows.params import (
@@ -47,7 +47,6 @@ from tasks.errors import DeadlineExceeded, FaceFlowError, drop_frames
 from tasks.gpu import GpuStats, gpu_stats
 from tasks.pipeline import PipelineContext
 from tasks.prefect_tasks import stage_task
-from tasks.provenance import Marker
 from tasks.stages import (
     QUALITY_RETRY_STAGES,
     InputBytes,
@@ -73,9 +72,8 @@ def pipeline_context(settings: FusionSettings, signing_block: str | None = None)
         cpu_threads=settings.batch_cpu_threads,
         model_threads=settings.model_threads,
     )
-    if settings.marking == "required" and signing_block is not None:
-        ctx = replace(ctx, marker=Marker(load_credentials(signing_block)))
-    return ctx
+    marker = result_marker(settings, signing_block)
+    return ctx if marker is None else replace(ctx, marker=marker)
 
 
 def retry_cost_s(settings: FusionSettings) -> float:

@@ -8,10 +8,13 @@ moderation of sampled input frames), one ``analyse-<start>-<stop>`` part per fra
 not analysed yet (about a chunk each, spread over the pool's workers), the ``plan`` part
 (cuts, chunks, face plan from the merged analysis), then one ``chunk-<i>`` part per chunk
 not stored yet, spread over the pool's workers. The coordinator then fetches the stored
-chunks, joins them with the audio, moderates sampled result frames, reports and stores
-(``flows.video_steps``' tasks). It renders nothing itself. With marking on, every
-rendered frame carries the job's watermark (``tasks.watermark.VIDEO``) and the result its
-signed Content Credentials.
+chunks and joins them with the audio; the ``report`` part moderates sampled result frames
+and measures each track's identity similarity (read back from the stored chunks); the
+coordinator then stores the result with that report (``flows.video_store``' tasks). It
+renders nothing and runs no model: it imports neither the pipeline nor a model runtime
+(``tests/test_video_plan_store.py`` checks it). With marking on, every rendered frame
+carries the job's watermark (``tasks.watermark.VIDEO``) and the result its signed Content
+Credentials.
 
 A range's analysis and a rendered chunk are stored under their content keys (video,
 frames, detector; chunk, face plan, sources and options): a re-dispatched attempt creates
@@ -45,13 +48,16 @@ from prefect.states import Cancelled, State
 from blocks.settings import load_settings
 from blocks.storage import ByteStore, is_stored, load_storage, read_from, read_locally, write_to
 from flows.artifacts import publish_video_result
+from flows.attempt import failed, result_marker, start_attempt
 from flows.deadline import Deadline
-from flows.fuse import failed, start_attempt
 from flows.outcome import record_failure
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_SIGNING_BLOCK,
     DEFAULT_STORAGE_BLOCK,
+    PLAN_PART,
+    PROBE_PART,
+    REPORT_PART,
     VIDEO_ANALYSE_DEPLOYMENT,
     VIDEO_FLOW_NAME,
     VIDEO_RENDER_DEPLOYMENT,
@@ -64,28 +70,27 @@ from flows.params import (
     result_key,
     result_meta_key,
     video_plan_key,
+    video_report_key,
 )
-from flows.run import pipeline_context
 from flows.video_fanout import Parts, PartsCancelled
-from flows.video_parts import PLAN, PROBE, RENDERED
 from flows.video_progress import PartsProgress, VideoProgress
-from flows.video_steps import (
+from flows.video_store import (
+    RENDERED,
     VIDEO_STAGES,
     WORKDIR_PREFIX,
-    VideoJob,
+    ReportRecord,
+    Signer,
     collect_task,
     guarded,
     join_task,
     load_plan,
-    report_task,
     store_task,
     sweep_workdirs,
     video_marks,
 )
 from tasks.errors import TransientError
 from tasks.options import FusionOptions
-from tasks.video import Samples, track_reports
-from tasks.watermark import payload_for
+from tasks.video_records import track_reports
 
 __all__ = ["VIDEO_STAGES", "WORKDIR_PREFIX", "fuse_video_flow", "sweep_workdirs"]
 
@@ -164,9 +169,7 @@ def fuse_video_flow(
             settings = load_settings(settings_block)
             store = load_storage(storage_block)
             progress = VideoProgress.of_run(store, job_id, attempt)
-            ctx = pipeline_context(settings, signing_block)
-            chosen = settings.apply_defaults(options or FusionOptions.model_validate({}))
-            sources = [read_from(store, k) for k in [source_key, *(extra_source_keys or [])]]
+            signer = Signer(result_marker(settings, signing_block))
             parameters = {
                 "job": spec.model_dump(mode="json", exclude_unset=True),  # options as sent
                 "storage_block": storage_block,
@@ -178,20 +181,15 @@ def fuse_video_flow(
             sweep_workdirs()
             with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as tmp:
                 workdir = Path(tmp)
-                chunk_len = chunk_s or settings.video_chunk_s
-                job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_len)
-                job.payload = payload_for(job_id) if ctx.marker is not None else None
                 progress.start(stage := "probe")
-                parts.run([PROBE], VIDEO_ANALYSE_DEPLOYMENT)
+                parts.run([PROBE_PART], VIDEO_ANALYSE_DEPLOYMENT)
                 stored = load_plan(store, video_plan_key(job_id, attempt))
-                job.digest, job.probed = stored.digest, stored.probed
-                ranges = job.ranges()
-                analyses = [job.analysis_key(*span) for span in ranges]
+                analyses = stored.analysis_keys
                 write_to(
                     store, analysis_manifest_key(job_id, attempt), json.dumps(analyses).encode()
                 )
-                progress.probed(job.probed.info.frame_count)
-                spans = {analysis_part(*span): span[1] - span[0] for span in ranges}
+                progress.probed(stored.probed.info.frame_count)
+                spans = {analysis_part(*span): span[1] - span[0] for span in stored.ranges}
                 missing = []
                 for part, key in zip(spans, analyses, strict=True):
                     if is_stored(store, key):  # analysed by an earlier attempt
@@ -207,18 +205,18 @@ def fuse_video_flow(
                     done=lambda part, message: analysing.done(part, message.startswith(RENDERED)),
                     tick=analysing.tick,
                 )
-                parts.run([PLAN], VIDEO_ANALYSE_DEPLOYMENT)
-                job.planned = load_plan(store, video_plan_key(job_id, attempt)).planned
-                if job.planned is None:
+                parts.run([PLAN_PART], VIDEO_ANALYSE_DEPLOYMENT)
+                stored = load_plan(store, video_plan_key(job_id, attempt))
+                planned, probed = stored.planned, stored.probed
+                if planned is None:
                     raise TransientError(detail="the plan part stored no plan")
-                chunks = job.planned.chunks
-                progress.planned(job.probed.info.frame_count, len(chunks))
-                manifest = [job.chunk_key(chunk) for chunk in chunks]
-                write_to(store, chunks_manifest_key(job_id, attempt), json.dumps(manifest).encode())
+                chunks, keys = planned.chunks, stored.chunk_keys
+                progress.planned(probed.info.frame_count, len(chunks))
+                write_to(store, chunks_manifest_key(job_id, attempt), json.dumps(keys).encode())
                 frames = {chunk_part(c.index): c.frames for c in chunks}
                 missing = []
-                for chunk in chunks:
-                    if is_stored(store, job.chunk_key(chunk)):  # rendered by an earlier attempt
+                for chunk, key in zip(chunks, keys, strict=True):
+                    if is_stored(store, key):  # rendered by an earlier attempt
                         progress.found(progress.render, chunk.frames)
                     else:
                         missing.append(chunk_part(chunk.index))
@@ -232,7 +230,6 @@ def fuse_video_flow(
                     tick=running.tick,
                 )
                 rendered = sum(parts.messages[p].startswith(RENDERED) for p in missing)
-                job.samples = Samples(job.planned.plan, job.probed.samples, ctx.pins)
 
                 def step(name: str, fn: Task[..., R], *args: Any) -> R:
                     nonlocal stage
@@ -241,30 +238,49 @@ def fuse_video_flow(
                     stage = name
                     return guarded(name, deadline).run(fn, *args)
 
-                read_locally(store, target_key, job.video)  # the join takes its audio
-                segments = step("join", collect_task, job)
-                info = step("join", join_task, job, segments)
-                flags, similarities = step("report", report_task, job)
-                plan = job.planned.plan
+                video, result = workdir / "input", workdir / "result.mp4"
+                read_locally(store, target_key, video)  # the join takes its audio
+                segments = step("join", collect_task, store, keys, workdir)
+                info = step("join", join_task, segments, video, result, probed.info)
+                progress.start(stage := "report")
+                parts.run([REPORT_PART], VIDEO_ANALYSE_DEPLOYMENT)
+                report = ReportRecord.model_validate_json(
+                    read_from(store, video_report_key(job_id, attempt))
+                )
+                plan = planned.plan
                 ref = VideoResultRef(
                     key=result_key(job_id, attempt, "mp4"),
                     content_type="video/mp4",
                     width=info.width,
                     height=info.height,
                     faces_replaced=sum(len(swaps) for swaps in plan.frames),
-                    device=ctx.device,
-                    moderation=job.probed.flags + flags,
+                    device=report.device,
+                    moderation=probed.flags + report.flags,
                     frames=info.frame_count,
                     duration_s=float(info.duration_s),
                     chunks=len(chunks),
                     chunks_rendered=rendered,
-                    cuts=job.planned.cuts,
+                    cuts=planned.cuts,
                     switches=plan.switches,
-                    tracks=[asdict(t) for t in track_reports(plan, similarities)],
+                    tracks=[asdict(t) for t in track_reports(plan, report.similarities)],
                     frame_failures=running.failures,
-                    marks=video_marks(ctx.marker is not None, info),
+                    marks=video_marks(signer.marker is not None, info),
                 )
-                step("store", store_task, job, ref, result_meta_key(job_id, attempt))
+                if signer.marker is not None:  # the result's ingredients: the job's inputs
+                    signer.sources = [
+                        read_from(store, k) for k in [source_key, *(extra_source_keys or [])]
+                    ]
+                    signer.references = [read_from(store, k) for k in reference_keys or []]
+                    signer.digest = stored.digest
+                step(
+                    "store",
+                    store_task,
+                    store,
+                    result,
+                    signer,
+                    ref,
+                    result_meta_key(job_id, attempt),
+                )
                 facts = [
                     f"{ref.frames} frames, {ref.width}x{ref.height}, {ref.duration_s:.1f} s",
                     f"{ref.chunks} chunk(s), {ref.chunks_rendered} rendered in this attempt",

@@ -7,9 +7,12 @@ probe, moderation of sampled input frames and the sources' check, stored under
 under its content key, ``VideoJob.analysis_key``; part ``plan``: chunks and face plan from
 every range's analysis, stored under ``video_plan_key``) and ``video-render`` (part
 ``chunk-<i>``: one chunk rendered and stored under its content key,
-``flows.video_steps.VideoJob.chunk_key``). The steps are ``flows.video_steps``' tasks, the
-same stage code as every other path; a GPU runs one part at a time, so a video's frame
-ranges and chunks spread over the pool's workers.
+``flows.video_steps.VideoJob.chunk_key``); then, on ``video-analyse`` again, part
+``report`` (moderation of sampled result frames read back from the stored chunks, each
+track's identity similarity to its source: the same models as probe and plan, none of the
+render's; its ``ReportRecord`` under ``video_report_key``). The steps are
+``flows.video_steps``' tasks, the same stage code as every other path; a GPU runs one
+part at a time, so a video's frame ranges and chunks spread over the pool's workers.
 
 A part checks the job's binding and deadline as the coordinator does (it carries the
 job's parameters); it returns a small dict, or ends ``Failed`` with ``"[code] message"``
@@ -25,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,45 +36,54 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed, State
 
 from blocks.settings import load_settings
-from blocks.storage import ByteStore, is_stored, load_storage, read_from, read_locally, write_to
+from blocks.storage import (
+    ByteStore,
+    is_stored,
+    load_storage,
+    read_from,
+    read_locally,
+    write_to,
+)
+from flows.attempt import admit, failed
 from flows.deadline import Deadline
-from flows.fuse import admit, failed
 from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_SIGNING_BLOCK,
     DEFAULT_STORAGE_BLOCK,
+    PLAN_PART,
+    PROBE_PART,
+    REPORT_PART,
     VIDEO_PART_FLOW_NAME,
     JobAttempt,
     analysis_part,
     chunk_part,
     part_progress_key,
     video_plan_key,
+    video_report_key,
 )
 from flows.run import pipeline_context
 from flows.video_progress import MIN_INTERVAL_S
 from flows.video_steps import (
-    WORKDIR_PREFIX,
-    StoredPlan,
     VideoJob,
     analyse_task,
-    guarded,
-    load_plan,
     plan_task,
     probe_task,
     render_chunk_task,
+    report_task,
+)
+from flows.video_store import (
+    RENDERED,
+    STORED,
+    WORKDIR_PREFIX,
+    StoredPlan,
+    guarded,
+    load_plan,
     save_plan,
     sweep_workdirs,
 )
 from tasks.errors import InvalidInput
-from tasks.video import FrameRunner
+from tasks.video import FrameRunner, Samples
 from tasks.watermark import payload_for
-
-RENDERED, STORED = "rendered", "stored"
-"""How a completed part's state message starts: it did its work, or found its chunk
-stored (then ``by pid <process>``: where it ran)."""
-PROBE, PLAN = "probe", "plan"
-"""The names of the probe and plan parts; a range's is ``analysis_part(start, stop)``, a
-render part's ``chunk_part(index)``."""
 
 
 class PartFrames:
@@ -117,10 +130,10 @@ def fuse_video_part(
 ) -> State[Any]:
     """Run one part of the video job attempt ``job`` (its parameters as the coordinator
     got them, with their binding): ``probe``, ``analyse-<start>-<stop>`` (store the
-    range's analysis), ``plan`` (store the plan) or ``chunk-<i>`` (render and store chunk
-    ``i``). Ends ``Completed`` with a message that starts with
-    ``RENDERED`` or ``STORED``; on failure ``Failed`` with ``"[code] message"``. The
-    coordinator names the run ``<job id>-<part>``."""
+    range's analysis), ``plan`` (store the plan), ``chunk-<i>`` (render and store chunk
+    ``i``) or ``report`` (store the report's record). Ends ``Completed`` with a message
+    that starts with ``RENDERED`` or ``STORED``; on failure ``Failed`` with
+    ``"[code] message"``. The coordinator names the run ``<job id>-<part>``."""
     deadline = Deadline.of(job.deadline_at)
     try:
         admit(job, storage_block=storage_block, settings_block=settings_block,
@@ -156,10 +169,12 @@ def run_part(
         chunk_len = chunk_s or settings.video_chunk_s
         job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_len)
         job.payload = payload_for(spec.job_id) if ctx.marker is not None else None
-        if part == PROBE:
+        if part == PROBE_PART:
             job.references = [read_from(store, k) for k in spec.reference_keys]
             job.probed = guarded("probe", deadline).run(probe_task, job, spec.target_key)
-            save_plan(store, plan_key, StoredPlan(job.digest, job.probed))
+            spans = job.ranges()
+            keys = [job.analysis_key(*span) for span in spans]
+            save_plan(store, plan_key, StoredPlan(job.digest, job.probed, None, spans, keys))
             return True
         stored = load_plan(store, plan_key)
         job.digest, job.probed, job.planned = stored.digest, stored.probed, stored.planned
@@ -171,14 +186,24 @@ def run_part(
             job.progress = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
             task = analyse_task.with_options(task_run_name=part)
             return bool(guarded("analyse", deadline).run(task, job, *ranges[part]))
-        if part == PLAN:
+        if part == PLAN_PART:
             if chosen.mapping:  # the mapping's identities read a few frames
                 read_locally(store, spec.target_key, job.video)
             job.planned = guarded("analyse", deadline).run(plan_task, job)
-            save_plan(store, plan_key, StoredPlan(job.digest, job.probed, job.planned))
+            keys = [job.chunk_key(chunk) for chunk in job.planned.chunks]
+            save_plan(store, plan_key, replace(stored, planned=job.planned, chunk_keys=keys))
             return True
         if stored.planned is None:
             raise InvalidInput(detail=f"part {part!r} before the plan")
+        if part == REPORT_PART:
+            job.samples = Samples(stored.planned.plan, stored.probed.samples, ctx.pins)
+            record = guarded("report", deadline).run(report_task, job, stored.chunk_keys)
+            write_to(
+                store,
+                video_report_key(spec.job_id, spec.attempt),
+                record.model_dump_json().encode(),
+            )
+            return True
         chunks = {chunk_part(c.index): c for c in stored.planned.chunks}
         if part not in chunks:
             raise InvalidInput(detail=f"no part {part!r} in the plan")

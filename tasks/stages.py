@@ -11,7 +11,7 @@ costs and retries are the table's defaults, which the settings block may overrid
 Work that a stage's output lets start early runs on a side thread (``Side``, started when
 the stage ends, taken by a later stage: ``tasks.pipeline.Beside``), so errors still come
 out in the order of the stages. Adding a stage is one ``Stage`` entry here, its name in
-``StageName`` and one step function (docs/architecture.md shows how).
+``tasks.stage_names.StageName`` and one step function (docs/architecture.md shows how).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar, get_args
+from typing import Any, Protocol, TypeVar
 
 from tasks import pipeline
 from tasks.batch import Each, each, shared
@@ -29,22 +29,9 @@ from tasks.options import FusionOptions
 from tasks.pipeline import Aligned, Beside, Detections, Fused, PipelineContext, stage_workers
 from tasks.provenance import Ingredient, input_ingredients
 from tasks.report import QualityReport
+from tasks.stage_names import STAGE_NAMES, StageName
 from tasks.types import FusionResult, RGBImage
 
-StageName = Literal[
-    "load",
-    "moderate_inputs",
-    "detect",
-    "align",
-    "fuse",
-    "enhance",
-    "postprocess",
-    "quality",
-    "moderate_result",
-    "store",
-]
-"""The stages, in the order ``PIPELINE`` runs them (checked at import)."""
-STAGE_NAMES: tuple[StageName, ...] = get_args(StageName)
 T = TypeVar("T")
 
 

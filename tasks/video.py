@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ from tasks.options import FusionOptions
 from tasks.pipeline import Detections, PipelineContext, SourceFace
 from tasks.registry import sha256_file
 from tasks.stages import InMemory, InProcess, InputBytes, Stage, Work, run_stages
-from tasks.types import Box, Face, FloatArray, RGBImage
+from tasks.types import Box, FloatArray, RGBImage
 from tasks.video_analysis import Analysis, analysis_ranges
 from tasks.video_io import (
     DEFAULT_ENCODING,
@@ -57,17 +57,10 @@ from tasks.video_plan import (
     plan_faces,
     scene_cuts,
 )
+from tasks.video_records import Planned, Probed, Source, TrackReport, track_reports
 
 FRAME_GROUP = 8
 """Frames a render or analysis step takes at once (the detector's CPU batch)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """A source photo of a video job and its largest face."""
-
-    image: RGBImage
-    face: Face
 
 
 def sources_of(
@@ -210,45 +203,6 @@ def render(
         yield from flush()
 
 
-@dataclass(frozen=True, slots=True)
-class TrackReport:
-    """What a video's report says of one track."""
-
-    track: int
-    frames: int
-    swapped_frames: int
-    interpolated_frames: int
-    jitter_before_px: float
-    jitter_after_px: float
-    similarity_mean: float | None = None
-    similarity_p10: float | None = None
-    similarity_min: float | None = None
-    source: int | None = None  # the source it was swapped with (None: never swapped)
-
-
-def track_reports(plan: FacePlan, similarities: dict[int, list[float]]) -> list[TrackReport]:
-    """One report per track (``similarities``: the track's sampled identity similarities
-    of fused faces to their source)."""
-    out = []
-    for track in plan.tracks:
-        sims = similarities.get(track.id) or []
-        out.append(
-            TrackReport(
-                track=track.id,
-                frames=len(track.faces),
-                swapped_frames=plan.swapped_frames(track.id),
-                interpolated_frames=len(track.filled),
-                jitter_before_px=round(track.jitter_before, 3),
-                jitter_after_px=round(track.jitter_after, 3),
-                similarity_mean=float(np.mean(sims)) if sims else None,
-                similarity_p10=float(np.percentile(sims, 10)) if sims else None,
-                similarity_min=float(np.min(sims)) if sims else None,
-                source=plan.source_of(track.id),
-            )
-        )
-    return out
-
-
 def sample_frames(frames: Sequence[int], most: int = 6) -> list[int]:
     """Up to ``most`` of ``frames``, evenly spread (a track's swapped frames whose fused face
     the report checks against its source)."""
@@ -353,20 +307,6 @@ def render_chunk(
     return out
 
 
-@dataclass
-class Probed:
-    """A video after probe and input moderation: its info, every frame's pts, the decoded
-    source photos (and a mapping's reference photos), the frames moderation saw and what
-    it flagged."""
-
-    info: VideoInfo
-    pts: list[int]
-    images: list[RGBImage]
-    samples: list[int]
-    flags: list[str]
-    references: list[RGBImage] = field(default_factory=list)
-
-
 def probe_and_moderate(
     sources: Sequence[bytes],
     video: Path,
@@ -395,16 +335,6 @@ def probe_and_moderate(
     return Probed(info, pts, images, samples, pipeline.flagged_summaries(verdicts), refs)
 
 
-@dataclass
-class Planned:
-    """A video's sources' faces, scene cuts, chunks and face plan."""
-
-    sources: list[Source]
-    cuts: list[int]
-    chunks: list[Chunk]
-    plan: FacePlan
-
-
 def analyse_and_plan(
     video: Path,
     probed: Probed,
@@ -414,7 +344,7 @@ def analyse_and_plan(
     analysed: Callable[[int], None] = lambda frames: None,
 ) -> Planned:
     """The analysis pass over every frame (``analysed(n)`` as each ``n`` are done), then
-    the plan (``plan_video``)."""
+    the plan (``plan_video``; the sources' faces are detected once, by ``check_sources``)."""
     check_sources(probed, options, ctx)
     analysis = analyse_range(video, probed, 0, len(probed.pts), options, ctx, analysed)
     return plan_video(video, probed, analysis, options, ctx, chunk_s)
@@ -422,9 +352,10 @@ def analyse_and_plan(
 
 def check_sources(probed: Probed, options: FusionOptions, ctx: PipelineContext) -> None:
     """Fail early (before any frame is analysed) on a mapping that names what is not there
-    or a source photo without a face (``NoFaceFound``)."""
+    or a source photo without a face (``NoFaceFound``); the faces found are kept
+    (``probed.source_faces``) for the plan."""
     check_entries(options.mapping, len(probed.images), len(probed.references))
-    sources_of(probed.images, options, ctx)
+    probed.source_faces = sources_of(probed.images, options, ctx)
 
 
 def frame_ranges(probed: Probed, chunk_s: float) -> list[tuple[int, int]]:
@@ -461,9 +392,9 @@ def plan_video(
 ) -> Planned:
     """From the analysis of every frame: scene cuts, chunks (``chunk_s`` apart, moved to a
     cut nearby) and the face plan (a per-face mapping's: ``identities``, which reads a few
-    frames of ``video``)."""
+    frames of ``video``). The sources' faces are ``check_sources``' when it ran."""
     check_entries(options.mapping, len(probed.images), len(probed.references))
-    found = sources_of(probed.images, options, ctx)
+    found = probed.source_faces or sources_of(probed.images, options, ctx)
     references = sources_of(probed.references, options, ctx, role="reference")
     if len(analysis.faces) != len(probed.pts):
         raise ValueError(f"{len(analysis.faces)} frames analysed of {len(probed.pts)}")
@@ -509,9 +440,13 @@ class Samples:
                 chip = prepare_dlib(load_dlib_shaper(self.pins), image, swap.face)
                 self.checks.setdefault(swap.track, []).append((chip, swap.source))
 
+    def wants(self, chunk: Chunk) -> bool:
+        """Whether a frame of ``chunk`` is a sample."""
+        return bool((self.moderated | set(self.wanted)) & set(range(chunk.start, chunk.stop)))
+
     def read_from(self, segment: Path, chunk: Chunk) -> None:
         """Keep the samples of an already rendered ``segment`` (only read when it has any)."""
-        if (self.moderated | set(self.wanted)) & set(range(chunk.start, chunk.stop)):
+        if self.wants(chunk):
             for f in read_frames(segment, 0, chunk.frames):
                 self.keep(chunk.start + f.index, f.image)
 

@@ -11,7 +11,12 @@ from typing import Any, cast, get_args
 
 import pytest
 
-from blocks.settings import DEFAULT_BUDGETS_S, DEFAULT_EXPECTED_S, DEFAULT_RETRIES, FusionSettings
+from blocks.settings import (
+    FusionSettings,
+    default_budgets_s,
+    default_expected_s,
+    default_retries,
+)
 from flows.params import FINAL_STAGE
 from tasks import pipeline, stages
 from tasks.batch import Each, EveryJobFailed, EveryJobFailedPermanently, every_job_failed
@@ -26,9 +31,9 @@ from tests import samples
 def test_the_table_is_the_one_list_of_stages() -> None:
     assert tuple(s.name for s in PIPELINE) == STAGE_NAMES
     assert PIPELINE[-1].name == FINAL_STAGE  # the webapi's copy of the last stage's name
-    assert {s.name: s.budget_s for s in PIPELINE} == DEFAULT_BUDGETS_S
-    assert {s.name: s.expected_s for s in PIPELINE} == DEFAULT_EXPECTED_S
-    assert {s.name: s.retries for s in PIPELINE} == DEFAULT_RETRIES
+    assert {s.name: s.budget_s for s in PIPELINE} == default_budgets_s()
+    assert {s.name: s.expected_s for s in PIPELINE} == default_expected_s()
+    assert {s.name: s.retries for s in PIPELINE} == default_retries()
     for stage in PIPELINE:  # work started beside a stage is taken by a later one
         for side in stage.sides:
             assert STAGE_NAMES.index(side.taken_in) > STAGE_NAMES.index(stage.name)

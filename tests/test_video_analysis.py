@@ -102,6 +102,10 @@ def test_the_plan_of_a_video_analysed_in_ranges_is_the_plan_of_one_pass(
     analysis = merged([decode(data) for data in reversed(stored)][::-1])
     ranged = plan_video(videos.story, probed, analysis, options, ctx, 2.0)
 
+    found = probed.source_faces  # detected once, by the check before the analysis
+    assert len(found) == 1 and all(
+        a is b for plan in (one, ranged) for a, b in zip(plan.sources, found, strict=True)
+    )  # the plans took them, not a second detection
     assert ranged.cuts == one.cuts and cuts <= set(one.cuts)
     assert ranged.chunks == one.chunks
     assert ranged.plan.switches == one.plan.switches

@@ -1,4 +1,4 @@
-"""The stored video plan (``flows.video_steps.save_plan``/``load_plan``): what the
+"""The stored video plan (``flows.video_store.save_plan``/``load_plan``): what the
 analysis part writes and the render parts and the coordinator read back. Storage is shared
 with other writers, so a plan is read only when its HMAC matches a run-signing key, and
 even then it may name FaceFlow's classes and numpy's arrays only."""
@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from prefect.filesystems import LocalFileSystem
 
+from blocks.settings import FusionSettings
 from blocks.storage import read_from, write_to
 from flows.binding import PREVIOUS_KEYS_ENV, SIGNING_KEY_ENV
-from flows.video_steps import PLAN_MAGIC, StoredPlan, load_plan, plan_mac, save_plan
+from flows.video_store import PLAN_MAGIC, StoredPlan, load_plan, plan_mac, save_plan
 from tasks.errors import InvalidInput, RunBindingInvalid
-from tasks.video import Planned, Probed
+from tasks.types import Box, Face
+from tasks.video import Planned, Probed, Source, track_reports
 from tasks.video_io import probe_video
-from tasks.video_plan import Chunk, FacePlan
+from tasks.video_plan import Chunk, FacePlan, Swap, Track
 from tests.videos import Videos
 
 KEY = "results/job-1/attempt-1.plan.pkl"
@@ -89,3 +93,65 @@ def test_no_plan_is_stored_without_a_run_signing_key(
     monkeypatch.delenv(PREVIOUS_KEYS_ENV, raising=False)
     with pytest.raises(RunBindingInvalid):
         save_plan(LocalFileSystem(basepath=str(tmp_path)), KEY, a_plan(videos))
+
+
+MODELS = (
+    "torch",
+    "onnxruntime",
+    "tasks.models",
+    "tasks.pipeline",
+    "tasks.stages",
+    "tasks.identity",
+    "tasks.detect",
+    "tasks.video",
+    "flows.run",
+    "flows.video_steps",
+)
+"""What the control pool's coordinator must not import: a model runtime, the pipeline, the
+model cache, the video steps that run models."""
+
+
+def test_the_coordinator_imports_and_reads_its_plan_without_a_model(
+    videos: Videos, tmp_path: Path
+) -> None:
+    """``fuse-video`` runs on the control pool (no GPU, no model): importing it, reading
+    saved settings and the plan its parts stored (unpickling a face plan with a track, a
+    swap and the sources' faces) and making the report per track import no model."""
+    store = LocalFileSystem(basepath=str(tmp_path))
+    face = Face(Box(1, 1, 3, 3), 0.9, np.zeros((5, 2), np.float32))
+    track = Track(1, detected={0: face}, faces={0: face, 1: face}, filled={1})
+    plan = FacePlan(frames=[[Swap(1, face)], [Swap(1, face)]], tracks=[track], cuts=[0])
+    stored = a_plan(videos)
+    assert stored.planned is not None
+    stored.probed.source_faces = [Source(stored.probed.images[0], face)]
+    stored = StoredPlan(
+        "digest",
+        stored.probed,
+        Planned(stored.probed.source_faces, [0], [Chunk(0, 0, 2)], plan),
+        ranges=[(0, 2)],
+        analysis_keys=["video-analysis/a.npz"],
+        chunk_keys=["video-chunks/c.mp4"],
+    )
+    save_plan(store, KEY, stored)
+    settings = tmp_path / "settings.json"
+    settings.write_text(FusionSettings().model_dump_json())  # as the server keeps the block
+    code = f"""
+import sys
+from pathlib import Path
+from prefect.filesystems import LocalFileSystem
+import flows.video
+from blocks.settings import FusionSettings
+from flows.video_store import load_plan
+from tasks.options import FusionOptions
+from tasks.video_records import track_reports
+settings = FusionSettings.model_validate_json(Path({str(settings)!r}).read_text())
+settings.apply_defaults(FusionOptions())
+plan = load_plan(LocalFileSystem(basepath={str(tmp_path)!r}), {KEY!r})
+print(track_reports(plan.planned.plan, {{1: [0.5]}}))
+bad = [m for m in {MODELS!r} if m in sys.modules]
+print("imported:", bad)
+sys.exit(1 if bad else 0)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert str(track_reports(plan, {1: [0.5]})[0]) in proc.stdout  # the plan came back whole

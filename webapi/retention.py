@@ -53,6 +53,7 @@ from flows.params import (
     video_analysis_key,
     video_chunk_key,
     video_plan_key,
+    video_report_key,
 )
 from tasks.options import OutputFormat
 from webapi import crud
@@ -184,6 +185,7 @@ def chunk_keys(store: ObjectStore, job_id: uuid.UUID, attempts: int) -> list[str
         found += [
             part_progress_key(str(job_id), attempt, chunk_part(i)) for i in range(len(listed))
         ]
+        found.append(video_report_key(str(job_id), attempt))
     return list(dict.fromkeys(found))
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from blocks import ALL_BLOCKS, FusionSettings, init_default_blocks
 from blocks.cache import BLOCK_CACHE, TTL_ENV
-from blocks.settings import DEFAULT_BUDGETS_S, STAGE_NAMES, load_settings
+from blocks.settings import STAGE_NAMES, default_budgets_s, load_settings
 from blocks.signing import load_credentials
 from blocks.storage import (
     LOCAL_STORAGE_NAME,
@@ -52,7 +52,7 @@ def test_fusion_settings_round_trip_and_partial_stage_overrides(prefect_harness:
     fuse = loaded.policy("fuse")
     assert (fuse.budget_s, fuse.retries) == (5.0, 1)
     assert loaded.policy("detect").retries == 0
-    assert loaded.policy("load").budget_s == DEFAULT_BUDGETS_S["load"]
+    assert loaded.policy("load").budget_s == default_budgets_s()["load"]
     assert {loaded.policy(s).stage for s in STAGE_NAMES} == set(STAGE_NAMES)
     with pytest.raises(TypeError):
         load_settings(DEFAULT_STORAGE_BLOCK)

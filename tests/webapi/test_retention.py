@@ -28,6 +28,7 @@ from faceflow.testing.jobs import (
 from flows.params import (
     analysis_manifest_key,
     analysis_part,
+    chunk_part,
     chunks_manifest_key,
     part_progress_key,
     progress_key,
@@ -35,6 +36,7 @@ from flows.params import (
     result_key,
     result_meta_key,
     video_plan_key,
+    video_report_key,
 )
 from tests.webapi.conftest import make_settings
 from webapi import crud
@@ -298,7 +300,8 @@ def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
     engine: Engine, settings: Settings, store: ObjectStore
 ) -> None:
     """A cancelled video job's attempts listed their chunks and analysed ranges: the first
-    pass after its end deletes them and the lists; another job's chunk stays."""
+    pass after its end deletes them, the lists and the parts' records; another job's chunk
+    stays."""
     user = make_user(engine, settings)
     job = new_job(engine, settings, user)
     mine = [f"video-chunks/{uuid.uuid4().hex}-{i}.mp4" for i in range(3)]
@@ -311,6 +314,9 @@ def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
     store.put(chunks_manifest_key(str(job.id), 1), json.dumps(mine[:2]).encode())
     store.put(chunks_manifest_key(str(job.id), 2), json.dumps(mine[1:]).encode())
     store.put(analysis_manifest_key(str(job.id), 2), json.dumps(analysed).encode())
+    records = [part_progress_key(str(job.id), 2, chunk_part(1)), video_report_key(str(job.id), 2)]
+    for key in records:  # a render part's frames, the report part's record
+        store.put(key, b"{}")
     move(engine, job.id, JobStatus.queued, JobStatus.queued, flow_run_id=uuid.uuid4(), attempts=2)
     move(engine, job.id, JobStatus.cancelled, JobStatus.queued)
     report = run_pass(engine, store, settings, now=utcnow() + timedelta(seconds=1))
@@ -318,6 +324,7 @@ def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
     assert not any(store.exists(key) for key in mine)
     assert not any(store.exists(key) for key in analysed)  # its analysed frame ranges
     assert not any(store.exists(key) for key in counted)  # and their parts' frame counts
+    assert not any(store.exists(key) for key in records)  # its parts' records
     assert not store.exists(chunks_manifest_key(str(job.id), 1))
     assert not store.exists(analysis_manifest_key(str(job.id), 2))
     assert store.exists(other)

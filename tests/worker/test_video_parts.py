@@ -35,8 +35,10 @@ from flows.params import (
     result_key,
     result_meta_key,
     video_parts_tag,
+    video_report_key,
 )
 from flows.video import fuse_video_flow
+from flows.video_store import ReportRecord
 from tasks import watermark
 from tasks.provenance import dev_root_path, inspect_file, read_manifest
 from tasks.video_io import frame_timestamps, probe_video, read_frames
@@ -198,14 +200,22 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
     renders = [r for r in parts if "-chunk-" in r["name"]]
     ranges = [r for r in parts if "-analyse-" in r["name"]]
     assert sorted(r["name"] for r in renders) == [f"{job_id}-chunk-{i:04d}" for i in range(3)]
-    assert len(ranges) == RANGES and len(parts) == RANGES + CHUNKS + 2  # and probe, plan
-    assert {f"{job_id}-probe", f"{job_id}-plan"} <= {r["name"] for r in parts}
+    assert len(ranges) == RANGES and len(parts) == RANGES + CHUNKS + 3  # probe, plan, report
+    assert {f"{job_id}-probe", f"{job_id}-plan", f"{job_id}-report"} <= {r["name"] for r in parts}
     assert all(r["state_type"] == "COMPLETED" for r in parts)
     by_pid = Counter(int(r["state"]["message"].rsplit(" ", 1)[1]) for r in renders)
     analysed = Counter(int(r["state"]["message"].rsplit(" ", 1)[1]) for r in ranges)
     print(f"\nper worker child: chunks {dict(by_pid)}, ranges {dict(analysed)} ({pids})")
     for spread in (by_pid, analysed):  # the held part: 1, the rest: the other worker
         assert set(spread) == set(pids) and sorted(spread.values()) == [1, 2], spread
+    (report,) = [r for r in parts if r["name"] == f"{job_id}-report"]  # on a GPU worker
+    assert int(report["state"]["message"].rsplit(" ", 1)[1]) in pids
+    record = ReportRecord.model_validate_json(
+        (prefect_api.home.storage / video_report_key(job_id, 1)).read_text()
+    )
+    assert set(record.flags) <= set(ref.moderation) and ref.device == record.device
+    similar = [t for t in ref.tracks if t["similarity_mean"] is not None]
+    assert similar and {t["track"] for t in similar} == set(record.similarities)
     for i in range(CHUNKS):  # each render part wrote its frames for the job's progress
         counted = prefect_api.home.storage / part_progress_key(job_id, 1, chunk_part(i))
         assert json.loads(counted.read_text())["frames"] > 0
@@ -258,7 +268,7 @@ def test_a_coordinator_run_again_for_the_same_attempt_reuses_its_parts(
     job_id = params["job_id"]
     first = {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)}
     chunks = {f"{job_id}-chunk-{i:04d}" for i in range(CHUNKS)}
-    assert set(first) == {f"{job_id}-probe", f"{job_id}-plan"} | chunks
+    assert set(first) == {f"{job_id}-probe", f"{job_id}-plan", f"{job_id}-report"} | chunks
     again = coordinate(prefect_api, params)
     assert again.is_completed(), again.message
     assert {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)} == first
