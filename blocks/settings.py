@@ -9,7 +9,6 @@ others keep their defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 from typing import TYPE_CHECKING, Literal
 
 from prefect.blocks.core import Block
@@ -25,10 +24,10 @@ if TYPE_CHECKING:
 __all__ = ["STAGE_NAMES", "FusionSettings", "StageName", "StagePolicy", "load_settings"]
 
 
-@cache
 def _table() -> dict[StageName, Stage]:
-    """The stage table by name, imported when first needed: loading the settings does not
-    import the pipeline and its models (the video coordinator on the control pool)."""
+    """The stage table by name as it is now, imported when first needed: loading the
+    settings does not import the pipeline and its models (the video coordinator on the
+    control pool)."""
     from tasks.stages import PIPELINE
 
     return {s.name: s for s in PIPELINE}
