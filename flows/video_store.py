@@ -211,6 +211,11 @@ def load_plan(store: ByteStore, key: str) -> StoredPlan:
         plan = _PlanUnpickler(io.BytesIO(body)).load()
     except pickle.UnpicklingError as exc:
         raise InvalidInput(detail=f"{key}: {exc}") from exc
+    except (AttributeError, ImportError, TypeError) as exc:  # signed by us, older code
+        raise TransientError(
+            "The video plan was stored by another version of FaceFlow.",
+            detail=f"{key}: {type(exc).__name__}: {exc}"[:300],
+        ) from exc
     if not isinstance(plan, StoredPlan):
         raise InvalidInput(detail=f"{key} holds no video plan")
     return plan

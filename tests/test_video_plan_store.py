@@ -19,7 +19,7 @@ from blocks.settings import FusionSettings
 from blocks.storage import read_from, write_to
 from flows.binding import PREVIOUS_KEYS_ENV, SIGNING_KEY_ENV
 from flows.video_store import PLAN_MAGIC, StoredPlan, load_plan, plan_mac, save_plan
-from tasks.errors import InvalidInput, RunBindingInvalid
+from tasks.errors import InvalidInput, RunBindingInvalid, TransientError
 from tasks.types import Box, Face
 from tasks.video import Planned, Probed, Source, track_reports
 from tasks.video_io import probe_video
@@ -83,6 +83,21 @@ def test_a_signed_plan_naming_a_function_is_not_unpickled(
     with pytest.raises(InvalidInput, match="may not name"):
         load_plan(store, KEY)
     assert not marker.exists()
+
+
+def test_a_signed_plan_from_another_version_is_a_transient_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan stored before a deploy that moved or renamed its classes is ours (signed) but
+    cannot be read: the attempt fails transiently, so the relay runs a new attempt that
+    plans again, rather than failing the job for good or as an internal error."""
+    store = LocalFileSystem(basepath=str(tmp_path))
+    key = "the-key"
+    monkeypatch.setenv(SIGNING_KEY_ENV, key)
+    body = pickle.dumps(Chunk(0, 0, 2)).replace(b"tasks.video_plan", b"tasks.video_gone")
+    write_to(store, KEY, PLAN_MAGIC + plan_mac(key, body) + body)
+    with pytest.raises(TransientError, match="another version"):
+        load_plan(store, KEY)
 
 
 def test_no_plan_is_stored_without_a_run_signing_key(
