@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -95,8 +96,17 @@ def read_from(store: ByteStore, key: str) -> bytes:
 
 
 def write_to(store: ByteStore, key: str, data: bytes) -> None:
-    """Store ``data`` under ``key`` (overwrites)."""
+    """Store ``data`` under ``key`` (overwrites) as one whole: a reader sees the old
+    object or the new one, never part of it (``LocalFileSystem``: written under a
+    temporary name and renamed; an S3 object appears only when its upload completes)."""
     try:
+        if isinstance(store, LocalFileSystem):
+            target = store._resolve_path(key)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.partial")
+            partial.write_bytes(data)
+            partial.replace(target)
+            return
         store.write_path(key, data)
     except Exception as exc:
         raise TransientError("Storage could not be written.", detail=type(exc).__name__) from exc
