@@ -66,6 +66,7 @@ def fuse_batch(
             settings_block=settings_block,
             signing_block=signing_block,
             view=lambda stages: BatchView([JobRow(j.job_id, j.attempt) for j in bound], stages),
+            batch=True,
         )
     except Exception as exc:
         record_unsettled(bound, storage_block, exc)
