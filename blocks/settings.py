@@ -44,8 +44,8 @@ class FusionSettings(Block):
     _description = (
         "Operator settings of the FaceFlow fuse-faces flow: default detector and fuser, "
         "identity weight, per-stage time budgets, expected costs and retries, input limits, "
-        "NSFW moderation policy, result marking (C2PA and watermark), model directory and "
-        "model pins."
+        "NSFW moderation policy, result marking (C2PA and watermark), which runs give each "
+        "stage a Prefect task run, model directory and model pins."
     )
 
     detector: DetectorName = Field(
