@@ -1,5 +1,6 @@
-"""The flows' driver of the pipeline: job attempts through ``tasks.stages.PIPELINE`` as
-Prefect tasks, each job with its own deadline, outcome and fencing.
+"""The flows' driver of the pipeline: job attempts through ``tasks.stages.PIPELINE``, each
+stage inline or as a Prefect task run (``FusionSettings.stage_task_runs``), each job with
+its own deadline, outcome and fencing.
 
 ``fuse-faces`` runs one job with it, ``fuse-batch`` several; both get, per job:
 
