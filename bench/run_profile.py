@@ -6,16 +6,25 @@ this process and with the warm child's engine settings (one long-lived client, n
 heartbeat, logs to the API), it runs ``--jobs`` runs back to back with ``run_flow`` after
 one untimed run, the pipeline GPU-shaped (``--gpu-ms``, ``bench/gpu_shaped.py``).
 
+``--ab-stage-task-runs`` alternates, run by run, a settings block whose single runs call
+their stages inline (``FusionSettings.stage_task_runs="never"``) and one that gives each
+stage a task run (``"always"``), and prints a table for each (``--settle-s 1.2`` lets the
+server's batched writes of a run, every second, land inside that run's window).
+
 Like the child, it keeps a plain console handler unless ``--rich-console``. Per run it
 records every Prefect API request the run's process makes (offset from the
 ``run_flow`` call, duration, endpoint; from the run's thread or another), the time spent in
-log handlers, and the run's state timestamps. It prints the median time table: run_flow
-call → Running, Running → Completed (the flow function), Completed → run_flow returns,
-requests per endpoint (count and ms per run), log handler ms per run. ``--profile`` also
+log handlers, the run's state timestamps, and the CPU of this process and of the Prefect
+server's processes from the ``run_flow`` call until the next run is created. It prints the
+median time table: run_flow call → Running, Running → Completed (the flow function),
+Completed → run_flow returns, CPU ms per run (this process, the server), requests per
+endpoint (count and ms per run), log handler ms per run. ``--profile`` also
 prints cProfile's top functions (cumulative) over the timed runs. Asserts nothing.
 
     PYTHONPATH=$PWD .venv/bin/python bench/run_profile.py --jobs 10
     PYTHONPATH=$PWD .venv/bin/python bench/run_profile.py --server-db postgresql --profile
+    PYTHONPATH=$PWD .venv/bin/python bench/run_profile.py --jobs 20 --server-db postgresql \
+        --ab-stage-task-runs --settle-s 1.2
 """
 
 from __future__ import annotations
@@ -46,7 +55,13 @@ from bench.warm_worker import (  # noqa: E402
     prepare_inputs,
     ts,
 )
-from faceflow.testing.prefect import PrefectRest, server_database, start_server  # noqa: E402
+from faceflow.testing.prefect import (  # noqa: E402
+    PrefectRest,
+    PrefectServer,
+    server_database,
+    start_server,
+)
+from faceflow.testing.procstat import process_tree_cpu_s  # noqa: E402
 
 Request = tuple[float, float, str, bool]
 """(start offset s, duration s, "METHOD /path", made on the run's thread)."""
@@ -117,10 +132,31 @@ class Recorder:
         logging.Handler.handle = timed_handle  # type: ignore[method-assign,assignment]
 
 
+STAGE_MODES = {"inline": "never", "task runs": "always"}
+"""``--ab-stage-task-runs``: each table's ``FusionSettings.stage_task_runs``."""
+
+
+def stage_mode_blocks(url: str) -> dict[str, str]:
+    """Per ``STAGE_MODES`` entry, a saved settings block as ``prepare_inputs``'s GPU-shaped
+    default but for ``stage_task_runs``; its block name."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from blocks.settings import FusionSettings
+
+    names = {}
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        for mode, value in STAGE_MODES.items():
+            name = f"bench-stages-{value}"
+            FusionSettings(model_threads=1, stage_task_runs=value).save(name, overwrite=True)
+            names[mode] = f"fusion-settings/{name}"
+    return names
+
+
 def profile_runs(
-    url: str, api: PrefectRest, inputs: tuple[str, str, bytes, bytes], args: Any
+    server: PrefectServer, api: PrefectRest, inputs: tuple[str, str, bytes, bytes], args: Any
 ) -> None:
     """Run and time ``args.jobs`` runs in this process; print the table."""
+    url = server.api_url
     from prefect.context import SyncClientContext
     from prefect.flow_engine import run_flow
     from prefect.settings import (
@@ -141,6 +177,7 @@ def profile_runs(
     recorder.install()
     rows: list[dict[str, Any]] = []
     profiler = cProfile.Profile() if args.profile else None
+    blocks = stage_mode_blocks(url) if args.ab_stage_task_runs else {}
     updates = {PREFECT_API_URL: url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
     with temporary_settings(updates=updates), SyncClientContext.get_or_create() as ctx:
         install_shared_observer()  # as the warm child does
@@ -149,13 +186,16 @@ def profile_runs(
         if not args.rich_console:
             plain_console()
             plain = handlers_now()
-        for i in range(args.jobs + 1):
+        for i in range(args.jobs + 2):
             console = "rich" if args.ab_console and i % 2 else "plain"
             restore(rich if console == "rich" or args.rich_console else plain)
-            run_id = api.create_run(deployment_id, job_parameters(*inputs[:2]))
+            stages = sorted(blocks)[i % 2] if blocks else "settings block"
+            settings = {"settings_block": blocks[stages]} if blocks else {}
+            run_id = api.create_run(deployment_id, job_parameters(*inputs[:2], **settings))
             flow_run = ctx.client.read_flow_run(UUID(run_id))
             time.sleep(0.3)  # the last run's background writes settle
             recorder.reset()
+            cpu, server_cpu = time.process_time(), process_tree_cpu_s(server.pids)
             called = time.time()
             if profiler is not None and i:
                 profiler.enable()
@@ -163,8 +203,10 @@ def profile_runs(
             if profiler is not None and i:
                 profiler.disable()
             returned = time.time()
-            time.sleep(0.3)
-            if i == 0:
+            time.sleep(args.settle_s)
+            cpu = time.process_time() - cpu
+            server_cpu = process_tree_cpu_s(server.pids) - server_cpu
+            if i < 2:  # one untimed run of each kind
                 continue
             run = api.run(run_id)
             assert state.is_completed(), state  # type: ignore[union-attr]
@@ -179,11 +221,15 @@ def profile_runs(
                     "handlers": dict(recorder.handler_s),
                     "returned_s": returned - called,
                     "console": "rich" if args.rich_console else console,
+                    "stages": stages,
+                    "cpu_ms": cpu * 1e3,
+                    "server_cpu_ms": server_cpu * 1e3,
                 }
             )
     for console in sorted({r["console"] for r in rows}):
-        print(f"console handler: {console}")
-        print_table([r for r in rows if r["console"] == console])
+        for stages in sorted({r["stages"] for r in rows}):
+            print(f"console handler: {console}; stages: {stages}")
+            print_table([r for r in rows if r["console"] == console and r["stages"] == stages])
     if profiler is not None:
         stats = pstats.Stats(profiler)
         stats.sort_stats("cumulative").print_stats(args.profile_lines)
@@ -210,7 +256,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """Medians of the spans, then per endpoint, then per log handler."""
     n = len(rows)
     print(f"one fuse-faces run in this process, median of {n} (ms)")
-    for span in ("call_to_running_ms", "flow_ms", "completed_to_return_ms", "run_flow_ms"):
+    spans = ("call_to_running_ms", "flow_ms", "completed_to_return_ms", "run_flow_ms")
+    for span in (*spans, "cpu_ms", "server_cpu_ms"):
         print(f"  {span:28} {statistics.median(r[span] for r in rows):8.1f}")
     Key = tuple[str, bool, bool]
     run_totals: list[dict[Key, float]] = []
@@ -259,6 +306,18 @@ def main() -> None:
         action="store_true",
         help="alternate the rich and the plain console handler run by run; a table for each",
     )
+    parser.add_argument(
+        "--ab-stage-task-runs",
+        action="store_true",
+        help="alternate stages inline and as task runs (stage_task_runs) run by run; a table "
+        "for each",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.3,
+        help="pause after each run, inside its CPU window (the server writes every second)",
+    )
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions")
     parser.add_argument("--profile-lines", type=int, default=40)
     args = parser.parse_args()
@@ -269,7 +328,7 @@ def main() -> None:
             try:
                 api = PrefectRest(server.api_url)
                 inputs = prepare_inputs(server.api_url, home / "faceflow", gpu_shaped=True)
-                profile_runs(server.api_url, api, inputs, args)
+                profile_runs(server, api, inputs, args)
             finally:
                 server.stop(grace=10)
 

@@ -181,15 +181,17 @@ def in_process_flow_loop(
     }
 
 
-def job_parameters(source_key: str, target_key: str) -> dict[str, Any]:
-    """A ``fuse-faces`` job's parameters, bound to the job as the relay binds them (the
-    workers started here hold this process's run-signing key)."""
+def job_parameters(source_key: str, target_key: str, **blocks: str) -> dict[str, Any]:
+    """A ``fuse-faces`` job's parameters (with ``blocks``: its blocks, as
+    ``settings_block=...``), bound to the job as the relay binds them (the workers started
+    here hold this process's run-signing key)."""
     params = {
         "job_id": str(uuid.uuid4()),
         "owner_id": "bench",
         "source_key": source_key,
         "target_key": target_key,
         "deadline_at": (datetime.now(UTC) + timedelta(minutes=30)).isoformat(),
+        **blocks,
     }
     return signed_parameters(params, worker_keys()[0])
 

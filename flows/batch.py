@@ -4,7 +4,7 @@ The relay's dispatch puts the due jobs that can share a run (same lane, detector
 fuser) into one ``fuse-batch`` run when more than one is waiting (``FuseBatchParams``);
 a job alone still gets its own ``fuse-faces`` run. Both are drivers of the same pipeline
 (``flows.run.run_jobs`` over ``tasks.stages.PIPELINE``): one task run per stage for the
-whole batch, MTCNN on every job's images in batched calls, and per job its own deadline,
+whole batch (unless the settings' ``stage_task_runs`` is ``never``: then inline), MTCNN on every job's images in batched calls, and per job its own deadline,
 outcome (a ``JobFailure`` record for a failed job, its result and ``ResultRef`` sidecar for
 a successful one), fencing and stop markers (see ``flows.run``). The warm worker kills the
 run past its ``deadline_at``, the latest of the jobs', plus grace.
@@ -67,6 +67,7 @@ def fuse_batch(
             settings_block=settings_block,
             signing_block=signing_block,
             view=lambda stages: BatchView([JobRow(j.job_id, j.attempt) for j in bound], stages),
+            batch=True,
         )
     except Exception as exc:
         record_unsettled(bound, storage_block, exc)

@@ -19,12 +19,22 @@ inside it, which cannot interrupt a blocking call (measured: a 1 s task timeout 
 3 s ``time.sleep`` ended after 3.07 s under ``@flow(timeout_seconds=10)``). Since every
 blocking step of the flow is a stage with a timeout no longer than the time left, the flow
 as a whole ends by the deadline plus Prefect's per-task overhead.
+
+``StageGuard.call`` runs a stage inline instead, without a task run (what a run does when
+``FusionSettings.stage_task_runs`` says so): the same rules, each attempt under Prefect's
+own sync timeout (``prefect.utilities.timeout.timeout``, the scope the task engine puts
+around a sync task: SIGALRM on the main thread, else a watcher thread), the retry delay
+slept on this thread, and one log line per attempt (stage, attempt, ms) through the run
+logger in place of the task run's states.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -33,8 +43,10 @@ from prefect import Task
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 from prefect.utilities.annotations import quote
+from prefect.utilities.timeout import timeout as prefect_timeout
 
 from blocks.settings import StagePolicy
+from flows.params import STAGE_DONE_LOG, STAGE_FAILED_LOG
 from tasks.errors import DeadlineExceeded, FaceFlowError, TransientError, is_permanent
 
 R = TypeVar("R")
@@ -54,6 +66,10 @@ def alarm_timeouts_available() -> bool:
 
 TIMEOUT_SLACK_S = 0.05
 """A timeout that fires with less than this left counts as the deadline passing."""
+
+
+class StageTimedOut(TimeoutError):
+    """An inline stage attempt ran past its timeout (``StageGuard.call``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,18 +118,32 @@ class StageGuard:
             raise DeadlineExceeded(detail=self._too_little(left, "start"))
         return min(self.policy.budget_s, left)
 
-    def retry_condition(self, task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
-        """Prefect ``retry_condition_fn``: retry only transient failures with time to spare."""
+    @property
+    def attempts(self) -> int:
+        """Attempts started so far: the first and each retry granted."""
+        return len(self.timeouts)
+
+    def next_timeout(self, exc: BaseException | None) -> float | None:
+        """After a failed attempt (``exc``, when known): the retry's timeout, ``min(budget,
+        time left after the retry delay)``, or None when the error is permanent or the time
+        left after the delay is below the expected cost. Records the decision."""
         self.failures += 1
-        exc = exception_of(state)
         if exc is not None and is_permanent(exc):
-            return False
+            return None
         left = self.deadline.left() - self.policy.retry_delay_s
         if left < self.policy.expected_s:
             self.refused_for_time = True
+            return None
+        timeout = min(self.policy.budget_s, left)
+        self.timeouts.append(timeout)
+        return timeout
+
+    def retry_condition(self, task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
+        """Prefect ``retry_condition_fn``: retry only transient failures with time to spare."""
+        timeout = self.next_timeout(exception_of(state))
+        if timeout is None:
             return False
-        task.timeout_seconds = min(self.policy.budget_s, left)
-        self.timeouts.append(task.timeout_seconds)
+        task.timeout_seconds = timeout
         return True
 
     def run(self, stage_task: Task[..., R], *args: Any, **kwargs: Any) -> R:
@@ -133,6 +163,46 @@ class StageGuard:
             return configured(*map(quote, args), **{k: quote(v) for k, v in kwargs.items()})
         except Exception as exc:
             raise self.classify(exc) from exc
+
+    def call(
+        self,
+        fn: Callable[..., R],
+        *args: Any,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        **kwargs: Any,
+    ) -> R:
+        """Call ``fn`` inline (no task run) under the rules of ``run``: each attempt under
+        Prefect's sync timeout scope, at most ``retries`` retries granted by
+        ``next_timeout`` after the retry delay; one line per attempt on ``logger``."""
+        timeout = self.first_timeout()
+        self.timeouts.append(timeout)
+        stage = self.policy.stage
+        while True:
+            start = time.perf_counter()
+            try:
+                with prefect_timeout(seconds=timeout, timeout_exc_type=StageTimedOut):
+                    result = fn(*args, **kwargs)
+            except Exception as exc:
+                ms = (time.perf_counter() - start) * 1000.0
+                attempt = self.attempts
+                retry = self.next_timeout(exc) if attempt <= self.policy.retries else None
+                logger.warning(
+                    STAGE_FAILED_LOG,
+                    stage, attempt, ms, exc,
+                    "no retry" if retry is None else
+                    f"retry in {self.policy.retry_delay_s:g} s with a {retry:.2f} s timeout",
+                )  # fmt: skip
+                if retry is None:
+                    raise self.classify(exc) from exc
+                time.sleep(self.policy.retry_delay_s)
+                timeout = retry
+                continue
+            logger.info(
+                STAGE_DONE_LOG,
+                stage, self.attempts, (time.perf_counter() - start) * 1000.0,
+                self.deadline.left(),
+            )  # fmt: skip
+            return result
 
     def classify(self, exc: Exception) -> FaceFlowError:
         """The typed error a stage's final failure becomes."""

@@ -3,8 +3,9 @@ load → moderate_inputs → detect → align → fuse → enhance → postproce
 moderate_result → store.
 
 Parameters mirror ``flows.params.FuseFacesParams``. It is a one-job run of the driver that
-``fuse-batch`` uses (``flows.run``): every stage is a sync task called on the main thread
-under ``flows.deadline.StageGuard`` (timeout ``min(stage budget, deadline_at - now)`` on
+``fuse-batch`` uses (``flows.run``): every stage runs on the main thread under
+``flows.deadline.StageGuard``, inline by default, or as a sync task run when the settings'
+``stage_task_runs`` is ``always`` (timeout ``min(stage budget, deadline_at - now)`` on
 every attempt; retries stop for permanent errors or when the time left is below the
 stage's expected cost), the moderation stages are skipped when the settings' policy turns
 them off, enhance when the job chose no enhancer. A run started after its deadline fails at

@@ -39,6 +39,12 @@ FINAL_STAGE = "store"
 """The stage a succeeded job last went through (the relay records it on success): the last
 of ``tasks.stages.PIPELINE``, which the webapi does not import (a test keeps them equal)."""
 
+STAGE_DONE_LOG = "Stage %s attempt %d done in %.1f ms, %.2f s left to the deadline"
+STAGE_FAILED_LOG = "Stage %s attempt %d failed after %.1f ms: %r; %s"
+"""The run-log lines of a stage run inline (``flows.deadline.StageGuard.call``): stage,
+attempt, milliseconds; ``STAGE_LINE`` reads them."""
+STAGE_LINE = re.compile(r"^Stage (?P<stage>\w+) attempt (?P<attempt>\d+) (?P<how>done|failed)")
+
 
 class JobAttempt(BaseModel):
     """One job attempt as a flow receives it: a ``fuse-faces`` run's parameters (with the

@@ -1,5 +1,6 @@
-"""The flows' driver of the pipeline: job attempts through ``tasks.stages.PIPELINE`` as
-Prefect tasks, each job with its own deadline, outcome and fencing.
+"""The flows' driver of the pipeline: job attempts through ``tasks.stages.PIPELINE``, each
+stage inline or as a Prefect task run (``FusionSettings.stage_task_runs``), each job with
+its own deadline, outcome and fencing.
 
 ``fuse-faces`` runs one job with it, ``fuse-batch`` several; both get, per job:
 
@@ -46,7 +47,7 @@ from tasks.batch import Each, EveryJobFailed
 from tasks.errors import DeadlineExceeded, FaceFlowError, drop_frames
 from tasks.gpu import GpuStats, gpu_stats
 from tasks.pipeline import PipelineContext
-from tasks.prefect_tasks import stage_task
+from tasks.prefect_tasks import stage_call, stage_task
 from tasks.stages import (
     QUALITY_RETRY_STAGES,
     InputBytes,
@@ -171,13 +172,16 @@ class StoredJob:
 
 @dataclass
 class FlowRunner:
-    """Runs each stage as its Prefect task under the jobs' deadlines (``tasks.stages.Runner``)."""
+    """Runs each stage under the jobs' deadlines, as its Prefect task or inline
+    (``tasks.stages.Runner``)."""
 
     jobs: list[Job]
     store: ByteStore
     settings: FusionSettings
     ctx: PipelineContext
     view: View
+    task_runs: bool = True
+    """Each stage as a Prefect task run (``StageGuard.run``), else inline (``.call``)."""
     timings_ms: dict[str, float] = field(default_factory=dict)
 
     def _job(self, work: Work) -> Job:
@@ -213,19 +217,24 @@ class FlowRunner:
         now)``; a stage that fails as a whole fails every job in it."""
         guard = self._guard(self.settings.policy(stage.name), works)
         self.view.stage_started(stage.name, len(works))
-        get_run_logger().info(
-            "Stage %s (%d job(s)): %.2f s left to the deadline",
-            stage.name,
-            len(works),
-            guard.deadline.left(),
-        )
+        logger = get_run_logger()
+        if self.task_runs:
+            logger.info(
+                "Stage %s (%d job(s)): %.2f s left to the deadline",
+                stage.name,
+                len(works),
+                guard.deadline.left(),
+            )
         for work in works:
             self._job(work).stage = stage.name
         start = time.perf_counter()
         ok = False
         try:
             faults.inject(stage.name)  # no-op unless FACEFLOW_ENABLE_FAULTS=true
-            outcomes = guard.run(stage_task(stage), works, self.ctx)
+            if self.task_runs:
+                outcomes = guard.run(stage_task(stage), works, self.ctx)
+            else:
+                outcomes = guard.call(stage_call(stage), works, self.ctx, logger=logger)
             ok = True
             return outcomes
         except EveryJobFailed as failure:  # each job's own error; its frames hold the jobs
@@ -236,7 +245,7 @@ class FlowRunner:
         finally:
             ms = (time.perf_counter() - start) * 1000.0
             self.timings_ms[stage.name] = ms
-            self.view.stage_finished(stage.name, ms, guard.failures + (1 if ok else 0), ok)
+            self.view.stage_finished(stage.name, ms, guard.attempts, ok)
 
     def _guard(self, policy: StagePolicy, works: list[Work]) -> StageGuard:
         deadline = Deadline.of(max(self._job(w).spec.deadline_at for w in works))
@@ -263,8 +272,11 @@ def run_jobs(
     settings_block: str,
     view: Callable[[Sequence[str]], View],
     signing_block: str = DEFAULT_SIGNING_BLOCK,
+    batch: bool = False,
 ) -> list[Job]:
-    """Every stage for ``specs`` (one job or a batch); the jobs with their outcomes.
+    """Every stage for ``specs`` (one job, or a batch when ``batch``); the jobs with their
+    outcomes. Each stage is a Prefect task run or runs inline, as the settings'
+    ``stage_task_runs`` says for a run of this kind.
 
     ``view(stages)`` builds the run's operator view. Raises only for what no job could
     survive (the settings, storage or, with marking required, signing block unusable)."""
@@ -283,7 +295,14 @@ def run_jobs(
             may_retry=partial(_time_for_retry, deadline, cost),
         )
         jobs.append(Job(spec, deadline, work, io))
-    runner = FlowRunner(jobs, store, settings, ctx, view([s.name for s in stages.PIPELINE]))
+    runner = FlowRunner(
+        jobs,
+        store,
+        settings,
+        ctx,
+        view([s.name for s in stages.PIPELINE]),
+        task_runs=settings.stage_task_runs_for(batch=batch),
+    )
     runner.view.start()
     try:
         run_stages([job.work for job in jobs], ctx, runner)

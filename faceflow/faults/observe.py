@@ -18,7 +18,7 @@ import httpx
 
 from faceflow.faults.load import Client, User
 from faceflow.faults.report import TERMINAL, Observation, Submission
-from flows.params import result_meta_key
+from flows.params import STAGE_LINE, result_meta_key
 from webapi.storage import ObjectStore
 
 POLL_S = 1.0
@@ -109,10 +109,11 @@ def _post(
 def prefect_writers(
     prefect_api: str, job_ids: Iterable[str], headers: Headers | None = None
 ) -> dict[str, int]:
-    """Per job: flow runs whose ``store`` task completed for it. A ``fuse-faces`` run is
-    named by its job id; a ``fuse-batch`` run is tagged ``job:<id>`` for each job it
-    carried and counts for the jobs its per-job table artifact says it stored.
-    ``headers``: the API's credential (``webapi.prefect_api.auth_headers``)."""
+    """Per job: flow runs whose ``store`` stage completed for it (a completed ``store``
+    task run, or the run's log line of an inline ``store``: ``inline_stages``). A
+    ``fuse-faces`` run is named by its job id; a ``fuse-batch`` run is tagged ``job:<id>``
+    for each job it carried and counts for the jobs its per-job table artifact says it
+    stored. ``headers``: the API's credential (``webapi.prefect_api.auth_headers``)."""
     headers = headers or {}
     ids = sorted(set(job_ids))
     runs: dict[str, dict[str, Any]] = {}
@@ -142,11 +143,40 @@ def prefect_writers(
             },
             headers,
         )
-        for run_id in {task["flow_run_id"] for task in stores}:
+        inline = inline_stages(prefect_api, chunk, headers)
+        stored = {task["flow_run_id"] for task in stores}
+        stored |= {run_id for run_id, stages in inline.items() if "store" in stages}
+        for run_id in stored:
             for job_id in _stored_by(prefect_api, runs[run_id], headers):
                 if job_id in found:
                     found[job_id] += 1
     return found
+
+
+def inline_stages(
+    prefect_api: str, run_ids: Sequence[str], headers: Headers | None = None
+) -> dict[str, set[str]]:
+    """Per flow run: the stages it ran inline and finished (``flows.deadline.STAGE_LINE``
+    log lines with ``done``; a run whose stages are task runs logs none)."""
+    done: dict[str, set[str]] = {run_id: set() for run_id in run_ids}
+    for start in range(0, len(run_ids), 50):
+        chunk = list(run_ids[start : start + 50])
+        offset = 0
+        while True:
+            body = {
+                "logs": {"flow_run_id": {"any_": chunk}, "text": {"query": "attempt"}},
+                "limit": 200,
+                "offset": offset,
+            }
+            logs = _post(prefect_api, "/logs/filter", body, headers or {})
+            for log in logs:
+                line = STAGE_LINE.match(str(log.get("message", "")))
+                if line is not None and line["how"] == "done" and log.get("flow_run_id"):
+                    done.setdefault(str(log["flow_run_id"]), set()).add(line["stage"])
+            if len(logs) < 200:
+                break
+            offset += len(logs)
+    return done
 
 
 def _stored_by(prefect_api: str, run: dict[str, Any], headers: Headers) -> list[str]:

@@ -17,11 +17,17 @@ from uuid import UUID
 import httpx
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 from prefect.client.schemas.objects import TaskRun
 
 from faceflow.testing.prefect import PrefectServer
 from flows.binding import signed_parameters, worker_keys
+from flows.params import STAGE_LINE
 from tasks.stages import STAGE_NAMES
 from tests.orchestration.conftest import BIN, REPO_ROOT
 
@@ -55,6 +61,48 @@ def task_runs(flow_run_id: UUID | None) -> dict[str, TaskRun]:
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
         )
     return {run.name: run for run in runs}
+
+
+STAGE_MODES = pytest.mark.parametrize("inline", [False, True], ids=["task-runs", "inline"])
+"""Run a flow test with each stage as a task run and inline (``stage_task_runs``)."""
+
+
+def stage_settings(inline: bool, name: str = "", **fields: Any) -> str:
+    """A saved ``FusionSettings`` block with ``fields`` whose runs call their stages inline
+    (``stage_task_runs="never"``) or as task runs (``"always"``); its block name."""
+    from blocks.settings import FusionSettings
+
+    mode = "never" if inline else "always"
+    block = f"test-{name or 'stages'}-{mode}"
+    FusionSettings(stage_task_runs=mode, **fields).save(block, overwrite=True)
+    return f"fusion-settings/{block}"
+
+
+def stages_seen(flow_run_id: UUID | None, inline: bool) -> dict[str, tuple[int, str]]:
+    """Each stage a flow run ran, with its attempts and end (``Completed``, ``Failed`` or
+    ``TimedOut``): from its task runs, or, ``inline``, from the run's stage log lines (it
+    then has no task run)."""
+    runs = task_runs(flow_run_id)
+    if not inline:
+        return {n: (r.run_count, r.state.name if r.state else "") for n, r in runs.items()}
+    assert runs == {}, set(runs)
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=15.0)  # the run's logs reach the server in batches
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+        )
+    seen: dict[str, tuple[int, str]] = {}
+    for log in sorted(logs, key=lambda log: log.timestamp):
+        line = STAGE_LINE.match(log.message)
+        if line is None:
+            continue
+        end = "Completed" if line["how"] == "done" else "Failed"
+        if "StageTimedOut(" in log.message:
+            end = "TimedOut"
+        seen[line["stage"]] = (int(line["attempt"]), end)
+    return seen
 
 
 def prefect_cli(server: PrefectServer, *args: str, timeout: float = 180) -> str:

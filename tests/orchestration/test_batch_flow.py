@@ -33,10 +33,13 @@ from flows.params import (
 from tests.onnx_builders import build_tiny_gfpgan
 from tests.orchestration.conftest import Home
 from tests.orchestration.helpers import (
+    STAGE_MODES,
     STAGE_RUNS,
     TIMED_STAGES,
     job_params,
     probe_overlap,
+    stage_settings,
+    stages_seen,
     task_runs,
 )
 from tests.samples import (
@@ -156,17 +159,22 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     assert "2 succeeded" in str(by_type["markdown"].data)
 
 
-def test_a_batch_whose_every_job_fails_still_completes(prefect_harness: Home) -> None:
+@STAGE_MODES
+def test_a_batch_whose_every_job_fails_still_completes(prefect_harness: Home, inline: bool) -> None:
     no_face = prefect_harness.put_input(no_face_jpeg_bytes())
     grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
     jobs = [job_params(no_face, grace), job_params(grace, "inputs/missing/nothing.jpg")]
-    state = fuse_batch(**_batch(*jobs), return_state=True)
+    state = fuse_batch(**_batch(*jobs, settings_block=stage_settings(inline)), return_state=True)
     assert state.is_completed(), state.message
     assert state.result() == {
         jobs[0]["job_id"]: "no_face_found",
         jobs[1]["job_id"]: "invalid_input",
     }
-    assert set(task_runs(state.state_details.flow_run_id)) == {"load", "moderate_inputs", "detect"}
+    assert stages_seen(state.state_details.flow_run_id, inline) == {
+        "load": (1, "Completed"),
+        "moderate_inputs": (1, "Completed"),
+        "detect": (1, "Failed"),
+    }
 
 
 def test_a_batch_that_cannot_load_its_settings_fails_as_a_whole(prefect_harness: Home) -> None:

@@ -1,4 +1,5 @@
-"""Retries share the job deadline: StageGuard under a real (test-harness) Prefect server."""
+"""Retries share the job deadline: StageGuard under a real (test-harness) Prefect server,
+each stage as a task run (``StageGuard.run``) and inline (``StageGuard.call``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
@@ -42,19 +43,26 @@ def probe(
     policy: dict[str, Any],
     work_s: float = 0.0,
     stuck_after: int | None = None,
+    inline: bool = False,
 ) -> Any:
-    """Run one stage under a StageGuard; returns what the test inspects."""
+    """Run one stage under a StageGuard, as a task run or ``inline``; returns what the test
+    inspects."""
     guard = StageGuard(Deadline.of(deadline_at), StagePolicy(**policy))
     calls: list[float] = []
+    stage = flaky if which == "flaky" else no_face
+    args = (calls, work_s, stuck_after) if which == "flaky" else (calls,)
     try:
-        if which == "flaky":
-            guard.run(flaky, calls, work_s, stuck_after)
+        if inline:
+            guard.call(stage.fn, *args, logger=get_run_logger())
         else:
-            guard.run(no_face, calls)
+            guard.run(stage, *args)
     except Exception as exc:
         info = {
             "error": str(exc),
+            "cause": type(exc.__cause__).__name__,
+            "timed_out": isinstance(exc.__cause__, TimeoutError),
             "calls": len(calls),
+            "attempts": guard.attempts,
             "timeouts": guard.timeouts,
             "ended_at": datetime.now(UTC).isoformat(),
         }
@@ -62,9 +70,20 @@ def probe(
     return {"calls": len(calls)}
 
 
+MODES = pytest.mark.parametrize("inline", [False, True], ids=["task-runs", "inline"])
+
+
 def run_probe(*args: Any, **kwargs: Any) -> State[Any]:
     """``probe(...)``'s final state."""
     return cast(State[Any], probe(*args, **kwargs, return_state=True))
+
+
+def stage_runs(state: State[Any], name: str, inline: bool) -> int:
+    """Task runs of stage ``name`` in the probe's run: one (with its attempts as its run
+    count) as a task, none inline; ``-1`` when there is none."""
+    runs = task_runs(state.state_details.flow_run_id)
+    assert (name not in runs) if inline else (name in runs), set(runs)
+    return runs[name].run_count if name in runs else -1
 
 
 def _policy(**overrides: Any) -> dict[str, Any]:
@@ -78,28 +97,29 @@ def _policy(**overrides: Any) -> dict[str, Any]:
     return {**base, **overrides}
 
 
+@MODES
 def test_transient_failures_with_one_second_left_are_not_retried_a_third_time(
-    prefect_harness: Home,
+    prefect_harness: Home, inline: bool
 ) -> None:
     deadline_at = datetime.now(UTC) + timedelta(seconds=3.0)
     # Each attempt works 1 s: attempt 1 ends with <= 2 s left (>= 1.2 s expected cost:
     # retry, as long as the flow started within 0.8 s), attempt 2 with <= 1 s (stop).
-    state = run_probe("flaky", deadline_at, _policy(), work_s=1.0)
+    state = run_probe("flaky", deadline_at, _policy(), work_s=1.0, inline=inline)
     info = state.result(raise_on_failure=False)
     assert state.is_failed() and isinstance(info, dict)
-    assert info["calls"] == 2, info
+    assert info["calls"] == 2 and info["attempts"] == 2, info
     # no attempt after the first started with less than the stage's expected cost left
     assert all(left >= 1.2 for left in info["timeouts"][1:]), info
     assert info["error"].startswith("[deadline_exceeded] ")
     assert "transient_error" in info["error"]
     assert datetime.fromisoformat(info["ended_at"]) <= deadline_at
-    run = task_runs(state.state_details.flow_run_id)["flaky"]
-    assert run.run_count == 2
+    assert stage_runs(state, "flaky", inline) == (-1 if inline else 2)
     # the retry's timeout was recomputed from the time left, not the 30 s budget
     assert info["timeouts"][1] < 2.5
 
 
-def test_retry_timeout_is_reset_to_the_time_left(prefect_harness: Home) -> None:
+@MODES
+def test_retry_timeout_is_reset_to_the_time_left(prefect_harness: Home, inline: bool) -> None:
     seconds = 4.0
     deadline_at = datetime.now(UTC) + timedelta(seconds=seconds)
     state = run_probe(
@@ -108,6 +128,7 @@ def test_retry_timeout_is_reset_to_the_time_left(prefect_harness: Home) -> None:
         _policy(expected_s=0.5),
         work_s=1.0,
         stuck_after=2,
+        inline=inline,
     )
     info = state.result(raise_on_failure=False)
     assert isinstance(info, dict) and info["calls"] == 2, info
@@ -115,7 +136,9 @@ def test_retry_timeout_is_reset_to_the_time_left(prefect_harness: Home) -> None:
     overshoot = (datetime.fromisoformat(info["ended_at"]) - deadline_at).total_seconds()
     # the stuck second attempt was interrupted at the deadline (its first timeout was ~4 s)
     assert -0.4 < overshoot < 0.4, overshoot
-    assert run_state_name(state) == "TimedOut"
+    assert info["timed_out"], info
+    if not inline:
+        assert run_state_name(state) == "TimedOut"
 
 
 def run_state_name(state: Any) -> str | None:
@@ -123,13 +146,28 @@ def run_state_name(state: Any) -> str | None:
     return run.state.name if run.state is not None else None
 
 
-def test_permanent_error_is_not_retried(prefect_harness: Home) -> None:
+@MODES
+def test_permanent_error_is_not_retried(prefect_harness: Home, inline: bool) -> None:
     deadline_at = datetime.now(UTC) + timedelta(seconds=60)
-    state = run_probe("no-face", deadline_at, _policy(retries=3))
+    state = run_probe("no-face", deadline_at, _policy(retries=3), inline=inline)
     info = state.result(raise_on_failure=False)
-    assert isinstance(info, dict) and info["calls"] == 1
+    assert isinstance(info, dict) and info["calls"] == 1 and info["attempts"] == 1, info
     assert info["error"].startswith("[no_face_found] ")
-    assert task_runs(state.state_details.flow_run_id)["no-face"].run_count == 1
+    assert stage_runs(state, "no-face", inline) == (-1 if inline else 1)
+
+
+@MODES
+def test_a_budget_overrun_is_retried_with_time_left(prefect_harness: Home, inline: bool) -> None:
+    """An attempt stuck past the stage budget is interrupted and retried (transient), the
+    retries are capped by ``retries``, and the run ends with the budget overrun."""
+    deadline_at = datetime.now(UTC) + timedelta(seconds=60)
+    policy = _policy(budget_s=0.5, expected_s=0.1, retries=1)
+    state = run_probe("flaky", deadline_at, policy, stuck_after=1, inline=inline)
+    info = state.result(raise_on_failure=False)
+    assert isinstance(info, dict) and info["calls"] == 2 and info["attempts"] == 2, info
+    assert info["timed_out"], info
+    assert info["error"].startswith("[transient_error] The detect stage exceeded its time budget")
+    assert datetime.fromisoformat(info["ended_at"]) < deadline_at - timedelta(seconds=55)
 
 
 def test_no_first_attempt_without_the_expected_time() -> None:

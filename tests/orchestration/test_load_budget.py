@@ -16,7 +16,7 @@ from tasks.options import FusionOptions, ImageLimits
 from tasks.pipeline import PipelineContext
 from tasks.stages import Work, load_step
 from tests.orchestration.conftest import Home
-from tests.orchestration.helpers import job_params, task_runs
+from tests.orchestration.helpers import job_params, stages_seen
 from tests.samples import flat_png
 
 MP = 1_000_000
@@ -73,8 +73,9 @@ def test_fuse_faces_fails_the_amplification_job_at_load_without_retrying(
     state = fuse_faces(**params, return_state=True)
     assert state.is_failed()
     assert (state.message or "").startswith("[job_too_large]"), state.message
-    # A permanent error: the load task is not run again (its task run ends Failed at once).
-    assert task_runs(state.state_details.flow_run_id)["load"].run_count == 1
+    # A permanent error: the load stage is not run again (it ends Failed at once; a single
+    # job's stages run inline by default, so its run log says so).
+    assert stages_seen(state.state_details.flow_run_id, inline=True)["load"] == (1, "Failed")
 
 
 def test_a_batch_run_decodes_its_jobs_within_the_batch_budget(prefect_harness: Home) -> None:

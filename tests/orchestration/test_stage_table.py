@@ -1,5 +1,6 @@
-"""A stage added to ``tasks.stages.PIPELINE`` runs in both flows, as its own task run, with
-its own timing in each job's result: the flows drive the table, they do not list stages."""
+"""A stage added to ``tasks.stages.PIPELINE`` runs in both flows (inline in a single job's
+run, as its own task run in a batch's, by default), with its own timing in each job's
+result: the flows drive the table, they do not list stages."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from flows.batch import fuse_batch
 from flows.fuse import fuse_faces
 from flows.params import DEFAULT_STORAGE_BLOCK, ResultRef, result_meta_key
 from tests.orchestration.conftest import Home
-from tests.orchestration.helpers import job_params, task_runs
+from tests.orchestration.helpers import job_params, stages_seen, task_runs
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 from tests.test_stages import marking_stage, with_stage
 
@@ -27,12 +28,13 @@ def test_a_stage_added_to_the_table_runs_in_both_flows(
     state = fuse_faces(**single, return_state=True)
     assert state.is_completed(), state.message
     assert "mark" in ResultRef.model_validate(state.result()).timings_ms
-    assert task_runs(state.state_details.flow_run_id)["mark"].state.is_completed()  # type: ignore[union-attr]
+    assert stages_seen(state.state_details.flow_run_id, inline=True)["mark"] == (1, "Completed")
 
     jobs = [job_params(source, target, attempt=1) for _ in range(2)]
     state = fuse_batch(jobs=jobs, deadline_at=jobs[0]["deadline_at"], return_state=True)
     assert state.is_completed(), state.message
     assert set(state.result().values()) == {"succeeded"}
+    assert task_runs(state.state_details.flow_run_id)["mark"].state.is_completed()  # type: ignore[union-attr]
     for job in jobs:
         raw = read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(job["job_id"], 1))
         assert "mark" in ResultRef.model_validate_json(raw).timings_ms
