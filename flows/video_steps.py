@@ -147,7 +147,7 @@ def probe_task(job: VideoJob, target_key: str) -> Probed:
     fetch_to(job.store, target_key, job.video)
     job.digest = file_digest(job.video)
     probed = probe_and_moderate(job.sources, job.video, job.ctx, references=job.references)
-    check_sources(probed, job.options, job.ctx)  # a source without a face fails here
+    probed.found = check_sources(probed, job.options, job.ctx)  # no face: fails here
     return probed
 
 

@@ -358,7 +358,8 @@ def render_chunk(
 class Probed:
     """A video after probe and input moderation: its info, every frame's pts, the decoded
     source photos (and a mapping's reference photos), the frames moderation saw and what
-    it flagged, and the keyframes' pts."""
+    it flagged; the keyframes' pts, and the sources' faces once ``check_sources`` found
+    them (so that the plan does not look for them again)."""
 
     info: VideoInfo
     pts: list[int]
@@ -367,6 +368,7 @@ class Probed:
     flags: list[str]
     references: list[RGBImage] = field(default_factory=list)
     keyframes: list[int] = field(default_factory=list)
+    found: list[Source] = field(default_factory=list)
 
 
 def probe_and_moderate(
@@ -411,16 +413,16 @@ def analyse_and_plan(
     video: Path, probed: Probed, options: FusionOptions, ctx: PipelineContext, chunk_s: float
 ) -> Planned:
     """The analysis pass over every frame, then the plan (``plan_video``)."""
-    check_sources(probed, options, ctx)
+    probed.found = check_sources(probed, options, ctx)
     analysis = analyse_range(video, probed, 0, len(probed.pts), options, ctx)
     return plan_video(video, probed, analysis, options, ctx, chunk_s)
 
 
-def check_sources(probed: Probed, options: FusionOptions, ctx: PipelineContext) -> None:
+def check_sources(probed: Probed, options: FusionOptions, ctx: PipelineContext) -> list[Source]:
     """Fail early (before any frame is analysed) on a mapping that names what is not there
-    or a source photo without a face (``NoFaceFound``)."""
+    or a source photo without a face (``NoFaceFound``); the sources' faces."""
     check_entries(options.mapping, len(probed.images), len(probed.references))
-    sources_of(probed.images, options, ctx)
+    return sources_of(probed.images, options, ctx)
 
 
 def frame_ranges(probed: Probed, chunk_s: float) -> list[tuple[int, int]]:
@@ -457,7 +459,7 @@ def plan_video(
     cut nearby) and the face plan (a per-face mapping's: ``identities``, which reads a few
     frames of ``video``)."""
     check_entries(options.mapping, len(probed.images), len(probed.references))
-    found = sources_of(probed.images, options, ctx)
+    found = probed.found or sources_of(probed.images, options, ctx)
     references = sources_of(probed.references, options, ctx, role="reference")
     if len(analysis.faces) != len(probed.pts):
         raise ValueError(f"{len(analysis.faces)} frames analysed of {len(probed.pts)}")
