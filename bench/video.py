@@ -13,7 +13,8 @@ process (so peak RSS is its own):
 - ``records``: the analysis pass and the face plan alone, and the bytes per frame of what
   they keep for the whole video (the Python objects' sizes, arrays included).
 
-Prints frames per second, wall, peak RSS, the job's step timings and its time to first
+Prints frames per second, wall, CPU seconds of the process (``cpu_s``: on a shared machine
+the wall depends on the other load, the CPU time much less), peak RSS, the job's step timings and its time to first
 progress (``first_progress_s``: start → first frame rendered, the moment ``fuse-video``
 writes its first progress record with ``frames_done`` > 0; a real job adds its dispatch);
 then the job's fps as a share of the bare loop's. Run it for two lengths to see whether memory grows with the
@@ -83,7 +84,7 @@ def bare(clip: Path, out: Path) -> dict[str, float | None]:
     (source,) = sources_of([samples.grace_hopper_rgb()], options, ctx)
     info, pts = probe_video(clip), frame_timestamps(clip)
     runner = FrameRunner(ctx)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with SegmentWriter(out, info=info, end_pts=info.end_pts) as writer:
         for frame in read_frames(clip, 0, len(pts), timestamps=pts):
             image = frame.image
@@ -95,8 +96,8 @@ def bare(clip: Path, out: Path) -> dict[str, float | None]:
                 run_stages([work], ctx, runner, only=lambda stage: stage.frames)
                 image = work.image if work.image is not None else image
             writer.write(image, frame.pts)
-    wall = time.perf_counter() - start
-    return {"frames": len(pts), "wall_s": wall, "fps": len(pts) / wall}
+    wall, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    return {"frames": len(pts), "wall_s": wall, "fps": len(pts) / wall, "cpu_s": cpu_s}
 
 
 def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
@@ -114,7 +115,7 @@ def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
         if not first:
             first.append(time.perf_counter() - start)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = fuse_video(
         [samples.grace_hopper_jpeg_bytes()],
         clip,
@@ -123,12 +124,13 @@ def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
         chunk_s=chunk_s,
         rendered_frame=rendered_frame,
     )
-    wall = time.perf_counter() - start
+    wall, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     frames = result.info.frame_count
     return {
         "frames": frames,
         "wall_s": wall,
         "fps": frames / wall,
+        "cpu_s": cpu_s,
         "chunks": result.chunks,
         "first_progress_s": round(first[0], 2) if first else None,
         **{f"{k}_ms": round(v) for k, v in result.timings_ms.items()},
@@ -247,7 +249,8 @@ def main() -> None:
             print(f"{mode:>5}: {json.dumps(results[mode])}")
         if "bare" in results and "job" in results:
             share = results["job"]["fps"] / results["bare"]["fps"]
-            print(f"job fps / bare fps: {share:.2f}")
+            cpu = results["bare"]["cpu_s"] / results["job"]["cpu_s"]
+            print(f"job fps / bare fps: {share:.2f}; bare CPU s / job CPU s: {cpu:.2f}")
 
 
 if __name__ == "__main__":
