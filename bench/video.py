@@ -13,11 +13,13 @@ process (so peak RSS is its own):
 - ``records``: the analysis pass and the face plan alone, and the bytes per frame of what
   they keep for the whole video (the Python objects' sizes, arrays included).
 
-Prints frames per second, wall, peak RSS, the job's step timings and its times to first
-progress (``first_analysis_progress_s``: start → first frames analysed, the moment
-``fuse-video``'s progress record can first show ``frames_analysed`` > 0;
-``first_progress_s``: start → first frame rendered, its first record with ``frames_done``
-> 0; a real job adds its dispatch and up to a second of the records' write interval);
+Prints frames per second, wall, CPU seconds of the process (``cpu_s``: on a shared machine
+the wall depends on the other load, the CPU time much less), peak RSS, the job's step
+timings and its times to first progress (``first_analysis_progress_s``: start → first
+frames analysed, the moment ``fuse-video``'s progress record can first show
+``frames_analysed`` > 0; ``first_progress_s``: start → first frame rendered, its first
+record with ``frames_done`` > 0; a real job adds its dispatch and up to a second of the
+records' write interval);
 then the job's fps as a share of the bare loop's. Run it for two lengths to see whether memory grows with the
 video (it must not: it is bounded by a render group and a chunk). Asserts nothing.
 """
@@ -85,7 +87,7 @@ def bare(clip: Path, out: Path) -> dict[str, float | None]:
     (source,) = sources_of([samples.grace_hopper_rgb()], options, ctx)
     info, pts = probe_video(clip), frame_timestamps(clip)
     runner = FrameRunner(ctx)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with SegmentWriter(out, info=info, end_pts=info.end_pts) as writer:
         for frame in read_frames(clip, 0, len(pts), timestamps=pts):
             image = frame.image
@@ -97,8 +99,8 @@ def bare(clip: Path, out: Path) -> dict[str, float | None]:
                 run_stages([work], ctx, runner, only=lambda stage: stage.frames)
                 image = work.image if work.image is not None else image
             writer.write(image, frame.pts)
-    wall = time.perf_counter() - start
-    return {"frames": len(pts), "wall_s": wall, "fps": len(pts) / wall}
+    wall, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    return {"frames": len(pts), "wall_s": wall, "fps": len(pts) / wall, "cpu_s": cpu_s}
 
 
 def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
@@ -122,7 +124,7 @@ def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
         if not first_analysed:
             first_analysed.append(time.perf_counter() - start)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = fuse_video(
         [samples.grace_hopper_jpeg_bytes()],
         clip,
@@ -132,12 +134,13 @@ def job(clip: Path, out: Path, chunk_s: float) -> dict[str, float | None]:
         rendered_frame=rendered_frame,
         analysed_frames=analysed_frames,
     )
-    wall = time.perf_counter() - start
+    wall, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     frames = result.info.frame_count
     return {
         "frames": frames,
         "wall_s": wall,
         "fps": frames / wall,
+        "cpu_s": cpu_s,
         "chunks": result.chunks,
         "first_analysis_progress_s": round(first_analysed[0], 2) if first_analysed else None,
         "first_progress_s": round(first[0], 2) if first else None,
@@ -257,7 +260,8 @@ def main() -> None:
             print(f"{mode:>5}: {json.dumps(results[mode])}")
         if "bare" in results and "job" in results:
             share = results["job"]["fps"] / results["bare"]["fps"]
-            print(f"job fps / bare fps: {share:.2f}")
+            cpu = results["bare"]["cpu_s"] / results["job"]["cpu_s"]
+            print(f"job fps / bare fps: {share:.2f}; bare CPU s / job CPU s: {cpu:.2f}")
 
 
 if __name__ == "__main__":

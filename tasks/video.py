@@ -41,10 +41,10 @@ from tasks.video_io import (
     SegmentWriter,
     VideoInfo,
     VideoLimits,
-    frame_timestamps,
     join_segments,
-    probe_video,
+    probe_frames,
     read_frames,
+    read_frames_at,
 )
 from tasks.video_plan import (
     Chunk,
@@ -87,18 +87,22 @@ TRACK_SAMPLES = 4
 
 
 def identities(
-    video: Path, pts: list[int], references: Sequence[Source], ctx: PipelineContext
+    video: Path,
+    pts: list[int],
+    references: Sequence[Source],
+    ctx: PipelineContext,
+    keyframes: list[int] | None = None,
 ) -> Identities:
     """What a per-face mapping recognises people by: the references' embeddings, and each
     track's mean embedding over up to ``TRACK_SAMPLES`` of its detected frames (each
-    frame read once), by the mapping's embedder (``pipeline.embed_faces``)."""
+    frame read once, ``read_indices``), by the mapping's embedder (``pipeline.embed_faces``)."""
     from tasks.identity import similarity
 
     def embed(tracks: Sequence[Track]) -> list[FloatArray]:
         picks = {t.id: [sorted(t.detected)[i] for i in evenly(len(t.detected), TRACK_SAMPLES)]
                  for t in tracks}  # fmt: skip
         indices = sorted({i for frames in picks.values() for i in frames})
-        images = dict(zip(indices, read_indices(video, indices, pts), strict=True))
+        images = dict(zip(indices, read_indices(video, indices, pts, keyframes), strict=True))
         pairs = [(images[i], t.detected[i]) for t in tracks for i in picks[t.id]]
         vectors = iter(pipeline.embed_faces(pairs, ctx))
         return [np.mean([next(vectors) for _ in picks[t.id]], axis=0) for t in tracks]
@@ -271,9 +275,12 @@ def evenly(n: int, most: int) -> list[int]:
     return sorted({int(i) for i in np.linspace(0, n - 1, min(n, most)).round()})
 
 
-def read_indices(path: Path, indices: Sequence[int], pts: list[int]) -> list[RGBImage]:
-    """The frames at ``indices`` (each read by a seek)."""
-    return [f.image for i in indices for f in read_frames(path, i, i + 1, timestamps=pts)]
+def read_indices(
+    path: Path, indices: Sequence[int], pts: list[int], keyframes: list[int] | None = None
+) -> list[RGBImage]:
+    """The frames at ``indices`` (increasing), the file opened once: with the video's
+    ``keyframes`` a seek only where one lies between two of them (``read_frames_at``)."""
+    return [f.image for f in read_frames_at(path, indices, timestamps=pts, keyframes=keyframes)]
 
 
 def render_chunk(
@@ -317,14 +324,13 @@ def probe_and_moderate(
     """Probe ``video`` (typed errors for an unreadable or over-limit one), decode the
     sources and references and moderate them with ``MODERATION_SAMPLES`` frames, before
     any face model."""
-    info = probe_video(video, limits)
-    pts = frame_timestamps(video)
+    info, (pts, keyframes) = probe_frames(video, limits)
     images = [pipeline.decode_stage(data, ctx) for data in sources]
     refs = [pipeline.decode_stage(data, ctx) for data in references]
     samples = evenly(len(pts), MODERATION_SAMPLES)
     frames = {
         f"frame {i}": image
-        for i, image in zip(samples, read_indices(video, samples, pts), strict=True)
+        for i, image in zip(samples, read_indices(video, samples, pts, keyframes), strict=True)
     }
     photos = {
         "source": images[0],
@@ -332,7 +338,8 @@ def probe_and_moderate(
         **{f"reference {i}": image for i, image in enumerate(refs)},
     }
     verdicts = pipeline.moderate_inputs_stage({**photos, **frames}, ctx)
-    return Probed(info, pts, images, samples, pipeline.flagged_summaries(verdicts), refs)
+    flags = pipeline.flagged_summaries(verdicts)
+    return Probed(info, pts, images, samples, flags, refs, keyframes=keyframes)
 
 
 def analyse_and_plan(
@@ -402,7 +409,11 @@ def plan_video(
     info = probed.info
     seconds = [(p - info.first_pts) * float(info.time_base) for p in probed.pts]
     chunks = plan_chunks(seconds, cuts, target_s=chunk_s)
-    people = identities(video, probed.pts, references, ctx) if options.mapping else None
+    people = (
+        identities(video, probed.pts, references, ctx, probed.keyframes)
+        if options.mapping
+        else None
+    )
     plan = plan_faces(
         analysis.faces, cuts, options.face, mapping=options.mapping, identities=people
     )

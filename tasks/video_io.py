@@ -20,7 +20,9 @@ at most one pixel narrower and shorter than the source (no invented pixels).
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
@@ -56,6 +58,7 @@ __all__ = [
     "DEFAULT_ENCODING",
     "AudioInfo",
     "ContainerName",
+    "FrameScan",
     "SegmentEncoding",
     "SegmentWriter",
     "VideoCodec",
@@ -65,8 +68,10 @@ __all__ = [
     "X264Preset",
     "frame_timestamps",
     "join_segments",
+    "probe_frames",
     "probe_video",
     "read_frames",
+    "read_frames_at",
     "write_segment",
 ]
 
@@ -138,9 +143,18 @@ class VideoFrame:
     image: RGBImage
 
 
+class FrameScan(NamedTuple):
+    """Every video frame's pts in presentation order, and the pts of the keyframes (the
+    frames a decode can start at), in the video stream's time base."""
+
+    pts: list[int]
+    keyframes: list[int]
+
+
 @dataclass(slots=True)
 class _Scan:
     pts: list[int]  # sorted
+    keyframes: list[int]  # sorted
     end_pts: int
     audio_start: int | None
     audio_end: int | None
@@ -199,6 +213,7 @@ def _scan(container: InputContainer, path: Path, *, decode_first: bool) -> _Scan
     audio = container.streams.audio[0] if container.streams.audio else None
     streams = [video] if audio is None else [video, audio]
     pts: list[int] = []
+    keyframes: list[int] = []
     end = 0
     audio_start: int | None = None
     audio_end: int | None = None
@@ -220,6 +235,8 @@ def _scan(container: InputContainer, path: Path, *, decode_first: bool) -> _Scan
                     discarded += 1  # before the start an edit list sets: decoded, never shown
                     continue
                 pts.append(packet.pts)
+                if packet.is_keyframe:
+                    keyframes.append(packet.pts)
                 end = max(end, packet.pts + (packet.duration or 0))
             elif packet.pts is not None and not packet.is_discard:
                 start = packet.pts
@@ -239,7 +256,8 @@ def _scan(container: InputContainer, path: Path, *, decode_first: bool) -> _Scan
         raise InvalidVideo("Two video frames share a timestamp.", detail=path.name)
     if end <= pts[-1]:  # the last frame carries no duration: give it the one before
         end = pts[-1] + (pts[-1] - pts[-2] if len(pts) > 1 else 1)
-    return _Scan(pts, end, audio_start, audio_end, rotation, discarded)
+    keyframes.sort()
+    return _Scan(pts, keyframes, end, audio_start, audio_end, rotation, discarded)
 
 
 def _is_variable(pts: list[int], time_base: Fraction) -> bool:
@@ -257,6 +275,14 @@ def probe_video(path: str | Path, limits: VideoLimits | None = None) -> VideoInf
     demuxed, only the first frame decoded). Raises ``VideoTooLarge``, ``UnsupportedVideo``,
     ``InvalidVideo`` (unreadable, corrupt, truncated, undecodable),
     ``VideoResolutionTooHigh``, ``VideoTooLong`` or ``VideoFrameRateTooHigh``."""
+    return probe_frames(path, limits)[0]
+
+
+def probe_frames(
+    path: str | Path, limits: VideoLimits | None = None
+) -> tuple[VideoInfo, FrameScan]:
+    """``probe_video`` and, from the same demux pass, ``frame_timestamps`` and the
+    keyframes (``read_frames_at``)."""
     path = Path(path)
     limits = limits or VideoLimits()
     size = path.stat().st_size
@@ -303,7 +329,7 @@ def probe_video(path: str | Path, limits: VideoLimits | None = None) -> VideoInf
     rotation = (-scan.rotation_ccw) % 360
     rotation = 90 * round(rotation / 90) % 360
     width, height = (coded_h, coded_w) if rotation in (90, 270) else (coded_w, coded_h)
-    return VideoInfo(
+    info = VideoInfo(
         container=name,
         video_codec=codec,
         width=width,
@@ -319,6 +345,7 @@ def probe_video(path: str | Path, limits: VideoLimits | None = None) -> VideoInf
         audio=audio,
         size_bytes=size,
     )
+    return info, FrameScan(scan.pts, scan.keyframes)
 
 
 def _audio_info(stream: AudioStream | None, scan: _Scan) -> AudioInfo | None:
@@ -364,9 +391,54 @@ def read_frames(
         video = _video_stream(container, path)
         video.thread_type = "AUTO"
         try:
-            yield from _decode_range(container, video, pts, start, stop, path)
+            wanted = {p: start + i for i, p in enumerate(pts[start:stop])}
+            yield from _decode_range(container, video, pts[0], wanted, path)
         except av.error.FFmpegError as exc:
             raise _invalid(path, exc) from exc
+
+
+def read_frames_at(
+    path: str | Path,
+    indices: Iterable[int],
+    *,
+    timestamps: list[int],
+    keyframes: list[int] | None = None,
+) -> Iterator[VideoFrame]:
+    """Decode the frames at ``indices`` (presentation order; in increasing order, each
+    once) as upright RGB, the file opened once. With the video's ``keyframes``
+    (``probe_frames``) the decoder runs on from one wanted frame to the next when no
+    keyframe lies between them (a seek would start it at the same keyframe again) and
+    seeks otherwise; without them it seeks to each frame."""
+    path = Path(path)
+    runs = decode_runs(indices, timestamps, keyframes)
+    if not runs:
+        return
+    with _open(path) as container:
+        video = _video_stream(container, path)
+        video.thread_type = "AUTO"
+        try:
+            for run in runs:
+                wanted_pts = {timestamps[i]: i for i in run}
+                yield from _decode_range(container, video, timestamps[0], wanted_pts, path)
+        except av.error.FFmpegError as exc:
+            raise _invalid(path, exc) from exc
+
+
+def decode_runs(
+    indices: Iterable[int], timestamps: list[int], keyframes: list[int] | None
+) -> list[list[int]]:
+    """``indices`` (sorted, each once, those of a frame) in runs that one seek each
+    decodes: the next wanted frame joins the run when no keyframe lies after the last one
+    up to it, so seeking there would restart the decoder at the keyframe it came from."""
+    wanted = sorted({i for i in indices if 0 <= i < len(timestamps)})
+    runs: list[list[int]] = [[i] for i in wanted[:1]]
+    for before, index in itertools.pairwise(wanted):
+        at = bisect.bisect_right(keyframes, timestamps[before]) if keyframes else 0
+        if keyframes and (at == len(keyframes) or keyframes[at] > timestamps[index]):
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
 
 
 def _seek_targets(first: int, origin: int, time_base: Fraction) -> Iterator[int]:
@@ -384,15 +456,16 @@ def _seek_targets(first: int, origin: int, time_base: Fraction) -> Iterator[int]
 def _decode_range(
     container: InputContainer,
     video: VideoStream,
-    pts: list[int],
-    start: int,
-    stop: int,
+    origin: int,
+    wanted: dict[int, int],
     path: Path,
 ) -> Iterator[VideoFrame]:
-    first, last = pts[start], pts[stop - 1]
-    wanted = {p: start + i for i, p in enumerate(pts[start:stop])}
+    """The frames whose pts ``wanted`` maps to their index, in order, decoded from the
+    keyframe before the first (``origin``: the video's first pts); the frames between
+    them are decoded but not converted."""
+    first, last = min(wanted), max(wanted)
     assert video.time_base is not None
-    for target in _seek_targets(first, pts[0], video.time_base):
+    for target in _seek_targets(first, origin, video.time_base):
         container.seek(target, stream=video, backward=True)
         emitted = 0
         for frame in container.decode(video):

@@ -27,7 +27,7 @@ class Source:
 class Probed:
     """A video after probe and input moderation: its info, every frame's pts, the decoded
     source photos (and a mapping's reference photos), the frames moderation saw and what
-    it flagged."""
+    it flagged, the keyframes' pts and the sources' faces."""
 
     info: VideoInfo
     pts: list[int]
@@ -35,6 +35,8 @@ class Probed:
     samples: list[int]
     flags: list[str]
     references: list[RGBImage] = field(default_factory=list)
+    keyframes: list[int] = field(default_factory=list)
+    """The keyframes' pts (sampled frames are read with a seek only past one)."""
     source_faces: list[Source] = field(default_factory=list)
     """The sources' largest faces, once ``tasks.video.check_sources`` found them (the plan
     takes them from here rather than detecting them again)."""

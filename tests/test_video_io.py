@@ -19,10 +19,13 @@ from tasks.video_io import (
     SegmentWriter,
     VideoInfo,
     VideoLimits,
+    decode_runs,
     frame_timestamps,
     join_segments,
+    probe_frames,
     probe_video,
     read_frames,
+    read_frames_at,
     write_segment,
 )
 from tests.videos import FPS, Videos, scenes
@@ -146,6 +149,32 @@ def test_read_frames_finds_every_start(videos: Videos, variant: str) -> None:
     for start in range(0, len(timestamps) - 2, 2):
         frames = read_frames(path, start, start + 2, timestamps=timestamps)
         assert [f.pts for f in frames] == timestamps[start : start + 2], start
+
+
+@pytest.mark.parametrize("variant", ["story", "rotated", "vfr", "webm"])
+def test_read_frames_at_gives_what_a_seek_per_frame_gives(videos: Videos, variant: str) -> None:
+    """Scattered frames, read with the file opened once and the decoder run on inside a
+    GOP (open GOPs and B-frames in the rotated HEVC), are those of one seek each."""
+    path = getattr(videos, variant)
+    info, (pts, keyframes) = probe_frames(path)
+    assert info == probe_video(path) and pts == frame_timestamps(path)
+    assert keyframes[0] == pts[0] and set(keyframes) <= set(pts)
+    assert len(keyframes) > 1 or variant == "webm"  # the webm clip is one GOP
+    indices = sorted({i for i in (0, 1, 5, 11, 12, 13, 25, 30, 44, len(pts) - 1) if i < len(pts)})
+    one_by_one = [next(read_frames(path, i, i + 1, timestamps=pts)) for i in indices]
+    for known in (keyframes, None):
+        frames = list(read_frames_at(path, indices, timestamps=pts, keyframes=known))
+        assert [f.index for f in frames] == indices
+        for frame, alone in zip(frames, one_by_one, strict=True):
+            assert frame.pts == alone.pts and np.array_equal(frame.image, alone.image)
+
+
+def test_decode_runs_seek_only_past_a_keyframe() -> None:
+    pts, keyframes = list(range(0, 100, 10)), [0, 50]
+    assert decode_runs([9, 1, 3, 6, 4, 4], pts, keyframes) == [[1, 3, 4], [6, 9]]
+    assert decode_runs([4, 5], pts, keyframes) == [[4], [5]]  # 5 is a keyframe: seek there
+    assert decode_runs([1, 3], pts, None) == [[1], [3]]  # keyframes unknown: seek each
+    assert decode_runs([10, -1], pts, keyframes) == []
 
 
 def _boxes(path: Path) -> list[str]:
