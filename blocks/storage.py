@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -101,15 +102,25 @@ def write_to(store: ByteStore, key: str, data: bytes) -> None:
     temporary name and renamed; an S3 object appears only when its upload completes)."""
     try:
         if isinstance(store, LocalFileSystem):
-            target = store._resolve_path(key)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.partial")
-            partial.write_bytes(data)
-            partial.replace(target)
-            return
-        store.write_path(key, data)
+            _replace_local(store, key, lambda partial: partial.write_bytes(data))
+        else:
+            store.write_path(key, data)
     except Exception as exc:
         raise TransientError("Storage could not be written.", detail=type(exc).__name__) from exc
+
+
+def _replace_local(store: LocalFileSystem, key: str, write: Callable[[Path], object]) -> None:
+    """Store under ``key`` what ``write`` puts in a temporary file beside it, renamed when
+    whole: a reader sees the old object or the new one, never part of one (a failed write
+    leaves no temporary file)."""
+    target = store._resolve_path(key)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.partial")
+    try:
+        write(partial)
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def exists(store: ByteStore, key: str) -> bool:
@@ -170,11 +181,7 @@ def put_from(store: ByteStore, key: str, path: Path) -> None:
     upload (``S3Bucket``: an object appears only when its upload completes)."""
     try:
         if isinstance(store, LocalFileSystem):
-            target = store._resolve_path(key)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.partial")
-            shutil.copyfile(path, partial)
-            partial.replace(target)
+            _replace_local(store, key, lambda partial: shutil.copyfile(path, partial))
         elif hasattr(store, "upload_from_path"):
             store.upload_from_path(path, key)
         else:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from blocks.storage import (
     ByteStore,
@@ -32,7 +31,7 @@ from blocks.storage import (
     write_to,
 )
 from flows.params import video_analysis_key, video_chunk_key
-from flows.video_store import ReportRecord
+from flows.video_store import TASK_OPTIONS, ReportRecord
 from tasks import video_analysis
 from tasks.errors import TransientError
 from tasks.options import FusionOptions
@@ -53,8 +52,6 @@ from tasks.video import (
 )
 from tasks.video_plan import Chunk
 from tasks.watermark import Payload
-
-_TASK = {"persist_result": False, "cache_policy": NO_CACHE}
 
 
 class FrameCounter(Protocol):
@@ -116,7 +113,7 @@ class VideoJob:
             self.progress.add(frames)
 
 
-@task(name="probe", task_run_name="probe", **_TASK)  # type: ignore[call-overload]
+@task(name="probe", task_run_name="probe", **TASK_OPTIONS)  # type: ignore[call-overload]
 def probe_task(job: VideoJob, target_key: str) -> Probed:
     """Copy the video from storage, probe it, moderate sampled frames, then check the
     sources (``check_sources``: the first face model runs after moderation)."""
@@ -127,7 +124,7 @@ def probe_task(job: VideoJob, target_key: str) -> Probed:
     return probed
 
 
-@task(name="analyse", task_run_name="analyse", **_TASK)  # type: ignore[call-overload]
+@task(name="analyse", task_run_name="analyse", **TASK_OPTIONS)  # type: ignore[call-overload]
 def analyse_task(job: VideoJob, start: int, stop: int) -> bool:
     """Analyse frames ``[start, stop)`` and store the result under its content key, unless
     an earlier run stored it; whether it analysed."""
@@ -142,7 +139,7 @@ def analyse_task(job: VideoJob, start: int, stop: int) -> bool:
     return True
 
 
-@task(name="plan", task_run_name="plan", **_TASK)  # type: ignore[call-overload]
+@task(name="plan", task_run_name="plan", **TASK_OPTIONS)  # type: ignore[call-overload]
 def plan_task(job: VideoJob) -> Planned:
     """The chunks and face plan from every range's stored analysis."""
     assert job.probed is not None
@@ -156,7 +153,7 @@ def plan_task(job: VideoJob) -> Planned:
     return plan_video(job.video, job.probed, analysis, job.options, job.ctx, job.chunk_s)
 
 
-@task(name="render_chunk", task_run_name="render_chunk", **_TASK)  # type: ignore[call-overload]
+@task(name="render_chunk", task_run_name="render_chunk", **TASK_OPTIONS)  # type: ignore[call-overload]
 def render_chunk_task(job: VideoJob, chunk: Chunk, runner: FrameRunner) -> bool:
     """Render the chunk's segment and store it, unless an earlier run stored it; whether
     it was rendered. A killed render leaves nothing stored (the partial file is local)."""
@@ -178,7 +175,7 @@ def render_chunk_task(job: VideoJob, chunk: Chunk, runner: FrameRunner) -> bool:
     return True
 
 
-@task(name="report", task_run_name="report", **_TASK)  # type: ignore[call-overload]
+@task(name="report", task_run_name="report", **TASK_OPTIONS)  # type: ignore[call-overload]
 def report_task(job: VideoJob, keys: list[str]) -> ReportRecord:
     """Moderation of the sampled result frames and each track's identity similarities
     (``Samples.moderate_and_check``, as the in-process ``fuse_video``): the samples are

@@ -66,7 +66,9 @@ RENDERED, STORED = "rendered", "stored"
 """How a completed part's state message starts: it did its work, or found its chunk
 stored (then ``by pid <process>``: where it ran)."""
 
-_TASK = {"persist_result": False, "cache_policy": NO_CACHE}
+TASK_OPTIONS = {"persist_result": False, "cache_policy": NO_CACHE}
+"""What every video step's ``@task`` takes: no result persisted (frames stay in-process),
+no cache."""
 
 
 class ReportRecord(BaseModel):
@@ -79,7 +81,7 @@ class ReportRecord(BaseModel):
     device: str
 
 
-@task(name="collect", task_run_name="collect", **_TASK)  # type: ignore[call-overload]
+@task(name="collect", task_run_name="collect", **TASK_OPTIONS)  # type: ignore[call-overload]
 def collect_task(store: ByteStore, keys: list[str], workdir: Path) -> list[Path]:
     """Every chunk's stored segment (``keys``, in order), readable in ``workdir``
     (``read_locally``; the coordinator renders nothing: its parts stored them)."""
@@ -94,7 +96,7 @@ def collect_task(store: ByteStore, keys: list[str], workdir: Path) -> list[Path]
     return segments
 
 
-@task(name="join", task_run_name="join", **_TASK)  # type: ignore[call-overload]
+@task(name="join", task_run_name="join", **TASK_OPTIONS)  # type: ignore[call-overload]
 def join_task(segments: list[Path], video: Path, out: Path, info: VideoInfo) -> VideoInfo:
     """Concatenate the segments and mux the input ``video``'s audio into ``out``."""
     return join_segments(segments, video, out, source_info=info)
@@ -111,7 +113,7 @@ class Signer:
     digest: str = ""  # the target video's SHA-256
 
 
-@task(name="store", task_run_name="store", **_TASK)  # type: ignore[call-overload]
+@task(name="store", task_run_name="store", **TASK_OPTIONS)  # type: ignore[call-overload]
 def store_task(
     store: ByteStore, result: Path, signer: Signer, ref: VideoResultRef, meta_key: str
 ) -> None:

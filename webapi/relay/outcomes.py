@@ -277,9 +277,9 @@ def retry_or_fail(
             session.add(_outbox("dispatch", job.job_id, {"attempt": job.attempts + 1}, now))
         # A video attempt's parts outlive its coordinator: they are cancelled even when the
         # coordinator's run is over (crashed, lost), so no GPU renders for a fenced attempt.
-        live = run is not None and not run.state_type.is_final
-        if changed and (live or job.media == "video"):
-            payload = {"flow_run_id": run.id if live and run else None, "attempt": job.attempts}
+        live_id = run.id if run is not None and not run.state_type.is_final else None
+        if changed and (live_id is not None or job.media == "video"):
+            payload = {"flow_run_id": live_id, "attempt": job.attempts}
             session.add(_outbox("cancel_run", job.job_id, payload, now))
         session.commit()
     if changed:
