@@ -180,9 +180,12 @@ class Parts:
             if run is None or run.state_type in FINAL or run.state_type is StateType.CANCELLING:
                 continue
             message = "The video job attempt ended"
-            running = run.state_type is StateType.RUNNING  # else no process holds it yet
+            # claimed (Pending) or running: Cancelling, which Prefect lets end only as
+            # Cancelled, so the worker holding it cannot start it any more (a Cancelled
+            # run may go back to Running); else no worker holds it: Cancelled at once
+            claimed = run.state_type in (StateType.PENDING, StateType.RUNNING)
             state: State[Any] = (
-                Cancelling(message=message) if running else Cancelled(message=message)
+                Cancelling(message=message) if claimed else Cancelled(message=message)
             )
             client.set_flow_run_state(run.id, state, force=True)
 

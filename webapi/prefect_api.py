@@ -122,6 +122,8 @@ class StateType(StrEnum):
 FINAL_STATES = frozenset(
     {StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED, StateType.CRASHED}
 )
+# a worker holds the run: cancelling it is the worker's to finish (``cancel_flow_run``)
+CLAIMED = frozenset({StateType.PENDING, StateType.RUNNING})
 
 
 @dataclass(frozen=True)
@@ -432,15 +434,16 @@ class PrefectAPI(Closing):
     def cancel_flow_run(self, run: FlowRun, *, message: str) -> StateType:
         """Cancel a run by its current state; returns the state it is in afterwards.
 
-        Not started yet (Scheduled, Pending, Paused) → CANCELLED at once (no worker holds
-        it, no GPU spent); Running → CANCELLING (the worker stops the process and the run
-        becomes CANCELLED); already final or cancelling → unchanged.
+        Not claimed (Scheduled, Paused) → CANCELLED at once (no worker holds it, no GPU
+        spent); claimed or running (Pending, Running) → CANCELLING: Prefect refuses a
+        Cancelling run any state but Cancelled, so a claimed run cannot start any more, and
+        the worker that holds it stops its process and makes it CANCELLED. (A Pending run
+        set CANCELLED instead would start anyway: Prefect lets a Cancelled run go back to
+        Running.) Already final or cancelling → unchanged.
         """
         if run.state_type.is_final or run.state_type is StateType.CANCELLING:
             return run.state_type
-        target = (
-            StateType.CANCELLING if run.state_type is StateType.RUNNING else StateType.CANCELLED
-        )
+        target = StateType.CANCELLING if run.state_type in CLAIMED else StateType.CANCELLED
         result = self.set_state(run.id, target, message=message, force=True)
         return result.state_type or target
 

@@ -602,12 +602,20 @@ class FaceFlowGpuWorker(
                     return "cancelled"
 
     async def _finished(self, slot: Slot, flow_run: FlowRun, message: RunFinished) -> None:
+        """The child ended the run. A run cancelled just as it finished (or before it could
+        start) is left ``Cancelling``: Prefect refuses a Cancelling run any state but
+        Cancelled, so the engine's own end was refused and only the worker can end it."""
         if message.error is not None:
             self.get_flow_run_logger(flow_run).error(
                 "faceflow-gpu child could not run the flow: %s", message.error
             )
             await self._finalize(
                 flow_run, Crashed(message=f"The faceflow-gpu child failed: {message.error}")
+            )
+        elif message.state_type == StateType.CANCELLING.value:
+            await self._finalize(
+                flow_run,
+                Cancelled(message="Cancelled as the faceflow-gpu child ended the run."),
             )
         await self.pool.release(slot)
 

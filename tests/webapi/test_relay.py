@@ -596,13 +596,21 @@ def test_a_crashed_video_coordinators_parts_are_cancelled_and_the_job_runs_again
         prefect_server.rest.set_state(created, state)
         return created
 
-    busy, waiting = part("RUNNING"), part("PENDING")
+    busy, claimed, waiting = part("RUNNING"), part("PENDING"), part("SCHEDULED")
     prefect_server.rest.set_state(run_id, "CRASHED")
     assert reap.run_once(relay) >= 1
     assert job(relay.engine, job_id).status is JobStatus.queued
     reap.run_once(relay)  # the cancel_run row
-    states = {r: prefect_server.rest.run(r)["state_type"] for r in (busy, waiting, run_id)}
-    assert states == {busy: "CANCELLING", waiting: "CANCELLED", run_id: "CRASHED"}
+    runs = (busy, claimed, waiting, run_id)
+    states = {r: prefect_server.rest.run(r)["state_type"] for r in runs}
+    # a claimed part is left to its worker (a Cancelled one could still start); no worker
+    # holds a scheduled one
+    assert states == {
+        busy: "CANCELLING",
+        claimed: "CANCELLING",
+        waiting: "CANCELLED",
+        run_id: "CRASHED",
+    }
 
 
 def test_cancel_that_never_stops_is_forced_after_grace(

@@ -42,10 +42,13 @@ def warm_probe(
     block_sigterm: bool = False,
     fuse: bool = True,
     heap_mb: int = 0,
+    cancel_at_end: bool = False,
 ) -> str:
     """Fuse the sample photos (unless ``fuse`` is false), optionally blocking in C first
     (with SIGTERM blocked when ``block_sigterm``, so only SIGKILL can stop it); with
-    ``heap_mb``, hold that much heap and free it (``_hold_heap``) before returning."""
+    ``heap_mb``, hold that much heap and free it (``_hold_heap``) before returning; with
+    ``cancel_at_end``, the run is set ``Cancelling`` just before it returns (a cancel that
+    arrives as the run ends: Prefect then refuses the engine's ``Completed``)."""
     first_line = time.time()
     run_id = str(flow_run.id)
     out = Path(out_dir)
@@ -74,4 +77,10 @@ def warm_probe(
         report["heap_peak_rss_mb"] = _hold_heap(heap_mb)
     report["last_line"] = time.time()
     (out / f"{run_id}.json").write_text(json.dumps(report))
+    if cancel_at_end:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
     return run_id

@@ -204,9 +204,9 @@ def test_a_prefetched_run_waits_for_the_child_or_goes_back_to_the_queue(
 def test_a_run_cancelled_while_it_waits_for_a_child_never_starts(
     warm_worker: WarmWorker, busy_s: int
 ) -> None:
-    """Prefect lets a Cancelled run go back to Running, so a claimed run cancelled before a
-    child was free (the relay cancels a Pending run straight to Cancelled) must not reach
-    the child; nor may the acquire timeout's reschedule revive it (acquire timeout 8 s)."""
+    """A claimed run cancelled before a child was free (the relay's cancel makes a Pending
+    run Cancelling) must not reach the child; nor may the acquire timeout's reschedule
+    revive it (acquire timeout 8 s). It ends Cancelled and never Running."""
     warm_worker.wait_idle()
     busy = warm_worker.submit(c_sleep_s=busy_s, fuse=False)
     warm_worker.wait_started(busy)
@@ -217,13 +217,62 @@ def test_a_run_cancelled_while_it_waits_for_a_child_never_starts(
         time.sleep(0.05)
     with PrefectAPI(warm_worker.api.url) as api:  # what the relay's cancel path does
         run = api.read_flow_runs([waiting])[waiting]
-        assert api.cancel_flow_run(run, message="Cancelled by FaceFlow") is StateType.CANCELLED
+        assert api.cancel_flow_run(run, message="Cancelled by FaceFlow") is StateType.CANCELLING
     assert warm_worker.api.wait_final(busy, timeout=60)["state_type"] == "COMPLETED"
-    time.sleep(1.0)  # the waiting claim has had the free child (or its timeout) by now
-    states = warm_worker.api.call("GET", f"/flow_run_states/?flow_run_id={waiting}")
-    after = [s["type"] for s in states][[s["type"] for s in states].index("CANCELLED") :]
-    assert after == ["CANCELLED"], [s["type"] for s in states]
+    assert warm_worker.api.wait_final(waiting, timeout=20)["state_type"] == "CANCELLED"
+    time.sleep(1.0)  # nothing revives it afterwards
+    types = [
+        s["type"] for s in warm_worker.api.call("GET", f"/flow_run_states/?flow_run_id={waiting}")
+    ]
+    assert types[types.index("CANCELLING") :] == ["CANCELLING", "CANCELLED"], types
     assert not (warm_worker.out_dir / f"{waiting}.started.json").exists()
+
+
+def test_a_run_cancelled_as_it_ends_is_cancelled_not_left_cancelling(
+    prefect_api: Api, tmp_path: Path
+) -> None:
+    """A cancel that lands as the run finishes, before the worker has seen it (no events,
+    state poll 30 s apart): Prefect refuses the engine's Completed for a Cancelling run, so
+    the child's report is what tells the worker to end it Cancelled (it stayed Cancelling
+    before, and a video job's cancelled parts never became final)."""
+    worker = start_warm_worker(
+        prefect_api,
+        tmp_path,
+        f"ends-{uuid.uuid4().hex[:6]}",
+        extra_env={"FACEFLOW_WORKER_WATCH_INTERVAL_S": "30", "FACEFLOW_WORKER_EVENT_PICKUP": "0"},
+    )
+    try:
+        worker.wait_idle()
+        run_id = worker.submit(fuse=False, cancel_at_end=True)
+        run = worker.api.wait_final(run_id, timeout=20)
+        assert run["state_type"] == "CANCELLED", run["state"]
+        assert "as the faceflow-gpu child ended the run" in run["state"]["message"]
+        assert worker.report(run_id)["last_line"]  # the flow did run to its end
+    finally:
+        worker.service.stop(grace=15)
+
+
+def test_prefect_refuses_to_start_a_claimed_run_that_is_cancelling(prefect_api: Api) -> None:
+    """What ``cancel_flow_run`` relies on for a Pending run: the engine's Running is
+    refused, the flow's code never runs, and the engine returns the Cancelling state
+    (which the worker then makes Cancelled). A Cancelled run would have started."""
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling, Pending
+
+    from tests.worker.probe_flow import warm_probe
+
+    calls: list[str] = []
+    probe = warm_probe.with_options(on_running=[lambda *_: calls.append("running")])
+    settings = temporary_settings({PREFECT_API_URL: prefect_api.url})
+    with settings, get_client(sync_client=True) as client:
+        run = client.create_flow_run(probe, parameters={"out_dir": "/nonexistent"})
+        client.set_flow_run_state(run.id, Pending(), force=True)
+        client.set_flow_run_state(run.id, Cancelling(), force=True)
+        state = run_flow(probe, flow_run=client.read_flow_run(run.id), return_type="state")
+    assert state.type.value == "CANCELLING" and calls == []  # type: ignore[union-attr]
+    assert prefect_api.state(str(run.id)) == "CANCELLING"
 
 
 def test_faceflow_worker_status_command(warm_worker: WarmWorker) -> None:
