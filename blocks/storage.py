@@ -21,6 +21,7 @@ from prefect.filesystems import LocalFileSystem
 from pydantic import SecretStr
 
 from blocks.cache import load_block
+from flows.params import partial_name
 from tasks.errors import InvalidInput, TransientError
 
 HOME_ENV = "FACEFLOW_HOME"
@@ -115,7 +116,7 @@ def _replace_local(store: LocalFileSystem, key: str, write: Callable[[Path], obj
     leaves no temporary file)."""
     target = store._resolve_path(key)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.partial")
+    partial = target.with_name(partial_name(target.name, uuid.uuid4().hex[:12]))
     try:
         write(partial)
         partial.replace(target)

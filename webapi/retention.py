@@ -20,6 +20,8 @@ nothing of it is deleted. One pass (``run_pass``), in batches of ``retention_bat
    gets ``result_expired_at`` and ``GET /v1/jobs/{id}/result`` answers 410.
 3. **Rows** of jobs that ended more than ``job_retention_seconds`` ago and have nothing left
    to purge: the job, its outbox rows and its webhook attempts (kept until then for audit).
+4. **Leftovers** of killed writers (local storage): temporary files of writes that never
+   reached their rename (``flows.params.partial_name``), older than an hour.
 
 The ``retention`` deployment (prefect.yaml, ``flows/retention.py``) runs a pass every five
 minutes on the control pool; ``faceflow retention run`` runs one by hand.
@@ -60,7 +62,7 @@ from webapi import crud
 from webapi.config import Settings
 from webapi.db import session_scope
 from webapi.models import TERMINAL_STATUSES, Job, Outbox, WebhookDelivery, utcnow
-from webapi.storage import ObjectNotFound, ObjectStore, StorageError
+from webapi.storage import LocalObjectStore, ObjectNotFound, ObjectStore, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ CHUNKS = video_chunk_key("")
 ANALYSES = video_analysis_key("")
 """The prefix of every analysed video frame range's key."""
 RESULT_FORMATS: tuple[str, ...] = (*get_args(OutputFormat), "mp4")
+PARTIAL_MAX_AGE_S = 3600.0
+"""A temporary file of a write older than this (s) is a killed writer's: no write of the
+largest object (a 500 MB video) takes that long."""
 
 
 @dataclass
@@ -87,6 +92,8 @@ class RetentionReport:
     """Of those, jobs that had a result: now ``result_expired``."""
     rows_deleted: int = 0
     """Job rows deleted (with their outbox rows and webhook attempts)."""
+    partials_deleted: int = 0
+    """Temporary files of writes killed before their rename (local storage only)."""
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -109,6 +116,8 @@ def run_pass(
     cutoff = now - timedelta(seconds=settings.job_retention_seconds)
     while _delete_rows(engine, cutoff, batch, report) == batch:
         pass
+    if isinstance(store, LocalObjectStore):
+        report.partials_deleted = store.sweep_partials(PARTIAL_MAX_AGE_S, now=now.timestamp())
     report.seconds = time.perf_counter() - started
     log.info("retention pass", extra=report.as_dict())
     return report

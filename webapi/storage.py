@@ -9,14 +9,18 @@ same bucket and ``bucket_folder``. ``open_store(storage_url)`` picks one from
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol, cast, runtime_checkable
 from urllib.parse import unquote, urlsplit
+
+from flows.params import PARTIAL_SUFFIX, is_partial_name
 
 
 class StorageError(Exception):
@@ -91,7 +95,7 @@ class LocalObjectStore:
         if the block raises)."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX)
         os.close(fd)
         try:
             yield Path(tmp)
@@ -145,6 +149,24 @@ class LocalObjectStore:
                 except OSError:
                     pass
         return count
+
+    def sweep_partials(self, older_than: float, *, now: float | None = None) -> int:
+        """Delete the temporary files of writes that never finished (a writer killed
+        between its write and its rename: ``.<name>.<random>.partial``, by this store and
+        by the flows' storage block alike) last modified more than ``older_than`` seconds
+        ago; how many were deleted."""
+        cutoff = (time.time() if now is None else now) - older_than
+        removed = 0
+        for root, _dirs, files in os.walk(self.basepath):
+            for name in files:
+                if not is_partial_name(name):
+                    continue
+                path = Path(root, name)
+                with contextlib.suppress(FileNotFoundError):  # renamed or swept meanwhile
+                    if path.stat().st_mtime < cutoff:
+                        path.unlink()
+                        removed += 1
+        return removed
 
     def __repr__(self) -> str:
         return f"LocalObjectStore({str(self.basepath)!r})"

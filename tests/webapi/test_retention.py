@@ -5,6 +5,9 @@ theirs; shared inputs and jobs that have not ended are never touched."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +33,7 @@ from flows.params import (
     analysis_part,
     chunk_part,
     chunks_manifest_key,
+    is_partial_name,
     part_progress_key,
     progress_key,
     result_error_key,
@@ -45,8 +49,10 @@ from webapi.errors import InputsPurged
 from webapi.inputs import InputRef, store_image
 from webapi.main import create_app
 from webapi.models import Job, JobCreate, JobStatus, utcnow
-from webapi.retention import result_keys, run_pass
-from webapi.storage import ObjectStore, open_store
+from webapi.retention import PARTIAL_MAX_AGE_S, result_keys, run_pass
+from webapi.storage import LocalObjectStore, ObjectStore, open_store
+
+REPO = Path(__file__).resolve().parents[2]
 
 HOUR = 3600
 
@@ -328,3 +334,49 @@ def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
     assert not store.exists(chunks_manifest_key(str(job.id), 1))
     assert not store.exists(analysis_manifest_key(str(job.id), 2))
     assert store.exists(other)
+
+
+KILLED_WRITERS = {
+    "webapi": """
+import os, signal, sys
+from pathlib import Path
+from webapi.storage import LocalObjectStore
+with LocalObjectStore(sys.argv[1])._replacing(sys.argv[2]) as tmp:
+    tmp.write_bytes(b"half an upload")
+    os.kill(os.getpid(), signal.SIGKILL)
+""",
+    "flows": """
+import os, signal, sys
+from pathlib import Path
+from prefect.filesystems import LocalFileSystem
+from blocks.storage import _replace_local
+def write(partial: Path) -> None:
+    partial.write_bytes(b"half a chunk")
+    os.kill(os.getpid(), signal.SIGKILL)
+_replace_local(LocalFileSystem(basepath=sys.argv[1]), sys.argv[2], write)
+""",
+}
+
+
+def test_a_killed_writers_temporary_files_go_after_an_hour(
+    engine: Engine, database_url: str, tmp_path: Path
+) -> None:
+    """A writer killed between its write and its rename (the webapi storing an upload, a
+    flow storing a chunk) leaves a temporary file in local storage: a pass deletes those
+    older than an hour, and nothing else."""
+    settings = make_settings(database_url, tmp_path, storage_url=(tmp_path / "s").as_uri())
+    store = open_store(settings.storage_url)
+    assert isinstance(store, LocalObjectStore)
+    store.put("results/kept.png", b"result")
+    for writer, script in KILLED_WRITERS.items():
+        key = f"video-chunks/{writer}.mp4"
+        done = subprocess.run([sys.executable, "-c", script, str(store.basepath), key], cwd=REPO)
+        assert done.returncode == -signal.SIGKILL
+        assert not store.exists(key)
+    left = sorted(p for p in store.basepath.rglob("*") if p.is_file() and p.name != "kept.png")
+    assert len(left) == 2 and all(is_partial_name(p.name) for p in left), left
+    assert run_pass(engine, store, settings).partials_deleted == 0  # may still be writing
+    later = utcnow() + timedelta(seconds=PARTIAL_MAX_AGE_S + 60)
+    assert run_pass(engine, store, settings, now=later).partials_deleted == 2
+    assert not any(p.exists() for p in left)
+    assert store.get("results/kept.png") == b"result"
