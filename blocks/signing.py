@@ -85,13 +85,9 @@ def make_chain(organisation: str, *, days: int = 365) -> tuple[Credentials, str]
     root_key = ec.generate_private_key(ec.SECP256R1())
     root_name = _name(f"{organisation} root CA", organisation)
     root = (
-        x509.CertificateBuilder()
-        .subject_name(root_name)
-        .issuer_name(root_name)
-        .public_key(root_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(now + datetime.timedelta(days=3650))
+        certificate_builder(
+            root_name, root_name, root_key.public_key(), start, now + datetime.timedelta(days=3650)
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(_key_usage(cert_sign=True), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(root_key.public_key()), False)
@@ -99,13 +95,13 @@ def make_chain(organisation: str, *, days: int = 365) -> tuple[Credentials, str]
     )
     key = ec.generate_private_key(ec.SECP256R1())
     leaf = (
-        x509.CertificateBuilder()
-        .subject_name(_name(f"{organisation} signer", organisation))
-        .issuer_name(root_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(now + datetime.timedelta(days=days))
+        certificate_builder(
+            _name(f"{organisation} signer", organisation),
+            root_name,
+            key.public_key(),
+            start,
+            now + datetime.timedelta(days=days),
+        )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(cert_sign=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.EMAIL_PROTECTION]), False)
@@ -121,6 +117,26 @@ def make_chain(organisation: str, *, days: int = 365) -> tuple[Credentials, str]
     ).decode()
     root_pem = root.public_bytes(pem).decode()
     return Credentials(leaf.public_bytes(pem).decode() + root_pem, key_pem), root_pem
+
+
+def certificate_builder(
+    subject: x509.Name,
+    issuer: x509.Name,
+    public_key: ec.EllipticCurvePublicKey,
+    start: datetime.datetime,
+    end: datetime.datetime,
+) -> x509.CertificateBuilder:
+    """A certificate of ``public_key`` for ``subject``, issued by ``issuer``, valid from
+    ``start`` to ``end``, with a random serial number: add its extensions, then sign it."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+    )
 
 
 def save_credentials(credentials: Credentials, name: str = SIGNING_SECRET_NAME) -> str:

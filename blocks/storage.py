@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -89,25 +90,19 @@ def load_storage(block_name: str) -> ByteStore:
 
 def read_from(store: ByteStore, key: str) -> bytes:
     """The bytes stored under ``key``; ``InvalidInput`` when absent."""
-    try:
+    with _reading(key, missing="An input image was not found in storage."):
         return store.read_path(key)
-    except Exception as exc:
-        if _is_missing(exc):
-            raise InvalidInput("An input image was not found in storage.", detail=key) from exc
-        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
 
 
 def write_to(store: ByteStore, key: str, data: bytes) -> None:
     """Store ``data`` under ``key`` (overwrites) as one whole: a reader sees the old
     object or the new one, never part of it (``LocalFileSystem``: written under a
     temporary name and renamed; an S3 object appears only when its upload completes)."""
-    try:
+    with _writing():
         if isinstance(store, LocalFileSystem):
             _replace_local(store, key, lambda partial: partial.write_bytes(data))
         else:
             store.write_path(key, data)
-    except Exception as exc:
-        raise TransientError("Storage could not be written.", detail=type(exc).__name__) from exc
 
 
 def _replace_local(store: LocalFileSystem, key: str, write: Callable[[Path], object]) -> None:
@@ -132,7 +127,7 @@ def exists(store: ByteStore, key: str) -> bool:
     except Exception as exc:
         if _is_missing(exc):
             return False
-        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
+        raise _unreadable(exc) from exc
     return True
 
 
@@ -141,17 +136,13 @@ def fetch_to(store: ByteStore, key: str, path: Path) -> Path:
     (``LocalFileSystem``: a file copy under its basepath; ``S3Bucket``: a streamed
     download); ``InvalidInput`` when absent, ``TransientError`` for other failures."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with _reading(key):
         if isinstance(store, LocalFileSystem):
             shutil.copyfile(store._resolve_path(key), path)
         elif hasattr(store, "download_object_to_path"):
             store.download_object_to_path(key, path)
         else:  # any other filesystem block: whole, through memory
             path.write_bytes(store.read_path(key))
-    except Exception as exc:
-        if _is_missing(exc):
-            raise InvalidInput("An input was not found in storage.", detail=key) from exc
-        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
     return path
 
 
@@ -162,17 +153,13 @@ def read_locally(store: ByteStore, key: str, path: Path) -> Path:
     (``fetch_to``). ``InvalidInput`` when absent, ``TransientError`` for other failures."""
     if not isinstance(store, LocalFileSystem):
         return fetch_to(store, key, path)
-    try:
+    with _reading(key):
         stored = store._resolve_path(key)
         if not stored.is_file():
             raise FileNotFoundError(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
         path.symlink_to(stored)
-    except Exception as exc:
-        if _is_missing(exc):
-            raise InvalidInput("An input was not found in storage.", detail=key) from exc
-        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
     return path
 
 
@@ -180,15 +167,13 @@ def put_from(store: ByteStore, key: str, path: Path) -> None:
     """Store the file ``path`` under ``key`` (overwrites) without reading it whole: a
     copy to a temporary name renamed when complete (``LocalFileSystem``), a streamed
     upload (``S3Bucket``: an object appears only when its upload completes)."""
-    try:
+    with _writing():
         if isinstance(store, LocalFileSystem):
             _replace_local(store, key, lambda partial: shutil.copyfile(path, partial))
         elif hasattr(store, "upload_from_path"):
             store.upload_from_path(path, key)
         else:
             store.write_path(key, path.read_bytes())
-    except Exception as exc:
-        raise TransientError("Storage could not be written.", detail=type(exc).__name__) from exc
 
 
 def is_stored(store: ByteStore, key: str) -> bool:
@@ -198,10 +183,8 @@ def is_stored(store: ByteStore, key: str) -> bool:
         return store._resolve_path(key).is_file()
     listing = getattr(store, "list_objects", None)
     if callable(listing):
-        try:
+        with _reading(key, missing=None):
             return any(str(o.get("Key", "")).endswith(key) for o in listing(folder=key))
-        except Exception as exc:
-            raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
     return exists(store, key)
 
 
@@ -213,6 +196,34 @@ def read_bytes(block_name: str, key: str) -> bytes:
 def write_bytes(block_name: str, key: str, data: bytes) -> None:
     """Write ``data`` under ``key`` in the storage block ``block_name``."""
     write_to(load_storage(block_name), key, data)
+
+
+@contextmanager
+def _reading(
+    key: str, *, missing: str | None = "An input was not found in storage."
+) -> Iterator[None]:
+    """A read's storage failure as a typed error: "no such ``key``" an ``InvalidInput``
+    saying ``missing`` (with ``None``, a failure like any other), any other failure a
+    ``TransientError``."""
+    try:
+        yield
+    except Exception as exc:
+        if missing is not None and _is_missing(exc):
+            raise InvalidInput(missing, detail=key) from exc
+        raise _unreadable(exc) from exc
+
+
+@contextmanager
+def _writing() -> Iterator[None]:
+    """A write's storage failure as a ``TransientError``."""
+    try:
+        yield
+    except Exception as exc:
+        raise TransientError("Storage could not be written.", detail=type(exc).__name__) from exc
+
+
+def _unreadable(exc: BaseException) -> TransientError:
+    return TransientError("Storage could not be read.", detail=type(exc).__name__)
 
 
 def _is_missing(exc: BaseException) -> bool:

@@ -76,40 +76,39 @@ class JobStoreCollector(Collector):
         self, load: capacity.Backlog, oldest: Mapping[str, datetime]
     ) -> Iterator[GaugeMetricFamily]:
         now = utcnow()
-        queued = GaugeMetricFamily(
-            "faceflow_lane_queued_jobs", "Jobs queued per lane.", labels=["lane"]
+
+        def age_s(lane: str) -> float:
+            created = oldest.get(lane)
+            return max(0.0, (now - created).total_seconds()) if created is not None else 0.0
+
+        queued = _per_lane(
+            "faceflow_lane_queued_jobs",
+            "Jobs queued per lane.",
+            lambda lane: load.queued_by_lane.get(lane, 0),
         )
-        age = GaugeMetricFamily(
+        age = _per_lane(
             "faceflow_lane_oldest_queued_age_seconds",
             "Age of the oldest queued job per lane (0 when none).",
-            labels=["lane"],
+            age_s,
         )
-        wait = GaugeMetricFamily(
+        wait = _per_lane(
             "faceflow_lane_estimated_wait_seconds",
             "Estimated wait before a new job of the lane starts.",
-            labels=["lane"],
+            load.wait_s,
         )
-        for lane in capacity.LANES:
-            queued.add_metric([lane], load.queued_by_lane.get(lane, 0))
-            created = oldest.get(lane)
-            seconds = (now - created).total_seconds() if created is not None else 0.0
-            age.add_metric([lane], max(0.0, seconds))
-            wait.add_metric([lane], load.wait_s(lane))
-        running = GaugeMetricFamily("faceflow_jobs_running", "Jobs running (or being cancelled).")
-        running.add_metric([], load.running)
+        running = GaugeMetricFamily(
+            "faceflow_jobs_running", "Jobs running (or being cancelled).", value=load.running
+        )
         service = GaugeMetricFamily(
             "faceflow_service_time_seconds",
             "Worker time one job costs (measured on recent jobs, else the configured default).",
+            value=load.service_s,
         )
-        service.add_metric([], load.service_s)
+        video = load.video or capacity.VideoBacklog(0, 0, 0, 0.0)
         wanted = GaugeMetricFamily(
             "faceflow_gpu_workers_wanted",
             "GPU workers that would start every queued job within the target wait.",
-        )
-        video = load.video or capacity.VideoBacklog(0, 0, 0, 0.0)
-        wanted.add_metric(
-            [],
-            workers_wanted(
+            value=workers_wanted(
                 running=load.running + video.running,
                 queued=load.queued,
                 service_s=load.service_s,
@@ -126,13 +125,22 @@ class JobStoreCollector(Collector):
         frame_s = GaugeMetricFamily(
             "faceflow_video_frame_seconds",
             "Worker time one video frame costs (recent videos, else the configured default).",
+            value=video.frame_s,
         )
-        frame_s.add_metric([], video.frame_s)
         video_wait = GaugeMetricFamily(
-            "faceflow_video_estimated_wait_seconds", "Estimated wait before a new video starts."
+            "faceflow_video_estimated_wait_seconds",
+            "Estimated wait before a new video starts.",
+            value=load.video_wait_s(),
         )
-        video_wait.add_metric([], load.video_wait_s())
         yield from (queued, age, wait, running, service, wanted, frames, frame_s, video_wait)
+
+
+def _per_lane(name: str, documentation: str, value: Callable[[str], float]) -> GaugeMetricFamily:
+    """A gauge labelled ``lane`` with ``value(lane)`` for every lane."""
+    gauge = GaugeMetricFamily(name, documentation, labels=["lane"])
+    for lane in capacity.LANES:
+        gauge.add_metric([lane], value(lane))
+    return gauge
 
 
 class ServiceCollector(Collector):

@@ -1,7 +1,10 @@
-"""Helpers of the orchestration tests: job parameters, the prefect CLI, the REST API."""
+"""Helpers of the orchestration tests: job parameters, what a run stored and published, the
+prefect CLI, the REST API."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import subprocess
 import threading
@@ -11,23 +14,35 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
     FlowRunFilter,
     FlowRunFilterId,
     LogFilter,
     LogFilterFlowRunId,
 )
-from prefect.client.schemas.objects import TaskRun
+from prefect.client.schemas.objects import Artifact, TaskRun
 
+from blocks.storage import read_bytes
 from faceflow.testing.prefect import PrefectServer
 from flows.binding import signed_parameters, worker_keys
-from flows.params import STAGE_LINE
+from flows.params import (
+    DEFAULT_STORAGE_BLOCK,
+    STAGE_LINE,
+    JobFailure,
+    ResultRef,
+    result_error_key,
+    result_meta_key,
+)
 from tasks.stages import STAGE_NAMES
 from tests.orchestration.conftest import BIN, REPO_ROOT
 
@@ -61,6 +76,42 @@ def task_runs(flow_run_id: UUID | None) -> dict[str, TaskRun]:
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
         )
     return {run.name: run for run in runs}
+
+
+def run_artifacts(flow_run_id: UUID | None) -> dict[str, Artifact]:
+    """The artifacts of a flow run by type (``markdown``, ``progress``, ``table``): one of
+    each type at most."""
+    assert flow_run_id is not None
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    by_type = {str(artifact.type): artifact for artifact in artifacts}
+    assert len(by_type) == len(artifacts), [artifact.type for artifact in artifacts]
+    return by_type
+
+
+def table_rows(artifact: Artifact) -> list[dict[str, Any]]:
+    """The rows of a table artifact (the API gives its data as JSON text or as rows)."""
+    data = artifact.data
+    return cast(list[dict[str, Any]], json.loads(data) if isinstance(data, str) else data)
+
+
+def stored_result(job_id: str, attempt: int = 1) -> ResultRef:
+    """The result record (sidecar) an attempt of a job wrote to the default storage."""
+    raw = read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(job_id, attempt))
+    return ResultRef.model_validate_json(raw)
+
+
+def stored_failure(job_id: str, attempt: int = 1) -> JobFailure:
+    """The failure record an attempt of a job wrote to the default storage."""
+    raw = read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(job_id, attempt))
+    return JobFailure.model_validate_json(raw)
+
+
+def result_pixels(ref: ResultRef) -> np.ndarray:
+    """The decoded result image ``ref`` names, from the default storage."""
+    return np.asarray(Image.open(io.BytesIO(read_bytes(DEFAULT_STORAGE_BLOCK, ref.key))))
 
 
 STAGE_MODES = pytest.mark.parametrize("inline", [False, True], ids=["task-runs", "inline"])

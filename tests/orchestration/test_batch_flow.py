@@ -3,18 +3,13 @@ jobs, each with its own outcome."""
 
 from __future__ import annotations
 
-import io
-import json
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from blocks.settings import FusionSettings
 from blocks.storage import read_bytes, write_bytes
@@ -24,8 +19,6 @@ from flows.params import (
     DEFAULT_SETTINGS_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     FuseBatchParams,
-    JobFailure,
-    ResultRef,
     result_error_key,
     result_meta_key,
     stop_marker_key,
@@ -38,8 +31,13 @@ from tests.orchestration.helpers import (
     TIMED_STAGES,
     job_params,
     probe_overlap,
+    result_pixels,
+    run_artifacts,
     stage_settings,
     stages_seen,
+    stored_failure,
+    stored_result,
+    table_rows,
     task_runs,
 )
 from tests.samples import (
@@ -103,36 +101,26 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
         stopped["job_id"]: "stopped",
         blocked["job_id"]: "content_blocked",
     }
-    ref = ResultRef.model_validate_json(
-        read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(good["job_id"], 1))
-    )
-    image = np.asarray(Image.open(io.BytesIO(read_bytes(DEFAULT_STORAGE_BLOCK, ref.key))))
+    ref = stored_result(good["job_id"])
+    image = result_pixels(ref)
     target = grace_hopper_rgb()
     assert image.shape == target.shape and ref.faces_replaced == 1
     assert np.abs(image.astype(int) - target.astype(int)).mean() > 0.5
     assert set(ref.timings_ms) == TIMED_STAGES
     assert ref.moderation == []
     assert ref.quality is not None and ref.quality.faces_lost == 0
-    ref2 = ResultRef.model_validate_json(
-        read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(good_jpeg["job_id"], 2))
-    )
+    ref2 = stored_result(good_jpeg["job_id"], 2)
     assert ref2.content_type == "image/jpeg" and ref2.key.endswith("attempt-2.jpeg")
 
-    failure = JobFailure.model_validate_json(
-        read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(faceless["job_id"], 1))
-    )
+    failure = stored_failure(faceless["job_id"])
     assert (failure.code, failure.retryable, failure.stage) == ("no_face_found", False, "detect")
-    blocked_failure = JobFailure.model_validate_json(
-        read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(blocked["job_id"], 1))
-    )
+    blocked_failure = stored_failure(blocked["job_id"])
     assert (blocked_failure.code, blocked_failure.retryable, blocked_failure.stage) == (
         "content_blocked",
         False,
         "moderate_inputs",
     )
-    late_failure = JobFailure.model_validate_json(
-        read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(late["job_id"], 1))
-    )
+    late_failure = stored_failure(late["job_id"])
     assert late_failure.code == "deadline_exceeded" and not late_failure.retryable
     for job in (stopped, late, faceless):
         assert not _exists(result_meta_key(job["job_id"], 1))
@@ -141,16 +129,9 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     run_id = state.state_details.flow_run_id
     stage_runs = task_runs(run_id)
     assert set(stage_runs) == STAGE_RUNS
-    with get_client(sync_client=True) as client:
-        assert run_id is not None
-        artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
-        )
-    by_type = {str(a.type): a for a in artifacts}
+    by_type = run_artifacts(run_id)
     assert sorted(by_type) == ["markdown", "progress", "table"]
-    table = by_type["table"].data
-    rows = cast(list[dict[str, Any]], json.loads(table) if isinstance(table, str) else table)
-    by_job = {row["job"]: row for row in rows}
+    by_job = {row["job"]: row for row in table_rows(by_type["table"])}
     assert by_job[good["job_id"]]["outcome"] == "succeeded"
     assert by_job[good["job_id"]]["result"].endswith(ref.key)
     assert by_job[faceless["job_id"]]["stage"] == "detect"
@@ -217,29 +198,16 @@ def test_only_the_jobs_that_chose_an_enhancer_are_enhanced(
 
     assert state.is_completed(), state.message
     assert state.result() == {plain["job_id"]: "succeeded", enhanced["job_id"]: "succeeded"}
-    refs = {
-        job["job_id"]: ResultRef.model_validate_json(
-            read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(job["job_id"], 1))
-        )
-        for job in (plain, enhanced)
-    }
+    refs = {job["job_id"]: stored_result(job["job_id"]) for job in (plain, enhanced)}
     assert "enhance" in refs[enhanced["job_id"]].timings_ms
     assert "enhance" not in refs[plain["job_id"]].timings_ms
-    pixels = {
-        job_id: np.asarray(Image.open(io.BytesIO(read_bytes(DEFAULT_STORAGE_BLOCK, ref.key))))
-        for job_id, ref in refs.items()
-    }
+    pixels = {job_id: result_pixels(ref) for job_id, ref in refs.items()}
     alone = fuse_batch(
         **_batch(job_params(astronaut, grace), settings_block=params["settings_block"]),
         return_state=True,
     )
     (alone_id,) = alone.result()
-    alone_ref = ResultRef.model_validate_json(
-        read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(alone_id, 1))
-    )
-    alone_pixels = np.asarray(
-        Image.open(io.BytesIO(read_bytes(DEFAULT_STORAGE_BLOCK, alone_ref.key)))
-    )
+    alone_pixels = result_pixels(stored_result(alone_id))
 
     def diff(a: np.ndarray, b: np.ndarray) -> float:
         return float(np.abs(a.astype(int) - b.astype(int)).mean())

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import io
-import json
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import cv2
 import numpy as np
 import pytest
-from PIL import Image
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
@@ -26,10 +22,7 @@ from flows.params import (
     DEFAULT_SIGNING_BLOCK,
     DEFAULT_STORAGE_BLOCK,
     FuseFacesParams,
-    JobFailure,
     ResultRef,
-    result_error_key,
-    result_meta_key,
 )
 from tasks import pipeline, watermark
 from tasks.models import MODEL_CACHE
@@ -42,8 +35,13 @@ from tests.orchestration.helpers import (
     TIMED_STAGES,
     job_params,
     probe_overlap,
+    result_pixels,
+    run_artifacts,
     stage_settings,
     stages_seen,
+    stored_failure,
+    stored_result,
+    table_rows,
     task_runs,
 )
 from tests.samples import (
@@ -69,7 +67,7 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home, inline: bool) 
     assert state.is_completed(), state.message
     ref = ResultRef.model_validate(state.result())
 
-    image = np.asarray(Image.open(io.BytesIO(read_bytes(DEFAULT_STORAGE_BLOCK, ref.key))))
+    image = result_pixels(ref)
     target = grace_hopper_rgb()
     assert image.shape == target.shape
     assert (ref.width, ref.height, ref.content_type) == (
@@ -86,8 +84,7 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home, inline: bool) 
     assert marks.manifest.valid and marks.manifest.trusted and marks.manifest.ours
     assert marks.watermark == watermark.payload_for(params["job_id"])
     assert ref.marks == ["c2pa", "watermark"]
-    sidecar = json.loads(read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(params["job_id"], 1)))
-    assert ResultRef.model_validate(sidecar) == ref
+    assert stored_result(params["job_id"]) == ref
     assert set(ref.timings_ms) == TIMED_STAGES
     assert ref.moderation == []
     assert ref.quality is not None and ref.quality.faces_lost == 0
@@ -99,22 +96,17 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home, inline: bool) 
     with get_client(sync_client=True) as client:
         assert run_id is not None
         run = client.read_flow_run(run_id)
-        artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
-        )
     assert run.name == params["job_id"]
     assert {f"job:{params['job_id']}", "owner:user-1"} <= set(run.tags)
-    by_type = {a.type: a for a in artifacts}
-    assert sorted(str(a.type) for a in artifacts) == ["markdown", "progress", "table"]
+    by_type = run_artifacts(run_id)
+    assert sorted(by_type) == ["markdown", "progress", "table"]
     assert ref.key in str(by_type["markdown"].data)
     assert "## Quality" in str(by_type["markdown"].data)
     assert "Marked: signed C2PA Content Credentials, invisible watermark" in str(
         by_type["markdown"].data
     )
     assert '"identity_model": "dlib-resnet-v1"' in str(by_type["markdown"].data)
-    table = by_type["table"].data
-    rows = cast(list[dict[str, str]], json.loads(table) if isinstance(table, str) else table)
-    items = {row["item"]: row for row in rows}
+    items = {row["item"]: row for row in table_rows(by_type["table"])}
     assert {"load", "detect", "align", "fuse", "postprocess", "quality", "store", "device"} <= set(
         items
     )
@@ -212,13 +204,7 @@ def test_moderation_report_only_and_off(prefect_harness: Home) -> None:
     run_id = state.state_details.flow_run_id
     seen = stages_seen(run_id, inline=True)  # the default settings: no stage task runs
     assert "fuse" in seen and not {"moderate_inputs", "moderate_result"} & set(seen)
-    with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
-        )
-    (table,) = [a.data for a in artifacts if a.type == "table"]
-    rows = cast(list[dict[str, str]], json.loads(table) if isinstance(table, str) else table)
-    details = {row["item"]: row["detail"] for row in rows}
+    details = {row["item"]: row["detail"] for row in table_rows(run_artifacts(run_id)["table"])}
     assert details["moderate_inputs"] == details["moderate_result"] == "skipped"
 
 
@@ -236,9 +222,7 @@ def test_marking_failure_fails_the_job_unless_marking_is_off(prefect_harness: Ho
     state = fuse_faces(**params, return_state=True)
     assert state.is_failed()
     assert state.message is not None and state.message.startswith("[marking_failed] ")
-    failure = JobFailure.model_validate_json(
-        read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(params["job_id"], 1))
-    )
+    failure = stored_failure(params["job_id"])
     assert (failure.code, failure.retryable, failure.stage) == ("marking_failed", False, "store")
 
     missing = job_params(*keys, signing_block="secret/no-such-signing-block")

@@ -8,7 +8,7 @@ from prefect.logging import disable_run_logger
 
 from blocks.storage import load_storage
 from flows.fuse import fuse_faces
-from flows.params import DEFAULT_STORAGE_BLOCK, JobAttempt, JobFailure, result_error_key
+from flows.params import DEFAULT_STORAGE_BLOCK, JobAttempt
 from flows.run import StoredJob
 from tasks.batch import Each
 from tasks.errors import InvalidInput, JobTooLarge, OverBatchBudget
@@ -16,7 +16,7 @@ from tasks.options import FusionOptions, ImageLimits
 from tasks.pipeline import PipelineContext
 from tasks.stages import Work, load_step
 from tests.orchestration.conftest import Home
-from tests.orchestration.helpers import job_params, stages_seen
+from tests.orchestration.helpers import job_params, stages_seen, stored_failure
 from tests.samples import flat_png
 
 MP = 1_000_000
@@ -114,7 +114,6 @@ def test_a_job_past_the_batch_budget_is_retryable_in_its_failure_record(
     the first job (8 MP) is decoded, the second (8 MP more) ends with a retryable
     ``over_batch_budget`` record at load, which the relay re-dispatches."""
     from blocks.settings import FusionSettings
-    from blocks.storage import read_bytes
     from flows.batch import fuse_batch
     from flows.binding import signed_parameters, worker_keys
     from flows.params import JobAttempt
@@ -138,6 +137,5 @@ def test_a_job_past_the_batch_budget_is_retryable_in_its_failure_record(
     outcomes = state.result()
     assert outcomes[specs[1].job_id] == "over_batch_budget"
     assert outcomes[specs[0].job_id] != "over_batch_budget"  # decoded: the pipeline went on
-    raw = read_bytes(DEFAULT_STORAGE_BLOCK, result_error_key(specs[1].job_id, 1))
-    failure = JobFailure.model_validate_json(raw)
+    failure = stored_failure(specs[1].job_id)
     assert failure.retryable and failure.stage == "load"

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from blocks.storage import read_bytes
 from flows.batch import fuse_batch
 from flows.fuse import fuse_faces
-from flows.params import DEFAULT_STORAGE_BLOCK, ResultRef, result_meta_key
+from flows.params import ResultRef
 from tests.orchestration.conftest import Home
-from tests.orchestration.helpers import job_params, stages_seen, task_runs
+from tests.orchestration.helpers import job_params, stages_seen, stored_result, task_runs
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 from tests.test_stages import marking_stage, with_stage
 
@@ -36,6 +35,5 @@ def test_a_stage_added_to_the_table_runs_in_both_flows(
     assert set(state.result().values()) == {"succeeded"}
     assert task_runs(state.state_details.flow_run_id)["mark"].state.is_completed()  # type: ignore[union-attr]
     for job in jobs:
-        raw = read_bytes(DEFAULT_STORAGE_BLOCK, result_meta_key(job["job_id"], 1))
-        assert "mark" in ResultRef.model_validate_json(raw).timings_ms
+        assert "mark" in stored_result(job["job_id"]).timings_ms
     assert seen == ["png"] * 3
