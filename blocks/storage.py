@@ -21,6 +21,7 @@ from prefect.filesystems import LocalFileSystem
 from pydantic import SecretStr
 
 from blocks.cache import load_block
+from blocks.ranged import BLOCK_SIZE, MAX_BLOCKS, RangedSource
 from tasks.errors import InvalidInput, TransientError
 
 HOME_ENV = "FACEFLOW_HOME"
@@ -91,9 +92,7 @@ def read_from(store: ByteStore, key: str) -> bytes:
     try:
         return store.read_path(key)
     except Exception as exc:
-        if _is_missing(exc):
-            raise InvalidInput("An input image was not found in storage.", detail=key) from exc
-        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
+        raise _read_error(exc, key, "An input image was not found in storage.") from exc
 
 
 def write_to(store: ByteStore, key: str, data: bytes) -> None:
@@ -148,9 +147,7 @@ def fetch_to(store: ByteStore, key: str, path: Path) -> Path:
         else:  # any other filesystem block: whole, through memory
             path.write_bytes(store.read_path(key))
     except Exception as exc:
-        if _is_missing(exc):
-            raise InvalidInput("An input was not found in storage.", detail=key) from exc
-        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
+        raise _read_error(exc, key) from exc
     return path
 
 
@@ -169,10 +166,47 @@ def read_locally(store: ByteStore, key: str, path: Path) -> Path:
         path.unlink(missing_ok=True)
         path.symlink_to(stored)
     except Exception as exc:
-        if _is_missing(exc):
-            raise InvalidInput("An input was not found in storage.", detail=key) from exc
-        raise TransientError("Storage could not be read.", detail=type(exc).__name__) from exc
+        raise _read_error(exc, key) from exc
     return path
+
+
+def read_in_place(
+    store: ByteStore,
+    key: str,
+    path: Path,
+    *,
+    block_size: int = BLOCK_SIZE,
+    max_blocks: int = MAX_BLOCKS,
+) -> Path | RangedSource:
+    """The object under ``key`` to read without copying it whole: with an ``S3Bucket`` a
+    ``RangedSource`` (``blocks.ranged``) whose reads are ranged GETs of ``block_size``
+    bytes through the block's own client, the last ``max_blocks`` kept (a video part
+    fetches the index and its frames, not the upload); otherwise ``read_locally``'s
+    ``path``. The object is looked up now: ``InvalidInput`` when absent,
+    ``TransientError`` for other failures (of later reads too)."""
+    if isinstance(store, LocalFileSystem):
+        return read_locally(store, key, path)
+    from prefect_aws.s3 import S3Bucket
+
+    if not isinstance(store, S3Bucket):
+        return read_locally(store, key, path)
+    bucket, name = store.bucket_name, store._resolve_path(key)
+    try:
+        client = store._get_s3_client()
+        size = int(client.head_object(Bucket=bucket, Key=name)["ContentLength"])
+    except Exception as exc:
+        raise _read_error(exc, key) from exc
+
+    def fetch(start: int, stop: int) -> bytes:
+        try:
+            got = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={start}-{stop - 1}")
+            return bytes(got["Body"].read())
+        except Exception as exc:
+            raise _read_error(exc, key) from exc
+
+    return RangedSource(
+        key.rsplit("/", 1)[-1], size, fetch, block_size=block_size, max_blocks=max_blocks
+    )
 
 
 def put_from(store: ByteStore, key: str, path: Path) -> None:
@@ -212,6 +246,16 @@ def read_bytes(block_name: str, key: str) -> bytes:
 def write_bytes(block_name: str, key: str, data: bytes) -> None:
     """Write ``data`` under ``key`` in the storage block ``block_name``."""
     write_to(load_storage(block_name), key, data)
+
+
+def _read_error(
+    exc: BaseException, key: str, missing: str = "An input was not found in storage."
+) -> InvalidInput | TransientError:
+    """What a failed read of ``key`` raises: ``InvalidInput`` (``missing``) when there is no
+    such key, else ``TransientError`` (named by the exception's type: no URL, no key)."""
+    if _is_missing(exc):
+        return InvalidInput(missing, detail=key)
+    return TransientError("Storage could not be read.", detail=type(exc).__name__)
 
 
 def _is_missing(exc: BaseException) -> bool:
