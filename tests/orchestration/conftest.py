@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,16 +108,17 @@ def s3_client(endpoint: str) -> Any:
     )
 
 
-@pytest.fixture(scope="session")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto S3 server with the bucket ``S3_BUCKET`` created; its endpoint URL."""
+@contextmanager
+def moto_server(directory: Path) -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 (its log in ``directory``) with the bucket
+    ``S3_BUCKET`` created, stopped on leaving; its endpoint URL."""
     import httpx
 
     from faceflow.supervisor import Service
     from faceflow.testing.net import free_port
 
     port = free_port()
-    log = Path(tmp_path_factory.mktemp("moto")) / "moto.log"
+    log = directory / "moto.log"
     server = Service("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], log)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
@@ -126,3 +128,10 @@ def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield endpoint
     finally:
         server.stop(grace=5)
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server for the session (``moto_server``); its endpoint URL."""
+    with moto_server(tmp_path_factory.mktemp("moto")) as endpoint:
+        yield endpoint

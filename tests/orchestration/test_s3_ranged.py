@@ -21,7 +21,7 @@ from tasks.pipeline import PipelineContext
 from tasks.video import analyse_range
 from tasks.video_io import VideoFrame, probe_frames, read_frames
 from tasks.video_records import Probed
-from tests.orchestration.conftest import S3_BUCKET, s3_client
+from tests.orchestration.conftest import S3_BUCKET, moto_server, s3_client
 from tests.videos import Videos
 
 FOLDER = "ranged"
@@ -145,3 +145,17 @@ def test_a_read_that_fails_in_ffmpeg_raises_the_storage_error(
     s3_client(moto).delete_object(Bucket=S3_BUCKET, Key=f"{FOLDER}/{key}")
     with pytest.raises(InvalidInput):  # the object went: not a broken video
         list(read_frames(source, 200, 210, timestamps=pts))
+
+
+def test_a_server_gone_mid_read_is_transient_not_a_broken_video(
+    videos: Videos, tmp_path: Path
+) -> None:
+    pts = probed(videos.long).pts
+    with moto_server(tmp_path) as endpoint:  # this test's own, to stop
+        store = bucket(endpoint)
+        put_from(store, KEY, videos.long)
+        source = read_in_place(store, KEY, tmp_path / "input", block_size=BLOCK)
+        assert len(list(read_frames(source, 0, 2, timestamps=pts))) == 2
+    with pytest.raises(TransientError) as raised:
+        list(read_frames(source, 200, 210, timestamps=pts))
+    assert raised.value.detail == "EndpointConnectionError"
