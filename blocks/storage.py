@@ -22,6 +22,7 @@ from prefect.filesystems import LocalFileSystem
 from pydantic import SecretStr
 
 from blocks.cache import load_block
+from blocks.ranged import BLOCK_SIZE, MAX_BLOCKS, RangedSource
 from flows.params import partial_name
 from tasks.errors import InvalidInput, TransientError
 
@@ -161,6 +162,41 @@ def read_locally(store: ByteStore, key: str, path: Path) -> Path:
         path.unlink(missing_ok=True)
         path.symlink_to(stored)
     return path
+
+
+def read_in_place(
+    store: ByteStore,
+    key: str,
+    path: Path,
+    *,
+    block_size: int = BLOCK_SIZE,
+    max_blocks: int = MAX_BLOCKS,
+) -> Path | RangedSource:
+    """The object under ``key`` to read without copying it whole: with an ``S3Bucket`` a
+    ``RangedSource`` (``blocks.ranged``) whose reads are ranged GETs of ``block_size``
+    bytes through the block's own client, the last ``max_blocks`` kept (a video part
+    fetches the index and its frames, not the upload); otherwise ``read_locally``'s
+    ``path``. The object is looked up now: ``InvalidInput`` when absent,
+    ``TransientError`` for other failures (of later reads too)."""
+    if isinstance(store, LocalFileSystem):
+        return read_locally(store, key, path)
+    from prefect_aws.s3 import S3Bucket
+
+    if not isinstance(store, S3Bucket):
+        return read_locally(store, key, path)
+    bucket, name = store.bucket_name, store._resolve_path(key)
+    with _reading(key):
+        client = store._get_s3_client()
+        size = int(client.head_object(Bucket=bucket, Key=name)["ContentLength"])
+
+    def fetch(start: int, stop: int) -> bytes:
+        with _reading(key):
+            got = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={start}-{stop - 1}")
+            return bytes(got["Body"].read())
+
+    return RangedSource(
+        key.rsplit("/", 1)[-1], size, fetch, block_size=block_size, max_blocks=max_blocks
+    )
 
 
 def put_from(store: ByteStore, key: str, path: Path) -> None:

@@ -41,7 +41,6 @@ from blocks.storage import (
     is_stored,
     load_storage,
     read_from,
-    read_locally,
     write_to,
 )
 from flows.attempt import admit, failed
@@ -182,13 +181,13 @@ def run_part(
         if part in ranges:
             if is_stored(store, job.analysis_key(*ranges[part])):  # by an earlier run
                 return False
-            read_locally(store, spec.target_key, job.video)  # the range is read by a seek
+            job.read_input(spec.target_key)  # the range is read by a seek
             job.progress = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
             task = analyse_task.with_options(task_run_name=part)
             return bool(guarded("analyse", deadline).run(task, job, *ranges[part]))
         if part == PLAN_PART:
             if chosen.mapping:  # the mapping's identities read a few frames
-                read_locally(store, spec.target_key, job.video)
+                job.read_input(spec.target_key)
             job.planned = guarded("analyse", deadline).run(plan_task, job)
             keys = [job.chunk_key(chunk) for chunk in job.planned.chunks]
             save_plan(store, plan_key, replace(stored, planned=job.planned, chunk_keys=keys))
@@ -210,7 +209,7 @@ def run_part(
         chunk = chunks[part]
         if is_stored(store, job.chunk_key(chunk)):  # stored by an earlier run of it
             return False
-        read_locally(store, spec.target_key, job.video)
+        job.read_input(spec.target_key)
         counter = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
         job.progress = counter
         render = render_chunk_task.with_options(task_run_name=f"render-{part}")

@@ -5,10 +5,11 @@ runs, under ``flows.deadline.StageGuard`` with the job's one deadline
 (``flows.video_store.VIDEO_STAGES``). The coordinator's own steps (collect, join, store)
 and what passes between the runs are ``flows.video_store``'s: it imports no model.
 
-Videos never pass through memory whole: the input and the chunks are read from the storage
-block where it is local (``blocks.storage.read_locally``: a link in the run's temporary
-directory, no byte copied) or copied there file by file, and chunks and the result go back
-file by file (``put_from``). A rendered chunk is stored under ``video-chunks/<chunk_name>`` (a name
+Videos never pass through memory whole: a range, plan or render part reads the input in
+place (``VideoJob.read_input``: a link in the run's temporary directory to a local storage
+block's file, no byte copied, or ranged reads of an S3 object, only the blocks FFmpeg asks
+for); the probe reads it whole, from that link or a copy (``read_locally``), as the report
+reads the chunks; chunks and the result go back file by file (``put_from``). A rendered chunk is stored under ``video-chunks/<chunk_name>`` (a name
 made from the video, chunk, face plan, sources and options): a chunk found there is not
 rendered again, so a re-dispatched attempt renders only the missing chunks. The analysis
 of a frame range is stored the same way, under ``video-analysis/<range_name>`` (``.npz``).
@@ -27,6 +28,7 @@ from blocks.storage import (
     is_stored,
     put_from,
     read_from,
+    read_in_place,
     read_locally,
     write_to,
 )
@@ -50,6 +52,7 @@ from tasks.video import (
     probe_and_moderate,
     render_chunk,
 )
+from tasks.video_io import VideoSource
 from tasks.video_plan import Chunk
 from tasks.watermark import Payload
 
@@ -67,7 +70,8 @@ class VideoJob:
 
     store: ByteStore
     workdir: Path
-    video: Path
+    video: VideoSource
+    """The input video: a local file (``read_locally``) or read in place (``read_input``)."""
     sources: list[bytes]
     options: FusionOptions
     ctx: PipelineContext
@@ -80,6 +84,11 @@ class VideoJob:
     progress: FrameCounter | None = None
     payload: Payload | None = None
     """The watermark every frame carries (the job's, when the context marks)."""
+
+    def read_input(self, key: str) -> None:
+        """Let the steps read the input video under ``key`` where it is stored
+        (``read_in_place``: a link to a local file, ranged reads of an S3 object)."""
+        self.video = read_in_place(self.store, key, self.workdir / "input")
 
     def chunk_key(self, chunk: Chunk) -> str:
         """Where ``chunk``'s segment is stored (named by content: any attempt reuses it)."""
@@ -115,11 +124,12 @@ class VideoJob:
 
 @task(name="probe", task_run_name="probe", **TASK_OPTIONS)  # type: ignore[call-overload]
 def probe_task(job: VideoJob, target_key: str) -> Probed:
-    """Copy the video from storage, probe it, moderate sampled frames, then check the
-    sources (``check_sources``: the first face model runs after moderation)."""
-    read_locally(job.store, target_key, job.video)
-    job.digest = file_digest(job.video)
-    probed = probe_and_moderate(job.sources, job.video, job.ctx, references=job.references)
+    """Copy the video from storage (it is read whole: digest, every packet), probe it,
+    moderate sampled frames, then check the sources (``check_sources``: the first face
+    model runs after moderation)."""
+    job.video = video = read_locally(job.store, target_key, job.workdir / "input")
+    job.digest = file_digest(video)
+    probed = probe_and_moderate(job.sources, video, job.ctx, references=job.references)
     check_sources(probed, job.options, job.ctx)  # a source without a face fails here
     return probed
 

@@ -41,6 +41,7 @@ from tasks.video_io import (
     SegmentWriter,
     VideoInfo,
     VideoLimits,
+    VideoSource,
     join_segments,
     probe_frames,
     read_frames,
@@ -87,7 +88,7 @@ TRACK_SAMPLES = 4
 
 
 def identities(
-    video: Path,
+    video: VideoSource,
     pts: list[int],
     references: Sequence[Source],
     ctx: PipelineContext,
@@ -276,7 +277,7 @@ def evenly(n: int, most: int) -> list[int]:
 
 
 def read_indices(
-    path: Path, indices: Sequence[int], pts: list[int], keyframes: list[int] | None = None
+    path: VideoSource, indices: Sequence[int], pts: list[int], keyframes: list[int] | None = None
 ) -> list[RGBImage]:
     """The frames at ``indices`` (increasing), the file opened once: with the video's
     ``keyframes`` a seek only where one lies between two of them (``read_frames_at``)."""
@@ -284,7 +285,7 @@ def read_indices(
 
 
 def render_chunk(
-    path: Path,
+    path: VideoSource,
     out: Path,
     chunk: Chunk,
     *,
@@ -374,7 +375,7 @@ def frame_ranges(probed: Probed, chunk_s: float) -> list[tuple[int, int]]:
 
 
 def analyse_range(
-    video: Path,
+    video: VideoSource,
     probed: Probed,
     start: int,
     stop: int,
@@ -390,7 +391,7 @@ def analyse_range(
 
 
 def plan_video(
-    video: Path,
+    video: VideoSource,
     probed: Probed,
     analysis: Analysis,
     options: FusionOptions,

@@ -11,6 +11,11 @@ rate survives untouched. Segments are H.264 (libx264) yuv420p without B-frames: 
 order is presentation order, so :func:`join_segments` concatenates their packets as they
 are (no re-encode, no timestamp rewriting) and muxes the source's audio beside them.
 
+The read functions (:func:`frame_timestamps`, :func:`read_frames`, :func:`read_frames_at`)
+take a path or a :class:`ByteSource`: a video read in place, such as an S3 object read by
+byte ranges (``blocks.storage.read_in_place``), so a part decoding one range of a long
+upload fetches that range and the index, not the whole file.
+
 Rotation: :func:`read_frames` yields upright pictures (the container's display matrix
 applied), so segments and the joined result are stored upright with no rotation metadata.
 Odd dimensions (possible in H.265, VP9 and AV1) cannot be stored in 4:2:0 H.264, whose
@@ -22,15 +27,16 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import io
 import itertools
 import logging
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from types import TracebackType
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple, Protocol
 
 import av
 import av.error
@@ -57,6 +63,7 @@ __all__ = [
     "AUDIO_COPY_CODECS",
     "DEFAULT_ENCODING",
     "AudioInfo",
+    "ByteSource",
     "ContainerName",
     "FrameScan",
     "SegmentEncoding",
@@ -65,6 +72,7 @@ __all__ = [
     "VideoFrame",
     "VideoInfo",
     "VideoLimits",
+    "VideoSource",
     "X264Preset",
     "frame_timestamps",
     "join_segments",
@@ -162,22 +170,50 @@ class _Scan:
     discarded: int  # video packets before the start an edit list sets (not frames)
 
 
-def _invalid(path: Path, exc: BaseException) -> InvalidVideo:
+class ByteSource(Protocol):
+    """A video read in place rather than from a file (``blocks.ranged.RangedSource``: an
+    S3 object read by ranges): its name for messages, and a new seekable binary file
+    (position 0) at each ``open``. Its read errors pass through as they are."""
+
+    @property
+    def name(self) -> str: ...
+
+    def open(self) -> io.IOBase: ...
+
+
+VideoSource = str | Path | ByteSource
+"""What the read functions take: a file's path, or a :class:`ByteSource`."""
+_Source = Path | ByteSource
+
+
+def _source(source: VideoSource) -> _Source:
+    return Path(source) if isinstance(source, str) else source
+
+
+def _invalid(path: _Source, exc: BaseException) -> InvalidVideo:
     return InvalidVideo(detail=f"{path.name}: {type(exc).__name__}: {exc}")
 
 
-def _open(path: Path) -> InputContainer:
-    """Open a container, mapping FFmpeg's refusals to ``InvalidVideo`` (a missing file
-    stays an ``OSError``: that is storage's fault, not the input's)."""
-    if not path.is_file():
-        raise FileNotFoundError(path)
-    try:
-        return av.open(str(path), mode="r")
-    except av.error.FFmpegError as exc:
-        raise _invalid(path, exc) from exc
+@contextmanager
+def _open(source: _Source) -> Iterator[InputContainer]:
+    """An open container, mapping FFmpeg's refusals to ``InvalidVideo`` (a missing file
+    stays an ``OSError``, a source's read error its own: storage's fault, not the
+    input's); closed, with the source's file, on leaving."""
+    with ExitStack() as stack:
+        if isinstance(source, Path):
+            if not source.is_file():
+                raise FileNotFoundError(source)
+            file: str | io.IOBase = str(source)
+        else:
+            file = stack.enter_context(source.open())
+        try:
+            container = stack.enter_context(av.open(file, mode="r"))
+        except av.error.FFmpegError as exc:
+            raise _invalid(source, exc) from exc
+        yield container
 
 
-def _video_stream(container: InputContainer, path: Path) -> VideoStream:
+def _video_stream(container: InputContainer, path: _Source) -> VideoStream:
     if not container.streams.video:
         raise InvalidVideo("The file holds no video stream.", detail=path.name)
     return container.streams.video[0]
@@ -206,7 +242,7 @@ def _upright(image: RGBImage, rotation_ccw: int) -> RGBImage:
     return np.ascontiguousarray(np.rot90(image, quarter_turns)) if quarter_turns else image
 
 
-def _scan(container: InputContainer, path: Path, *, decode_first: bool) -> _Scan:
+def _scan(container: InputContainer, path: _Source, *, decode_first: bool) -> _Scan:
     """Demux every packet once (no decode, except the first frame when asked): the video
     pts in presentation order, where the video ends, the audio's extent."""
     video = _video_stream(container, path)
@@ -362,16 +398,16 @@ def _audio_info(stream: AudioStream | None, scan: _Scan) -> AudioInfo | None:
     )
 
 
-def frame_timestamps(path: str | Path) -> list[int]:
+def frame_timestamps(source: VideoSource) -> list[int]:
     """The pts of every video frame in presentation order, in the video stream's time base
     (demux only, no decode)."""
-    path = Path(path)
+    path = _source(source)
     with _open(path) as container:
         return _scan(container, path, decode_first=False).pts
 
 
 def read_frames(
-    path: str | Path,
+    source: VideoSource,
     start: int,
     stop: int,
     *,
@@ -382,7 +418,7 @@ def read_frames(
     Seeks to the keyframe at or before ``start`` and decodes forward, one frame in memory at
     a time. ``timestamps`` (from :func:`frame_timestamps`) saves a demux pass per call.
     """
-    path = Path(path)
+    path = _source(source)
     pts = timestamps if timestamps is not None else frame_timestamps(path)
     start, stop = max(start, 0), min(stop, len(pts))
     if start >= stop:
@@ -398,7 +434,7 @@ def read_frames(
 
 
 def read_frames_at(
-    path: str | Path,
+    source: VideoSource,
     indices: Iterable[int],
     *,
     timestamps: list[int],
@@ -409,7 +445,7 @@ def read_frames_at(
     (``probe_frames``) the decoder runs on from one wanted frame to the next when no
     keyframe lies between them (a seek would start it at the same keyframe again) and
     seeks otherwise; without them it seeks to each frame."""
-    path = Path(path)
+    path = _source(source)
     runs = decode_runs(indices, timestamps, keyframes)
     if not runs:
         return
@@ -458,7 +494,7 @@ def _decode_range(
     video: VideoStream,
     origin: int,
     wanted: dict[int, int],
-    path: Path,
+    path: _Source,
 ) -> Iterator[VideoFrame]:
     """The frames whose pts ``wanted`` maps to their index, in order, decoded from the
     keyframe before the first (``origin``: the video's first pts); the frames between

@@ -8,12 +8,13 @@ The story clip (``story_frames``), in scenes at ``fps`` frames per second:
 - ``no_face``: skimage's coffee cup, no face at all.
 
 ``Videos(directory)`` writes each variant on first use and caches it (one per test session
-through the ``videos`` fixture): the story as MP4/H.264 with a sine-tone AAC track, a
-variable-frame-rate MP4, a phone-style MOV/H.265 whose display matrix turns it 90°, the
-pair clip (``pair_frames``: the astronaut and Grace Hopper swap places), a WebM
-(VP9, odd size, Opus), an MKV (AV1, FLAC starting late), a silent MP4, a trimmed MP4 (an edit list hides
-its first frames), and broken files: truncated with and
-without the index, a corrupt index, not a video, an unsupported codec and container.
+through the ``videos`` fixture): the story as MP4/H.264 with a sine-tone AAC track, the
+story thrice with a keyframe a second (``long``), a variable-frame-rate MP4, a
+phone-style MOV/H.265 whose display matrix turns it 90°, the pair clip (``pair_frames``:
+the astronaut and Grace Hopper swap places), a WebM (VP9, odd size, Opus), an MKV (AV1,
+FLAC starting late), a silent MP4, a trimmed MP4 (an edit list hides its first frames),
+and broken files: truncated with and without the index, a corrupt index, not a video, an
+unsupported codec and container.
 """
 
 from __future__ import annotations
@@ -270,6 +271,18 @@ def vfr_pts(count: int, seed: int = 7) -> list[int]:
     return pts
 
 
+def interleave(source: Path, out: Path) -> Path:
+    """``source``'s packets remuxed into ``out`` in time order (``encode_video`` gives the
+    muxer every video packet before the audio, which lands seconds away in the file)."""
+    with av.open(str(source)) as src, av.open(str(out), "w", format="mp4") as dst:
+        streams = {s.index: dst.add_stream_from_template(s) for s in src.streams}
+        packets = [p for p in src.demux() if p.dts is not None]
+        for packet in sorted(packets, key=lambda p: p.dts * p.time_base):  # type: ignore[operator]
+            packet.stream = streams[packet.stream.index]
+            dst.mux(packet)
+    return out
+
+
 class Videos:
     """The test videos, each written on first use under ``directory``."""
 
@@ -292,6 +305,15 @@ class Videos:
             audio="aac",
             container_options={"movflags": "+faststart"},
         )
+
+    @cached_property
+    def long(self) -> Path:
+        """MP4, H.264, the story three times (18 s, several chunks), a keyframe every second,
+        AAC interleaved by time and the index (moov) last, as a camera writes them: what
+        one chunk's part seeks in."""
+        frames = self.story_images * 3
+        clip = self._clip("long-muxed.mp4", frames, audio="aac", options={"g": str(FPS)})
+        return interleave(clip, self._path("long.mp4"))
 
     @cached_property
     def vfr(self) -> Path:

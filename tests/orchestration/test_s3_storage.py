@@ -4,55 +4,22 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import boto3
-import httpx
 import pytest
 from PIL import Image
 
 from blocks.storage import load_storage, location_of, read_bytes, s3_storage, write_bytes
-from faceflow.supervisor import Service
-from faceflow.testing.net import free_port
 from flows.fuse import fuse_faces
 from flows.params import ResultRef, input_key, result_meta_key
 from tasks.errors import InvalidInput
-from tests.orchestration.conftest import BIN, Home
+from tests.orchestration.conftest import S3_BUCKET as BUCKET
+from tests.orchestration.conftest import Home, s3_client
 from tests.orchestration.helpers import check_file_transfer, job_params
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 
-BUCKET = "faceflow-test"
 FOLDER = "prod"
 BLOCK = "s3-bucket/faceflow-s3-test"
-
-
-def s3_client(endpoint: str) -> Any:
-    """A boto3 S3 client for the moto server (moto accepts any keys)."""
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-
-
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto S3 server with the bucket created; its endpoint URL."""
-    port = free_port()
-    log = Path(tmp_path_factory.mktemp("moto")) / "moto.log"
-    server = Service("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], log)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        server.wait_ready(lambda: httpx.get(endpoint, timeout=2).status_code < 500, timeout=60)
-        s3_client(endpoint).create_bucket(Bucket=BUCKET)
-        yield endpoint
-    finally:
-        server.stop(grace=5)
 
 
 @pytest.fixture(scope="module")
