@@ -23,8 +23,8 @@ from pydantic import SecretStr
 
 from blocks.cache import load_block
 from blocks.ranged import BLOCK_SIZE, MAX_BLOCKS, RangedSource
-from flows.params import partial_name
 from tasks.errors import InvalidInput, TransientError
+from tasks.partials import partial_name
 
 HOME_ENV = "FACEFLOW_HOME"
 DEFAULT_HOME = Path(".faceflow")

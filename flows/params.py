@@ -183,22 +183,6 @@ class VideoResultRef(ResultRef):
     )
 
 
-PARTIAL_SUFFIX = ".partial"
-"""The end of a stored object's temporary name while it is written (``partial_name``)."""
-
-
-def partial_name(name: str, tag: str) -> str:
-    """The name under which the object ``name`` is written beside its place in local
-    storage before the rename that makes it whole: hidden, ``tag`` unique per writer
-    (retention deletes old ones: a writer killed between write and rename left them)."""
-    return f".{name}.{tag}{PARTIAL_SUFFIX}"
-
-
-def is_partial_name(name: str) -> bool:
-    """Whether a file name is a ``partial_name``."""
-    return name.startswith(".") and name.endswith(PARTIAL_SUFFIX)
-
-
 def video_chunk_key(name: str) -> str:
     """Storage key of a rendered chunk (``tasks.video.chunk_name``: named by content, so
     any attempt of any job with the same video, plan, sources and options reuses it)."""

@@ -21,7 +21,7 @@ nothing of it is deleted. One pass (``run_pass``), in batches of ``retention_bat
 3. **Rows** of jobs that ended more than ``job_retention_seconds`` ago and have nothing left
    to purge: the job, its outbox rows and its webhook attempts (kept until then for audit).
 4. **Leftovers** of killed writers (local storage): temporary files of writes that never
-   reached their rename (``flows.params.partial_name``), older than an hour.
+   reached their rename (``tasks.partials.partial_name``), older than an hour.
 
 The ``retention`` deployment (prefect.yaml, ``flows/retention.py``) runs a pass every five
 minutes on the control pool; ``faceflow retention run`` runs one by hand.

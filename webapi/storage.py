@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol, cast, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
-from flows.params import PARTIAL_SUFFIX, is_partial_name
+from tasks.partials import PARTIAL_SUFFIX, is_partial_name
 
 
 class StorageError(Exception):

@@ -33,7 +33,6 @@ from flows.params import (
     analysis_part,
     chunk_part,
     chunks_manifest_key,
-    is_partial_name,
     part_progress_key,
     progress_key,
     result_error_key,
@@ -42,6 +41,7 @@ from flows.params import (
     video_plan_key,
     video_report_key,
 )
+from tasks.partials import is_partial_name
 from tests.webapi.conftest import make_settings
 from webapi import crud
 from webapi.config import Settings
