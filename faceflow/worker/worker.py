@@ -8,8 +8,10 @@ starts a process (``Pending``, job configuration from the pool's template, worke
 then hands the run to an idle child, which runs it through ``prefect.flow_engine.run_flow``
 (states, logs and the UI as usual). It skips the per-run work that a warm child makes
 pointless: no ``Submitting`` state, the settings serialised into the run's environment once,
-the deployment and flow read once per few seconds (``job.DefinitionCache``), labels written
-beside the hand-over, no rename when the run already has its job's name.
+the deployment and flow read beside the ``Pending`` proposal, not after it
+(``job.DefinitionCache``), labels written beside the hand-over, no rename when the run
+already has its job's name. A run announced by its pool's ``Scheduled`` event is claimed
+from that event (one read of the run); the polls stay as the fallback.
 
 From outside the child the worker enforces the run's ``deadline_at`` (+ grace) and
 cancellation by killing the child (SIGTERM, then SIGKILL), marks the run ``Crashed``
@@ -40,7 +42,7 @@ from prefect.workers.base import BaseWorker, BaseWorkerResult
 
 from faceflow.worker.claims import Claim, ClaimJournal, identity_slug, kill_stray_child
 from faceflow.worker.health import HealthServer, write_status_file
-from faceflow.worker.job import FaceFlowJobConfiguration, FaceFlowVariables
+from faceflow.worker.job import DEFINITIONS, FaceFlowJobConfiguration, FaceFlowVariables
 from faceflow.worker.pool import CheckState, ChildGone, ChildPool, NoChildReady, PoolLimits, Slot
 from faceflow.worker.protocol import RunFinished, RunRequest, RunStarted
 from faceflow.worker.settings import DEFAULT_ENTRYPOINT, WorkerSettings
@@ -380,15 +382,22 @@ class FaceFlowGpuWorker(
             self._cancelling_observer.remove_in_flight_flow_run_id(flow_run.id)
 
     async def _deployment_gone(self, flow_run: FlowRun) -> bool:
-        """Whether the run names a deployment that no longer exists (an API error: no)."""
+        """Whether the run names a deployment that no longer exists (an API error: no).
+        The deployment read and the run's flow go to ``DEFINITIONS``, so that the run's
+        job configuration, made once ``Pending`` is accepted, needs no request."""
         if flow_run.deployment_id is None:
             return False
-        try:
-            await self.client.read_deployment(flow_run.deployment_id)
-        except ObjectNotFound:
+        deployment, _flow = await asyncio.gather(
+            self.client.read_deployment(flow_run.deployment_id),
+            DEFINITIONS.flow(self.client, flow_run.flow_id),
+            return_exceptions=True,
+        )
+        if isinstance(deployment, ObjectNotFound):
             return True
-        except Exception as exc:  # Prefect's own check would fail the submission; the
-            self._logger.debug("could not read deployment: %s", exc)  # run goes on here
+        if isinstance(deployment, BaseException):  # Prefect's own check would fail the
+            self._logger.debug("could not read deployment: %s", deployment)  # submission
+            return False
+        DEFINITIONS.remember(deployment)
         return False
 
     async def _propose_pending_state(self, flow_run: FlowRun) -> bool:

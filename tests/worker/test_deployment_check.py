@@ -15,7 +15,7 @@ import pytest
 
 from faceflow.worker.claims import ClaimJournal, identity_slug
 from faceflow.worker.worker import FaceFlowGpuWorker
-from tests.worker.conftest import Api, in_process_settings, probe_pool
+from tests.worker.conftest import PROBE_ENTRYPOINT, Api, in_process_settings, probe_pool
 
 pytestmark = pytest.mark.prefect
 
@@ -79,3 +79,38 @@ def test_pending_is_proposed_beside_the_deployment_check_and_a_gone_one_cancels(
     assert "no longer exists" in (run["state"]["message"] or "")
     assert journal.claims() == []
     journal.release()
+
+
+def test_the_check_leaves_the_run_configuration_nothing_to_read(prefect_api: Api) -> None:
+    """The check's deployment read and the run's flow go to the definition cache beside
+    ``Pending``: the configuration made once ``Pending`` is accepted reads nothing, also
+    for a run claimed after idle time (both older than the cache's few seconds)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import temporary_settings
+
+    from faceflow.worker.job import DEFINITIONS, FaceFlowJobConfiguration
+
+    pool, deployment = probe_pool(prefect_api, "fresh")
+    run_id = prefect_api.create_run(deployment, {"fuse": False})
+
+    async def scenario() -> tuple[bool, int]:
+        async with get_client() as client:
+            worker = FaceFlowGpuWorker(work_pool_name=pool, name="gpu-host-0")
+            worker._client = client
+            run = await client.read_flow_run(uuid.UUID(run_id))
+            gone = await worker._deployment_gone(run)
+            reads = DEFINITIONS.reads
+            config = await FaceFlowJobConfiguration.resolve_for_flow_run(
+                run,
+                client=client,
+                work_pool=await client.read_work_pool(pool),
+                worker_name="gpu-host-0",
+            )
+            assert config.entrypoint == PROBE_ENTRYPOINT  # from the remembered deployment
+            return gone, DEFINITIONS.reads - reads
+
+    with temporary_settings(updates=in_process_settings(prefect_api)):
+        gone, reads_after_pending = asyncio.run(scenario())
+
+    assert not gone
+    assert reads_after_pending == 0
