@@ -8,8 +8,10 @@ starts a process (``Pending``, job configuration from the pool's template, worke
 then hands the run to an idle child, which runs it through ``prefect.flow_engine.run_flow``
 (states, logs and the UI as usual). It skips the per-run work that a warm child makes
 pointless: no ``Submitting`` state, the settings serialised into the run's environment once,
-the deployment and flow read once per few seconds (``job.DefinitionCache``), labels written
-beside the hand-over, no rename when the run already has its job's name.
+the deployment and flow read beside the ``Pending`` proposal, not after it
+(``job.DefinitionCache``), labels written beside the hand-over, no rename when the run
+already has its job's name. A run announced by its pool's ``Scheduled`` event is claimed
+from that event (one read of the run); the polls stay as the fallback.
 
 From outside the child the worker enforces the run's ``deadline_at`` (+ grace) and
 cancellation by killing the child (SIGTERM, then SIGKILL), marks the run ``Crashed``
@@ -40,7 +42,7 @@ from prefect.workers.base import BaseWorker, BaseWorkerResult
 
 from faceflow.worker.claims import Claim, ClaimJournal, identity_slug, kill_stray_child
 from faceflow.worker.health import HealthServer, write_status_file
-from faceflow.worker.job import FaceFlowJobConfiguration, FaceFlowVariables
+from faceflow.worker.job import DEFINITIONS, FaceFlowJobConfiguration, FaceFlowVariables
 from faceflow.worker.pool import CheckState, ChildGone, ChildPool, NoChildReady, PoolLimits, Slot
 from faceflow.worker.protocol import RunFinished, RunRequest, RunStarted
 from faceflow.worker.settings import DEFAULT_ENTRYPOINT, WorkerSettings
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 
     from prefect.client.schemas.objects import FlowRun, State
     from prefect.client.schemas.responses import WorkerFlowRunResponse
+    from prefect.events.schemas.events import Event
 
 WORKER_TYPE = "faceflow-gpu"
 # The codes that open the message of a run this worker ends ``Crashed`` (for the Prefect UI:
@@ -108,7 +111,9 @@ class FaceFlowGpuWorker(
         self._priority_only = False
         self._last_poll_ok = time.monotonic()
         self._journal: ClaimJournal | None = None
-        self._labelling: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._announced: set[str] = set()  # runs being claimed from their Scheduled event
+        self.claims = {"event": 0, "poll": 0}  # runs claimed (Pending accepted), by source
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -168,9 +173,9 @@ class FaceFlowGpuWorker(
 
     async def teardown(self, *exc_info: Any) -> None:
         """Stop the services and every child (by PID), then Prefect's teardown."""
-        for task in [*self._services, *self._labelling]:
+        for task in [*self._services, *self._background]:
             task.cancel()
-        for task in [*self._services, *self._labelling]:
+        for task in [*self._services, *self._background]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._services.clear()
@@ -314,13 +319,86 @@ class FaceFlowGpuWorker(
         )
 
     # ------------------------------------------------------------------ pickup
-    # Prefect 3.9's BaseWorker has no public hook for these four steps of its pickup (the
-    # Pending claim, the Submitting state, the worker labels, the scheduled-run query), so
+    # Prefect 3.9's BaseWorker has no public hook for these five steps of its pickup (the
+    # submission, the Pending claim, the Submitting state, the worker labels, the
+    # scheduled-run query), so
     # they override its private methods, each calling ``super()`` where it keeps Prefect's
     # behaviour. The warm-worker tests (tests/worker/) exercise each one against a real
     # server, so a Prefect release that renames or reshapes them fails CI, not production.
     # Everything else uses public hooks: ``setup``, ``teardown``, ``run``,
     # ``get_and_submit_flow_runs``, ``kill_infrastructure``.
+
+    async def _submit_run(self, flow_run: FlowRun) -> None:
+        """Prefect's submission of a claimed run (``BaseWorker._submit_run``), with its
+        check that the run's deployment still exists made beside the ``Pending`` proposal
+        instead of before it: one API round trip fewer between the run's pickup and its
+        child. A run whose deployment is gone is still never handed to a child, and is
+        cancelled, as Prefect does."""
+        check = asyncio.create_task(self._deployment_gone(flow_run))
+        try:
+            ready = await self._propose_pending_state(flow_run)
+            gone = await check
+        finally:
+            check.cancel()  # a no-op once it is done
+        if gone:
+            self._logger.error(
+                "Deployment %s no longer exists. Flow run %s will not be submitted for execution",
+                flow_run.deployment_id,
+                flow_run.id,
+            )
+            await self._mark_flow_run_as_cancelled(
+                flow_run,
+                state_updates={
+                    "message": f"Deployment {flow_run.deployment_id} no longer exists, "
+                    "cancelled run."
+                },
+            )
+            if self._journal is not None:
+                self._journal.remove(str(flow_run.id))
+            ready = False
+        if ready:
+            assert self._runs_task_group is not None
+            started = await self._runs_task_group.start(
+                self._submit_run_and_capture_errors, flow_run
+            )
+            if started and not isinstance(started, Exception):
+                run_logger = self.get_flow_run_logger(flow_run)
+                try:
+                    await self.client.update_flow_run(
+                        flow_run_id=flow_run.id, infrastructure_pid=str(started)
+                    )
+                except Exception:
+                    run_logger.exception(
+                        "An error occurred while setting the `infrastructure_pid` on flow run "
+                        f"{flow_run.id!r}. The flow run will not be cancellable."
+                    )
+                run_logger.info(f"Flow run '{flow_run.name}' submitted to infrastructure")
+            else:
+                self._release_limit_slot(flow_run.id)
+        else:
+            self._release_limit_slot(flow_run.id)
+        self._submitting_flow_run_ids.discard(flow_run.id)
+        if self._cancelling_observer is not None:
+            self._cancelling_observer.remove_in_flight_flow_run_id(flow_run.id)
+
+    async def _deployment_gone(self, flow_run: FlowRun) -> bool:
+        """Whether the run names a deployment that no longer exists (an API error: no).
+        The deployment read and the run's flow go to ``DEFINITIONS``, so that the run's
+        job configuration, made once ``Pending`` is accepted, needs no request."""
+        if flow_run.deployment_id is None:
+            return False
+        deployment, _flow = await asyncio.gather(
+            self.client.read_deployment(flow_run.deployment_id),
+            DEFINITIONS.flow(self.client, flow_run.flow_id),
+            return_exceptions=True,
+        )
+        if isinstance(deployment, ObjectNotFound):
+            return True
+        if isinstance(deployment, BaseException):  # Prefect's own check would fail the
+            self._logger.debug("could not read deployment: %s", deployment)  # submission
+            return False
+        DEFINITIONS.remember(deployment)
+        return False
 
     async def _propose_pending_state(self, flow_run: FlowRun) -> bool:
         """Journal the claim *before* Prefect records it as ``Pending``.
@@ -334,7 +412,11 @@ class FaceFlowGpuWorker(
         if self._journal is not None:
             self._journal.add(run_id)
         accepted = await super()._propose_pending_state(flow_run)
-        if not accepted and self._journal is not None:
+        announced = run_id in self._announced
+        self._announced.discard(run_id)
+        if accepted:
+            self.claims["event" if announced else "poll"] += 1
+        elif self._journal is not None:
             self._journal.remove(run_id)
         return accepted
 
@@ -356,12 +438,16 @@ class FaceFlowGpuWorker(
                 self._logger.debug("could not label flow run %s: %s", flow_run_id, exc)
 
         task = asyncio.create_task(label())
-        self._labelling.add(task)
-        task.add_done_callback(self._labelling.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    async def get_and_submit_flow_runs(self) -> list[FlowRun]:
-        """Poll only while a warm child is idle, or all are running and a prefetch place is
-        free (other workers take the rest; nothing is claimed while no child is warm)."""
+    def _open_places(self) -> tuple[int, list[str]]:
+        """How many runs this worker may claim now, and from which work queues (all of
+        the worker's when empty): while a warm child is idle, or all are running and a
+        prefetch place is free, the children's and prefetch places but one, kept for the
+        priority queue; when every other place is taken, that one place on the priority
+        queue alone (other workers take the rest; nothing is claimed while no child is
+        warm or while draining)."""
         pool = self._pool
         free = pool is not None and (
             pool.idle_count() > 0
@@ -371,9 +457,21 @@ class FaceFlowGpuWorker(
                 and not self._prefetch_paused
             )
         )
-        # Every place taken: still claim one run of the priority queue (none waiting yet).
         self._priority_only = not free and pool is not None and pool.priority_waiting == 0
         if self._draining or not (free or self._priority_only):
+            return 0, []
+        limiter = self._limiter
+        tokens = self.limiter.total_tokens - self.limiter.borrowed_tokens if limiter else 1
+        if not self._priority_only:
+            return int(tokens) - 1, list(self._work_queues)
+        priority = self.settings.priority_queue
+        if self._work_queues and priority not in self._work_queues:
+            return 0, []
+        return min(1, int(tokens)), [priority]
+
+    async def get_and_submit_flow_runs(self) -> list[FlowRun]:
+        """Prefect's poll, only while ``_open_places`` finds a place."""
+        if self._open_places()[0] <= 0:
             self._last_polled_time = datetime.now(UTC)
             self._last_poll_ok = time.monotonic()
             return []
@@ -382,22 +480,9 @@ class FaceFlowGpuWorker(
         return runs
 
     async def _get_scheduled_flow_runs(self) -> list[WorkerFlowRunResponse]:
-        """Prefect's poll, cut to the places this poll may fill: children and prefetch
-        places (one place is kept for the priority queue), or only that one place, on the
-        priority queue alone, when every other place is taken. The server returns runs of
+        """Prefect's poll, cut to ``_open_places``. The server returns runs of
         higher-priority queues first."""
-        limiter = self._limiter
-        free = (
-            self.limiter.total_tokens - self.limiter.borrowed_tokens if limiter is not None else 1
-        )
-        if not self._priority_only:
-            places = int(free) - 1
-            queues = list(self._work_queues)
-        else:
-            places = min(1, int(free))
-            queues = [self.settings.priority_queue]
-            if self._work_queues and self.settings.priority_queue not in self._work_queues:
-                places = 0
+        places, queues = self._open_places()
         if places <= 0:
             return []
         scheduled_before = datetime.now(UTC) + timedelta(seconds=int(self._prefetch_seconds))
@@ -409,7 +494,65 @@ class FaceFlowGpuWorker(
             )
         except ObjectNotFound:
             return []
-        return runs[:places]
+        found = self._cut_to_open_places(runs)
+        return found
+
+    def _cut_to_open_places(self, runs: list[WorkerFlowRunResponse]) -> list[WorkerFlowRunResponse]:
+        """``runs`` not claimed yet, cut to the places open now. Called with no await
+        before Prefect's submission takes the limiter's places, so a claim made meanwhile
+        (an announced run, another poll) is neither repeated nor given a second place, and
+        the priority queue's place is kept."""
+        places, queues = self._open_places()
+        held: set[object] = set(self._submitting_flow_run_ids)
+        if self._limiter is not None:
+            held.update(self._limiter.statistics().borrowers)
+        runs = [r for r in runs if r.flow_run.id not in held]
+        if queues:
+            runs = [r for r in runs if r.flow_run.work_queue_name in queues]
+        return runs[: max(places, 0)]
+
+    async def _claim_announced(self, event: Event) -> None:
+        """Claim the run a ``Scheduled`` event names, without a poll of the whole pool: one
+        read of that run, then Prefect's submission (limiter, ``Pending``, hand-over) as for
+        a polled run. Only where a poll would take it now: a place is open for its work
+        queue, it is still ``Scheduled`` in this pool and due. Anything else is left to the
+        polls (one is asked for when the read fails). Two claims of one run cannot both
+        start it: Prefect's submission skips a run it holds, and its orchestration refuses
+        a second ``Pending``."""
+        from prefect.client.schemas.responses import WorkerFlowRunResponse
+
+        queue = event.resource_in_role.get("work-queue")
+        if self._work_pool is None or queue is None:
+            return
+        places, queues = self._open_places()
+        if places <= 0 or (queues and queue.name not in queues):
+            return
+        try:
+            announced = uuid.UUID(event.resource.id.removeprefix("prefect.flow-run."))
+            run = await self.client.read_flow_run(announced)
+        except Exception as exc:  # ObjectNotFound, API trouble: the poll decides
+            self._logger.debug("could not read announced flow run: %s", exc)
+            self._poll_now.set()
+            return
+        state = run.state
+        if state is None or not state.is_scheduled() or run.work_queue_id is None:
+            return
+        if run.work_pool_id != self._work_pool.id:
+            return
+        due = datetime.now(UTC) + timedelta(seconds=int(self._prefetch_seconds))
+        if (state.state_details.scheduled_time or state.timestamp) > due:
+            return
+        found = WorkerFlowRunResponse(
+            work_pool_id=self._work_pool.id, work_queue_id=run.work_queue_id, flow_run=run
+        )
+        runs = self._cut_to_open_places([found])  # places may have been taken meanwhile
+        if not runs:
+            return
+        run_id = str(run.id)
+        self._announced.add(run_id)
+        submitted = await self._submit_scheduled_flow_runs(runs)
+        if all(str(r.id) != run_id for r in submitted):
+            self._announced.discard(run_id)
 
     def _child_idle(self) -> None:
         """A child is free: claim ahead again, and poll now."""
@@ -417,9 +560,9 @@ class FaceFlowGpuWorker(
         self._poll_now.set()
 
     async def _event_pickup_loop(self) -> None:
-        """Poll at once when the pool gets a ``Scheduled`` flow run, and read a supervised
-        run's state at once when it is ``Cancelling`` (websocket events; the polls stay as
-        the fallback)."""
+        """Claim the run of a ``Scheduled`` event of the pool at once (``_claim_announced``),
+        and read a supervised run's state at once when it is ``Cancelling`` (websocket
+        events; the polls stay as the fallback)."""
         from prefect.events.clients import get_events_subscriber
         from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
 
@@ -436,12 +579,19 @@ class FaceFlowGpuWorker(
                         if event.event == CANCELLING_EVENT:
                             self._check_state_now(event.resource.id)
                         else:
-                            self._poll_now.set()
+                            self._claim_in_background(event)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self._logger.debug("event pickup unavailable (%s); polling only", exc)
                 await asyncio.sleep(5)
+
+    def _claim_in_background(self, event: Event) -> None:
+        """``_claim_announced`` beside the event stream (a Cancelling event never waits
+        for a claim's read)."""
+        task = asyncio.create_task(self._claim_announced(event))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _check_state_now(self, resource_id: str) -> None:
         """Nudge the supervision of flow run ``prefect.flow-run.<id>``, if a child runs it."""
@@ -731,6 +881,7 @@ class FaceFlowGpuWorker(
             "ready": any(c["ready"] for c in children),
             "idle": self._pool.idle_count() if self._pool else 0,
             "prefetched": self._pool.waiting if self._pool else 0,
+            "claims": dict(self.claims),
             "last_polled": self._last_polled_time.isoformat(),
             "children": children,
         }

@@ -103,6 +103,22 @@ def pool_template() -> dict[str, Any]:
     return dict(json.loads(TEMPLATE.read_text()))
 
 
+def probe_pool(api: Api, prefix: str) -> tuple[str, str]:
+    """A fresh faceflow-gpu pool ``<prefix>-<hex>`` with the probe deployed in it, for a
+    worker driven in-process: (pool name, deployment id)."""
+    pool = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    api.create_pool(pool, "faceflow-gpu", pool_template())
+    return pool, api.deploy("warm-probe", PROBE_ENTRYPOINT, pool)
+
+
+def in_process_settings(api: Api) -> dict[Any, Any]:
+    """Prefect settings for a worker driven in this process (``temporary_settings``): the
+    test server's API, no logs sent to it."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED
+
+    return {PREFECT_API_URL: api.server.api_url, PREFECT_LOGGING_TO_API_ENABLED: False}
+
+
 @dataclass
 class WarmWorker:
     """One ``prefect worker start --type faceflow-gpu`` process and its health endpoint."""

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from faceflow.worker.claims import ClaimJournal, identity_slug
-from faceflow.worker.worker import WORKER_TYPE, FaceFlowGpuWorker
-from tests.worker.conftest import PROBE_ENTRYPOINT, Api, pool_template
+from faceflow.worker.worker import FaceFlowGpuWorker
+from tests.worker.conftest import Api, in_process_settings, probe_pool
 
 pytestmark = pytest.mark.prefect
 
@@ -35,15 +35,9 @@ def test_a_claim_is_journaled_before_prefect_records_it_pending(
 ) -> None:
     import prefect.workers.base
     from prefect.client.orchestration import get_client
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_LOGGING_TO_API_ENABLED,
-        temporary_settings,
-    )
+    from prefect.settings import temporary_settings
 
-    pool = f"claim-{uuid.uuid4().hex[:6]}"
-    prefect_api.create_pool(pool, WORKER_TYPE, pool_template())
-    deployment = prefect_api.deploy("warm-probe", PROBE_ENTRYPOINT, pool)
+    pool, deployment = probe_pool(prefect_api, "claim")
     claimed = prefect_api.create_run(deployment, {"fuse": False})
     taken = prefect_api.create_run(deployment, {"fuse": False})
     prefect_api.set_state(taken, "RUNNING", force=True)  # another worker has it
@@ -86,8 +80,7 @@ def test_a_claim_is_journaled_before_prefect_records_it_pending(
             successor.release()
         return accepted, refused, after_accepted, after_refused
 
-    api = {PREFECT_API_URL: prefect_api.server.api_url, PREFECT_LOGGING_TO_API_ENABLED: False}
-    with temporary_settings(updates=api):
+    with temporary_settings(updates=in_process_settings(prefect_api)):
         accepted, refused, after_accepted, after_refused = asyncio.run(scenario())
 
     # (a) Journaled before the proposal reached Prefect; (b) accepted: Pending and journaled.

@@ -164,6 +164,28 @@ def test_a_cancelling_event_stops_the_child_without_waiting_for_the_state_poll(
         worker.service.stop(grace=15)
 
 
+def test_a_scheduled_run_is_claimed_from_its_event_not_by_a_pool_poll(
+    prefect_api: Api, tmp_path: Path
+) -> None:
+    """Issue 24: the run a pool's ``Scheduled`` event names is read and claimed at once; no
+    poll of the pool stands between the event and ``Pending``. With polls 60 s apart, the
+    run is claimed from its event (the worker's counts say how each run was claimed)."""
+    worker = start_warm_worker(
+        prefect_api,
+        tmp_path,
+        f"announce-{uuid.uuid4().hex[:6]}",
+        extra_env={"FACEFLOW_WORKER_QUERY_SECONDS": "60"},
+    )
+    try:
+        before = worker.status()["claims"]
+        run_id = worker.submit()
+        assert prefect_api.wait_final(run_id, timeout=60)["state_type"] == "COMPLETED"
+        after = worker.status()["claims"]
+        assert after == {"event": before["event"] + 1, "poll": before["poll"]}, (before, after)
+    finally:
+        worker.service.stop(grace=15)
+
+
 def test_a_sigkilled_child_crashes_its_run_within_2_s(warm_worker: WarmWorker) -> None:
     warm_worker.wait_idle()
     run_id = warm_worker.submit(c_sleep_s=60)
