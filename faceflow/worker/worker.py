@@ -575,6 +575,12 @@ class FaceFlowGpuWorker(
         while True:
             try:
                 async with get_events_subscriber(filter=event_filter) as subscriber:
+                    # What happened before the subscription took effect may never arrive
+                    # (backfill reads only persisted events): read once what it may hide.
+                    for slot in self.pool.slots:
+                        if slot.flow_run_id is not None:
+                            slot.run_queue.put_nowait(CheckState(slot.flow_run_id))
+                    self._poll_now.set()
                     async for event in subscriber:
                         if event.event == CANCELLING_EVENT:
                             self._check_state_now(event.resource.id)
