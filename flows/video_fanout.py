@@ -23,7 +23,8 @@ from uuid import UUID
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import FlowRun, StateType
-from prefect.states import Cancelled, Cancelling, State
+from prefect.client.schemas.responses import SetStateStatus
+from prefect.states import Cancelling, State
 
 from flows.deadline import Deadline
 from flows.params import VIDEO_PART_FLOW_NAME, video_parts_tag
@@ -38,6 +39,7 @@ PART_TRIES = 3
 CREATE_TRIES = 8
 """Tries of a bulk creation that SQLite's ``database is locked`` (or a 5xx) refused."""
 FINAL = {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
+CANCEL_TRIES = 4  # proposals of one part's cancel, each after the run moved on
 _CODE = re.compile(r"^\[([a-z_]+)\] ?(.*)$", re.S)
 
 
@@ -175,19 +177,21 @@ class Parts:
         return {ids[run.id]: run for run in found}
 
     def _cancel(self, client: SyncPrefectClient, parts: set[str]) -> None:
+        """Cancel the parts' runs as the relay does (``webapi.prefect_api.cancel_flow_run``):
+        ``Cancelling`` proposed, never forced, so Prefect decides by each run's state when
+        it arrives: not claimed → Cancelled at once; claimed or running → Cancelling, which
+        it lets end only as Cancelled (the worker holding it cannot start it any more and
+        ends it); ended meanwhile → its end is kept."""
+        message = "The video job attempt ended"
         for part in parts:
             run = client.read_flow_run(self.runs[part]) if part in self.runs else None
-            if run is None or run.state_type in FINAL or run.state_type is StateType.CANCELLING:
-                continue
-            message = "The video job attempt ended"
-            # claimed (Pending) or running: Cancelling, which Prefect lets end only as
-            # Cancelled, so the worker holding it cannot start it any more (a Cancelled
-            # run may go back to Running); else no worker holds it: Cancelled at once
-            claimed = run.state_type in (StateType.PENDING, StateType.RUNNING)
-            state: State[Any] = (
-                Cancelling(message=message) if claimed else Cancelled(message=message)
-            )
-            client.set_flow_run_state(run.id, state, force=True)
+            for _ in range(CANCEL_TRIES):
+                if run is None or run.state_type in FINAL or run.state_type is StateType.CANCELLING:
+                    break
+                proposed: State[Any] = Cancelling(message=message)
+                if client.set_flow_run_state(run.id, proposed).status is SetStateStatus.ACCEPT:
+                    break
+                run = client.read_flow_run(run.id)  # Cancelled instead, or it moved on
 
 
 def _retryable(status: int, error: str) -> bool:

@@ -122,8 +122,7 @@ class StateType(StrEnum):
 FINAL_STATES = frozenset(
     {StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED, StateType.CRASHED}
 )
-# a worker holds the run: cancelling it is the worker's to finish (``cancel_flow_run``)
-CLAIMED = frozenset({StateType.PENDING, StateType.RUNNING})
+CANCEL_TRIES = 4  # proposals of one cancel (``cancel_flow_run``), each after the run moved on
 
 
 @dataclass(frozen=True)
@@ -432,20 +431,30 @@ class PrefectAPI(Closing):
         )
 
     def cancel_flow_run(self, run: FlowRun, *, message: str) -> StateType:
-        """Cancel a run by its current state; returns the state it is in afterwards.
+        """Cancel a run; returns the state it is in afterwards.
 
-        Not claimed (Scheduled, Paused) → CANCELLED at once (no worker holds it, no GPU
-        spent); claimed or running (Pending, Running) → CANCELLING: Prefect refuses a
-        Cancelling run any state but Cancelled, so a claimed run cannot start any more, and
-        the worker that holds it stops its process and makes it CANCELLED. (A Pending run
-        set CANCELLED instead would start anyway: Prefect lets a Cancelled run go back to
-        Running.) Already final or cancelling → unchanged.
+        ``Cancelling`` is proposed (never forced) and Prefect decides by the run's state
+        when the proposal arrives, not by ``run``, which may be stale: a run no worker
+        holds (Scheduled, suspended) becomes CANCELLED at once
+        (``BypassCancellingFlowRunsWithNoInfra``); a claimed or running one (Pending,
+        Running) CANCELLING, which Prefect lets end only as Cancelled, so it cannot start
+        any more and the worker that holds it stops its process and makes it CANCELLED (a
+        Cancelled run would start anyway: Prefect lets it go back to Running); a run that
+        ended meanwhile keeps its end (a forced Cancelling would overwrite it, and no
+        worker would ever end it). Already final or cancelling → unchanged.
         """
-        if run.state_type.is_final or run.state_type is StateType.CANCELLING:
-            return run.state_type
-        target = StateType.CANCELLING if run.state_type in CLAIMED else StateType.CANCELLED
-        result = self.set_state(run.id, target, message=message, force=True)
-        return result.state_type or target
+        state = run.state_type
+        for _ in range(CANCEL_TRIES):
+            if state.is_final or state is StateType.CANCELLING:
+                return state
+            result = self.set_state(run.id, StateType.CANCELLING, message=message)
+            if result.accepted:
+                return StateType.CANCELLING
+            current = self.read_flow_run(run.id)  # Cancelled instead, or it moved on
+            if current is None:
+                return state
+            state = current.state_type
+        return state
 
 
 def _detail(response: httpx.Response) -> str:

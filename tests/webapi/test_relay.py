@@ -575,6 +575,41 @@ def test_cancel_stops_the_video_parts_of_the_cancelled_attempt_only(
     assert states == {busy: "CANCELLING", waiting: "CANCELLED", other: "RUNNING", done: "COMPLETED"}
 
 
+def test_a_cancel_never_overwrites_what_the_run_did_after_it_was_read(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """A cancel reads a run, then proposes its cancel: a run that ended or started in
+    between is cancelled by its new state, and an end is never overwritten (a forced
+    Cancelling over a part that had just completed left it Cancelling for ever: CI)."""
+    _job_id, run_id = running(relay, owner, prefect_server)
+    flow_id = prefect_server.rest.run(run_id)["flow_id"]
+
+    def run_in(state: str) -> str:
+        created = str(prefect_server.rest.call("POST", "/flow_runs/", {"flow_id": flow_id})["id"])
+        prefect_server.rest.set_state(created, state)
+        return created
+
+    ended, started, claimed = run_in("RUNNING"), run_in("SCHEDULED"), run_in("SCHEDULED")
+    waiting = run_in("SCHEDULED")
+    runs = (ended, started, claimed, waiting)
+    stale = relay.prefect.read_flow_runs(runs)
+    prefect_server.rest.set_state(ended, "COMPLETED")  # each moves on after the read
+    prefect_server.rest.set_state(started, "RUNNING")
+    prefect_server.rest.set_state(claimed, "PENDING")
+    cancel = relay.prefect.cancel_flow_run
+    assert cancel(stale[ended], message="late") is StateType.COMPLETED
+    assert cancel(stale[started], message="late") is StateType.CANCELLING
+    assert cancel(stale[claimed], message="late") is StateType.CANCELLING
+    assert cancel(stale[waiting], message="late") is StateType.CANCELLED  # no worker has it
+    states = {r: prefect_server.rest.run(r)["state_type"] for r in runs}
+    assert states == {
+        ended: "COMPLETED",
+        started: "CANCELLING",
+        claimed: "CANCELLING",
+        waiting: "CANCELLED",
+    }
+
+
 def test_a_crashed_video_coordinators_parts_are_cancelled_and_the_job_runs_again(
     relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
 ) -> None:
