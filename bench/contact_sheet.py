@@ -2,11 +2,11 @@
 
 Run: ``.venv/bin/python bench/contact_sheet.py [--out docs/look.jpg]``.
 
-One row per pair (``PAIRS``, the sample faces of ``bench/quality.py``) under a header
-row naming the columns: the target, the result with the default options, the result
-without the look options (``keep_occluders`` and ``mirror_source`` off), and the source;
-each tile the face's region, 200 px square. The JPEG is written at the highest quality
-(85 down) that keeps it under ``MAX_BYTES``.
+One row per pair (``faceflow.testing.contact_sheet.PAIRS``, the sample faces of
+``bench/quality.py``) under a header row naming the columns: the target, the result with
+the default options, the result without the look options (``keep_occluders`` and
+``mirror_source`` off), and the source; each tile the face's region, 200 px square. The
+JPEG is written at the highest quality (85 down) that keeps it under ``MAX_BYTES``.
 """
 
 from __future__ import annotations
@@ -21,21 +21,11 @@ import cv2
 import numpy as np
 
 from bench.quality import Sample, sample_faces
+from faceflow.testing.contact_sheet import COLUMNS, HEADER, PAIRS, TILE, encode_small
 from tasks.options import FusionOptions
 from tasks.pipeline import Detections, PipelineContext, align_stage, fuse_stage, postprocess_stage
 from tasks.types import Box, RGBImage
 
-PAIRS = (
-    ("astronaut", "grace_hopper"),  # glasses and a cap's brim on the target
-    ("astronaut", "t1-1@crop"),  # a source lit from the front onto a face lit from the side
-    ("t1-5@crop", "t1-4@crop"),  # the source's long hair
-    ("t1-4@crop", "t1-1@crop"),  # a rolled target the second detector used to lose
-    ("t1-1@crop", "t1-3@crop"),  # the target's shadows, no longer kept as occluders
-)
-COLUMNS = ("target", "result", "without look options", "source")
-TILE = 200
-HEADER = 28
-MAX_BYTES = 300_000
 PLAIN: dict[str, object] = {"keep_occluders": False, "mirror_source": False}
 
 
@@ -69,16 +59,6 @@ def _header() -> RGBImage:
             cv2.LINE_AA,
         )
     return strip
-
-
-def encode_small(sheet: RGBImage, max_bytes: int = MAX_BYTES) -> bytes:
-    """``sheet`` as a JPEG at the highest quality (85 down, by 5) under ``max_bytes``."""
-    bgr = cv2.cvtColor(sheet, cv2.COLOR_RGB2BGR)
-    for quality in range(85, 20, -5):
-        ok, data = cv2.imencode(".jpg", bgr, [cv2.IMWRITE_JPEG_QUALITY, quality])
-        if ok and len(data) < max_bytes:
-            return bytes(data)
-    raise ValueError(f"the contact sheet does not fit {max_bytes} bytes")
 
 
 def main() -> None:

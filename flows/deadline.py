@@ -158,7 +158,7 @@ class StageGuard:
         )
         # Stage inputs are plain values (images, a batch's job lists), never futures:
         # ``quote`` spares Prefect walking them twice per call (parameter resolution and
-        # task-run inputs: ≈ 13 ms per stage of a 32-job batch, docs/benchmarks.md).
+        # task-run inputs: ≈ 13 ms per stage of a 32-job batch, docs/batching.md).
         try:
             return configured(*map(quote, args), **{k: quote(v) for k, v in kwargs.items()})
         except Exception as exc:

@@ -11,7 +11,7 @@ import cv2
 import numpy as np
 import pytest
 
-from bench import contact_sheet
+from faceflow.testing import contact_sheet
 from tasks import errors
 from tasks.align import align_face
 from tasks.detect import detect_faces
