@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, cast
@@ -24,7 +23,7 @@ from pydantic import SecretStr
 from blocks.cache import load_block
 from blocks.ranged import BLOCK_SIZE, MAX_BLOCKS, RangedSource
 from tasks.errors import InvalidInput, TransientError
-from tasks.partials import partial_name
+from tasks.partials import replacing
 
 HOME_ENV = "FACEFLOW_HOME"
 DEFAULT_HOME = Path(".faceflow")
@@ -101,23 +100,10 @@ def write_to(store: ByteStore, key: str, data: bytes) -> None:
     temporary name and renamed; an S3 object appears only when its upload completes)."""
     with _writing():
         if isinstance(store, LocalFileSystem):
-            _replace_local(store, key, lambda partial: partial.write_bytes(data))
+            with replacing(store._resolve_path(key)) as partial:
+                partial.write_bytes(data)
         else:
             store.write_path(key, data)
-
-
-def _replace_local(store: LocalFileSystem, key: str, write: Callable[[Path], object]) -> None:
-    """Store under ``key`` what ``write`` puts in a temporary file beside it, renamed when
-    whole: a reader sees the old object or the new one, never part of one (a failed write
-    leaves no temporary file)."""
-    target = store._resolve_path(key)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(partial_name(target.name, uuid.uuid4().hex[:12]))
-    try:
-        write(partial)
-        partial.replace(target)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def exists(store: ByteStore, key: str) -> bool:
@@ -205,7 +191,8 @@ def put_from(store: ByteStore, key: str, path: Path) -> None:
     upload (``S3Bucket``: an object appears only when its upload completes)."""
     with _writing():
         if isinstance(store, LocalFileSystem):
-            _replace_local(store, key, lambda partial: shutil.copyfile(path, partial))
+            with replacing(store._resolve_path(key)) as partial:
+                shutil.copyfile(path, partial)
         elif hasattr(store, "upload_from_path"):
             store.upload_from_path(path, key)
         else:

@@ -12,15 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol, cast, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
-from tasks.partials import PARTIAL_SUFFIX, is_partial_name
+from tasks.partials import is_partial_name, replacing
 
 
 class StorageError(Exception):
@@ -89,23 +87,8 @@ class LocalObjectStore:
     def _path(self, key: str) -> Path:
         return self.basepath / check_key(key)
 
-    @contextmanager
-    def _replacing(self, key: str) -> Iterator[Path]:
-        """A temporary file beside ``key``'s that becomes it when the block ends (removed
-        if the block raises)."""
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX)
-        os.close(fd)
-        try:
-            yield Path(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
     def put(self, key: str, data: bytes, *, content_type: str | None = None) -> None:
-        with self._replacing(key) as tmp:
+        with replacing(self._path(key)) as tmp:
             tmp.write_bytes(data)
 
     def get(self, key: str) -> bytes:
@@ -118,7 +101,7 @@ class LocalObjectStore:
         return self._path(key).is_file()
 
     def put_file(self, key: str, path: Path, *, content_type: str | None = None) -> None:
-        with self._replacing(key) as tmp:
+        with replacing(self._path(key)) as tmp:
             shutil.copyfile(path, tmp)
 
     def size(self, key: str) -> int:

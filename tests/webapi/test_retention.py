@@ -336,24 +336,22 @@ def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
     assert store.exists(other)
 
 
-KILLED_WRITERS = {
+KILLED_WRITERS = {  # each store's own path for the key, written as its puts write
     "webapi": """
 import os, signal, sys
-from pathlib import Path
+from tasks.partials import replacing
 from webapi.storage import LocalObjectStore
-with LocalObjectStore(sys.argv[1])._replacing(sys.argv[2]) as tmp:
+with replacing(LocalObjectStore(sys.argv[1])._path(sys.argv[2])) as tmp:
     tmp.write_bytes(b"half an upload")
     os.kill(os.getpid(), signal.SIGKILL)
 """,
     "flows": """
 import os, signal, sys
-from pathlib import Path
 from prefect.filesystems import LocalFileSystem
-from blocks.storage import _replace_local
-def write(partial: Path) -> None:
-    partial.write_bytes(b"half a chunk")
+from tasks.partials import replacing
+with replacing(LocalFileSystem(basepath=sys.argv[1])._resolve_path(sys.argv[2])) as tmp:
+    tmp.write_bytes(b"half a chunk")
     os.kill(os.getpid(), signal.SIGKILL)
-_replace_local(LocalFileSystem(basepath=sys.argv[1]), sys.argv[2], write)
 """,
 }
 
