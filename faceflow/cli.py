@@ -78,6 +78,12 @@ FaceMapOption = Annotated[
     ),
 ]
 """The options naming the extra sources, references and per-face mapping (fuse, submit)."""
+ModelDirOption = Annotated[
+    Path | None, typer.Option(help="Directory with operator-provided models.")
+]
+"""The operator's model files (fuse, models list)."""
+HomeOption = Annotated[Path | None, typer.Option(help="FaceFlow home (default .faceflow).")]
+"""The FaceFlow home whose blocks and development chain a command uses (blocks init, verify)."""
 
 
 def _fail(code: str, message: str, exit_code: int = 1) -> typer.Exit:
@@ -132,9 +138,7 @@ def fuse(
         float | None,
         typer.Option(help="Quality floor (0..1, 0.5 = same person): below it, retry once."),
     ] = None,
-    model_dir: Annotated[
-        Path | None, typer.Option(help="Directory with operator-provided models.")
-    ] = None,
+    model_dir: ModelDirOption = None,
     moderation: Annotated[
         str, typer.Option(help="NSFW check of inputs and result: enforce, report or off.")
     ] = "enforce",
@@ -274,9 +278,7 @@ def _local_marker(home: Path | None) -> Marker:
 
 @models_app.command("list")
 def models_list(
-    model_dir: Annotated[
-        Path | None, typer.Option(help="Directory with operator-provided models.")
-    ] = None,
+    model_dir: ModelDirOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show every registered model and whether its file is present and verified."""
@@ -352,7 +354,7 @@ def prefect_auth(
 
 @blocks_app.command("init")
 def blocks_init(
-    home: Annotated[Path | None, typer.Option(help="FaceFlow home (default .faceflow).")] = None,
+    home: HomeOption = None,
 ) -> None:
     """Save the default storage, FusionSettings and C2PA signing blocks (overwrite); the
     signing block holds a development certificate chain, made at first use."""
@@ -539,7 +541,7 @@ def verify(
         Path | None,
         typer.Option(help="PEM of trusted roots (default: the local stack's development root)."),
     ] = None,
-    home: Annotated[Path | None, typer.Option(help="FaceFlow home (default .faceflow).")] = None,
+    home: HomeOption = None,
 ) -> None:
     """Check a file's Content Credentials and invisible watermark. Exit 0 when either says
     this service made it, 1 when neither does."""

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar
 
 import numpy as np
 
@@ -56,6 +56,15 @@ PASTE_MASK_ERODE = 0.015
 fuser's own mask has the same, so none of the fused face is cut away)."""
 
 
+class ModelArgs(TypedDict):
+    """The keyword arguments every model function takes (``embed_with_arcface(crop,
+    **ctx.model_args)``): the device it runs on, the operator's model files, their pins."""
+
+    device: str
+    model_dir: Path | None
+    pins: Mapping[str, str]
+
+
 @dataclass(frozen=True)
 class PipelineContext:
     """Where and with what the pipeline runs: device, operator model files, input limits,
@@ -80,6 +89,11 @@ class PipelineContext:
     """Intra-op threads of one model call on the CPU, the cores shared among the calls in
     flight (``tasks.batch.call_threads``): torch's (set by ``for_this_machine``) and the
     moderation session's; 0: the runtimes' own defaults."""
+
+    @property
+    def model_args(self) -> ModelArgs:
+        """``device``, ``model_dir`` and ``pins``, to pass on to a model function."""
+        return ModelArgs(device=self.device, model_dir=self.model_dir, pins=self.pins)
 
     @classmethod
     def for_this_machine(
@@ -350,9 +364,7 @@ def detect_images(
     return detect_faces_batch(
         images,
         detector=detector,
-        device=ctx.device,
-        model_dir=ctx.model_dir,
-        pins=ctx.pins,
+        **ctx.model_args,
         max_side=ctx.detect_max_side,
         threads=ctx.model_threads,
     )
@@ -415,7 +427,7 @@ def _align_inswapper(
     from tasks.arcface import embed_with_arcface
 
     def embed(crop: RGBImage) -> FloatArray:
-        return embed_with_arcface(crop, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+        return embed_with_arcface(crop, **ctx.model_args)
 
     source_112 = align_face(source, detections.source_face, ARCFACE_CROP_SIZE)
     targets = [align_face(target, f, INSWAPPER_CROP_SIZE) for f in detections.target_faces]
@@ -438,9 +450,7 @@ def _fuse_inswapper(aligned: Aligned, options: FusionOptions, ctx: PipelineConte
             swap_with_inswapper(
                 t.crop,
                 aligned.embedding_for(k),
-                device=ctx.device,
-                model_dir=ctx.model_dir,
-                pins=ctx.pins,
+                **ctx.model_args,
             ),
             options.identity_weight,
         )
@@ -458,9 +468,9 @@ def _warm_up_inswapper(ctx: PipelineContext) -> None:
     from tasks.inswapper import swap_with_inswapper
 
     crop112 = np.full((ARCFACE_CROP_SIZE, ARCFACE_CROP_SIZE, 3), 128, dtype=np.uint8)
-    emb = embed_with_arcface(crop112, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+    emb = embed_with_arcface(crop112, **ctx.model_args)
     crop128 = np.full((INSWAPPER_CROP_SIZE, INSWAPPER_CROP_SIZE, 3), 128, dtype=np.uint8)
-    swap_with_inswapper(crop128, emb, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins)
+    swap_with_inswapper(crop128, emb, **ctx.model_args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,9 +509,7 @@ def enhance_stage(
             aligned,
             enhancer=options.enhancer,
             blend=options.enhancer_blend,
-            device=ctx.device,
-            model_dir=ctx.model_dir,
-            pins=ctx.pins,
+            **ctx.model_args,
             occluded=occluded,
         )
         for crop, aligned, occluded in zip(fused.crops, fused.targets, occlusions, strict=True)
@@ -588,9 +596,7 @@ def quality_stage(
         reference,
         fuser_settings(options),
         detector=options.detector,
-        device=ctx.device,
-        model_dir=ctx.model_dir,
-        pins=ctx.pins,
+        **ctx.model_args,
         min_identity=options.min_identity,
         earlier=earlier.attempts if earlier is not None else (),
         mirror=options.fuser == "classic" and options.mirror_source,
@@ -796,9 +802,7 @@ def warm_up(
 
         warm_up_moderation(model_dir=ctx.model_dir, pins=ctx.pins, threads=ctx.call_threads)
     probe = np.full((96, 96, 3), 128, dtype=np.uint8)
-    detect_faces(
-        probe, detector=detector, device=ctx.device, model_dir=ctx.model_dir, pins=ctx.pins
-    )
+    detect_faces(probe, detector=detector, **ctx.model_args)
     load_dlib_shaper(ctx.pins)  # the quality report's identity models
     load_dlib_embedder(ctx.device, ctx.pins)
     FUSERS[fuser].warm_up(ctx)
