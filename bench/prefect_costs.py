@@ -44,14 +44,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.warm_worker import pool_template, prepare_inputs, requests_per_job  # noqa: E402
+from bench.fuse_jobs import job_parameters, pool_template, prepare_inputs, requests_per_job  # noqa: E402
 from faceflow.testing.prefect import PrefectRest, server_database, start_server  # noqa: E402
 from faceflow.testing.procstat import (  # noqa: E402
     postgres_cpu_s,
     process_tree_cpu_s,
     wait_until_quiet,
 )
-from flows.binding import signed_parameters, worker_keys  # noqa: E402
 
 SERVER_VARIANTS: dict[str, dict[str, str]] = {
     "shipped": {},
@@ -99,15 +98,7 @@ Maker = Callable[[], tuple[str, dict[str, Any], str, int]]
 
 
 def _job(keys: tuple[str, str]) -> dict[str, Any]:
-    params = {
-        "job_id": str(uuid.uuid4()),
-        "owner_id": "bench",
-        "source_key": keys[0],
-        "target_key": keys[1],
-        "deadline_at": (datetime.now(UTC) + timedelta(minutes=30)).isoformat(),
-        "attempt": 1,
-    }
-    return signed_parameters(params, worker_keys()[0])  # as the relay binds a job
+    return job_parameters(*keys, attempt=1)
 
 
 def drain_client_queues() -> None:

@@ -235,7 +235,7 @@ def relay_mode(
     server_log: Path | None,
 ) -> dict[str, Any]:
     """One relay mode: sequential and burst jobs through a fresh webapi."""
-    from bench.warm_worker import requests_per_job
+    from bench.fuse_jobs import requests_per_job
 
     with webapi(home, name, port, env, storage, prefect_url, batch_max_jobs) as (
         service,

@@ -48,7 +48,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.warm_worker import (  # noqa: E402
+from bench.fuse_jobs import (  # noqa: E402
     ID_IN_PATH,
     job_parameters,
     pool_template,

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from bench import gpu_shaped
+from bench.fuse_jobs import ts
 from faceflow.supervisor import Service
 from faceflow.testing.inputs import put_input
 from faceflow.testing.net import free_port, http_ok
@@ -201,10 +202,6 @@ def per_child(runs: list[dict[str, Any]]) -> list[int]:
     """How many of ``runs`` each worker child ran (their messages end with its pid)."""
     counted = Counter(r["state"]["message"].rsplit(" ", 1)[1] for r in runs)
     return sorted(counted.values(), reverse=True)
-
-
-def ts(value: str) -> float:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
 def run(

@@ -36,14 +36,11 @@ import itertools
 import json
 import logging
 import os
-import re
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +49,14 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.fuse_jobs import (  # noqa: E402
+    job_parameters,
+    pool_template,
+    prepare_inputs,
+    requests_per_job,
+    ts,
+)
 from faceflow.supervisor import Service  # noqa: E402
-from faceflow.testing.inputs import put_input  # noqa: E402
 from faceflow.testing.net import free_port, http_ok  # noqa: E402
 from faceflow.testing.prefect import (  # noqa: E402
     PREFECT,
@@ -63,37 +66,9 @@ from faceflow.testing.prefect import (  # noqa: E402
 )
 from faceflow.testing.procstat import CpuMeter, wait_until_quiet  # noqa: E402
 from faceflow.testing.wait import wait_for  # noqa: E402
-from flows.binding import signed_parameters, worker_keys  # noqa: E402
 
-TEMPLATES = {"process": "gpu-process.json", "warm": "faceflow-gpu.json"}
 TYPES = {"process": "process", "warm": "faceflow-gpu"}
 TARGETS = {"dispatch_s": 0.5, "overhead_ms": 300.0, "throughput_share": 0.8}
-
-
-def ts(value: str) -> float:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def prepare_inputs(
-    url: str, home: Path, *, gpu_shaped: bool = False
-) -> tuple[str, str, bytes, bytes]:
-    """Default blocks saved; the sample photos stored as the webapi would. ``gpu_shaped``:
-    the settings a GPU host gets (one model call in flight: ``tasks.batch.model_threads``),
-    although the shaped worker's device is the CPU."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from blocks import init_default_blocks
-    from blocks.defaults import SETTINGS_NAME
-    from blocks.settings import FusionSettings
-    from faceflow import samples
-
-    with temporary_settings(updates={PREFECT_API_URL: url}):
-        saved = init_default_blocks(home)
-        if gpu_shaped:
-            FusionSettings(model_threads=1).save(SETTINGS_NAME, overwrite=True)
-    source, target = samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes()
-    keys = [put_input(saved.storage_path, data) for data in (source, target)]
-    return keys[0], keys[1], source, target
 
 
 def pooled(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
@@ -148,8 +123,7 @@ def in_process_flow_loop(
     from faceflow.worker.suspension import install_shared_observer
     from flows.fuse import fuse_faces
 
-    template = json.loads((REPO / "work_pools" / TEMPLATES["process"]).read_text())
-    api.create_pool("bench-in-process", "process", template)  # no worker polls it
+    api.create_pool("bench-in-process", "process", pool_template("process"))  # no worker polls it
     deployment_id = api.deploy("fuse-faces", "flows/fuse.py:fuse_faces", "bench-in-process")
     updates = {
         PREFECT_API_URL: url,
@@ -181,21 +155,6 @@ def in_process_flow_loop(
     }
 
 
-def job_parameters(source_key: str, target_key: str, **blocks: str) -> dict[str, Any]:
-    """A ``fuse-faces`` job's parameters (with ``blocks``: its blocks, as
-    ``settings_block=...``), bound to the job as the relay binds them (the workers started
-    here hold this process's run-signing key)."""
-    params = {
-        "job_id": str(uuid.uuid4()),
-        "owner_id": "bench",
-        "source_key": source_key,
-        "target_key": target_key,
-        "deadline_at": (datetime.now(UTC) + timedelta(minutes=30)).isoformat(),
-        **blocks,
-    }
-    return signed_parameters(params, worker_keys()[0])
-
-
 def stage_timings(storage: Path, run: dict[str, Any]) -> dict[str, float]:
     """The run's stage timings in ms (load … store) from its ``ResultRef`` sidecar."""
     from flows.params import result_meta_key
@@ -204,33 +163,6 @@ def stage_timings(storage: Path, run: dict[str, Any]) -> dict[str, float]:
     if not sidecar.is_file():
         return {}
     return dict(json.loads(sidecar.read_text())["timings_ms"])
-
-
-ACCESS_LINE = re.compile(r'uvicorn\.access - \S+ - "(\w+) (/api/\S*) HTTP')
-ID_IN_PATH = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def requests_per_job(log: Path, start: int, jobs: int) -> dict[str, float]:
-    """Prefect API requests per job by endpoint, from the server's access log lines after
-    byte ``start`` (the server runs with ``--count-requests``); ids become ``{id}``."""
-    counts: dict[str, int] = {}
-    with log.open("rb") as fh:
-        fh.seek(start)
-        for raw in fh:
-            match = ACCESS_LINE.search(raw.decode(errors="replace"))
-            if match:
-                path = ID_IN_PATH.sub("{id}", match.group(2).split("?", 1)[0])
-                key = f"{match.group(1)} {path}"
-                counts[key] = counts.get(key, 0) + 1
-    ordered = sorted(counts.items(), key=lambda item: -item[1])
-    out = {key: round(n / jobs, 2) for key, n in ordered}
-    out["total"] = round(sum(counts.values()) / jobs, 2)
-    return out
-
-
-def pool_template(mode: str) -> dict[str, Any]:
-    """The base job template of a worker type's pool (``work_pools/``)."""
-    return dict(json.loads((REPO / "work_pools" / TEMPLATES[mode]).read_text()))
 
 
 def start_worker(

@@ -30,8 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from datetime import UTC, datetime, timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.fuse_jobs import job_parameters  # noqa: E402
 from faceflow.samples import flat_png  # noqa: E402
 from faceflow.testing.inputs import put_input  # noqa: E402
 from faceflow.testing.prefect import PrefectRest, start_server  # noqa: E402
@@ -50,7 +49,6 @@ from faceflow.worker.protocol import (  # noqa: E402
     RunRequest,
     Shutdown,
 )
-from flows.binding import signed_parameters, worker_keys  # noqa: E402
 from flows.params import run_tags  # noqa: E402
 
 ENTRYPOINT = "flows/fuse.py:fuse_faces"
@@ -60,18 +58,15 @@ JOBS = ("amplification", "large")
 def parameters(job: str, key: str) -> dict[str, Any]:
     """``fuse-faces`` parameters of ``job`` (every image is ``key``), bound to the job as
     the relay binds them (``flows.binding``)."""
-    params: dict[str, Any] = {
-        "job_id": str(uuid.uuid4()),
-        "owner_id": "bench",
-        "source_key": key,
-        "target_key": key,
-        "deadline_at": (datetime.now(UTC) + timedelta(minutes=10)).isoformat(),
-    }
     if job == "amplification":
-        params["extra_source_keys"] = [key] * 7
-        params["reference_keys"] = [key] * 8
-        params["options"] = {"mapping": [{"source": i, "reference": i} for i in range(8)]}
-    return signed_parameters(params, worker_keys()[0])
+        return job_parameters(
+            key,
+            key,
+            extra_source_keys=[key] * 7,
+            reference_keys=[key] * 8,
+            options={"mapping": [{"source": i, "reference": i} for i in range(8)]},
+        )
+    return job_parameters(key, key)
 
 
 def create_run(api: PrefectRest, flow_id: str, params: dict[str, Any]) -> str:

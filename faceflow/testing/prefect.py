@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -105,6 +105,10 @@ class PrefectRest:
         """The flow run as the API shows it."""
         return dict(self.call("GET", f"/flow_runs/{run_id}"))
 
+    def state_types(self, run_ids: Iterable[str]) -> dict[str, str]:
+        """Each flow run's state type, by run id."""
+        return {run_id: self.run(run_id)["state_type"] for run_id in run_ids}
+
     def wait_final(self, run_id: str, timeout: float = 600) -> dict[str, Any]:
         """The run once its state is in ``FINAL`` (``AssertionError`` after ``timeout``)."""
         end = time.monotonic() + timeout
@@ -123,6 +127,14 @@ class PrefectRest:
         rules, as a crashed or stopped worker leaves a run."""
         body = {"state": {"type": state_type, "message": message}, "force": force}
         self.call("POST", f"/flow_runs/{run_id}/set_state", body)
+
+    def run_in(self, flow_id: str, state_type: str, tags: Sequence[str] = ()) -> str:
+        """A new flow run of ``flow_id`` (no deployment) with ``tags``, put in
+        ``state_type``: a run as a worker left it."""
+        body = {"flow_id": flow_id, "tags": list(tags)}
+        run_id = str(self.call("POST", "/flow_runs/", body)["id"])
+        self.set_state(run_id, state_type)
+        return run_id
 
     def report_progress(self, run_id: str, description: str) -> None:
         """A progress artifact on the run, as the flows write one per stage."""

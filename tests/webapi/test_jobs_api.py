@@ -53,9 +53,8 @@ def _error(response) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_submit_json_returns_202_location_and_commits_job_with_dispatch(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, settings: Settings, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     response = client.post("/v1/jobs", json=job_body(deadline_seconds=90), headers=auth(user))
     assert response.status_code == 202, response.text
     job = response.json()
@@ -413,9 +412,8 @@ def test_service_time_is_the_median_of_recent_runs(
 
 
 def test_idempotency_key_replays_or_conflicts(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, settings: Settings, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     headers = {**auth(user), "Idempotency-Key": "order-42"}
     first = client.post("/v1/jobs", json=job_body(), headers=headers)
     assert first.status_code == 202
@@ -686,9 +684,8 @@ def test_cancel_terminal_is_409(
 
 
 def test_result_404_before_success_then_bytes(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, settings: Settings, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     job_id = submit(client, user)
     before = client.get(f"/v1/jobs/{job_id}/result", headers=auth(user))
     assert before.status_code == 404 and _error(before) == "not_found"
@@ -746,9 +743,8 @@ def _mapped_body(**overrides: object) -> dict[str, object]:
 
 
 def test_several_sources_and_references_are_stored_and_digested(
-    client: TestClient, engine: Engine, settings: Settings
+    client: TestClient, engine: Engine, settings: Settings, user: NewUser
 ) -> None:
-    user = make_user(engine, settings)
     headers = {**auth(user), "Idempotency-Key": "mapped"}
     response = client.post("/v1/jobs", json=_mapped_body(), headers=headers)
     assert response.status_code == 202, response.text

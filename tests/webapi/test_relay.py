@@ -561,17 +561,14 @@ def test_cancel_stops_the_video_parts_of_the_cancelled_attempt_only(
     flow_id = prefect_server.rest.run(run_id)["flow_id"]
 
     def part(attempt: int, state: str) -> str:
-        body = {"flow_id": flow_id, "tags": [video_parts_tag(str(job_id), attempt)]}
-        created = str(prefect_server.rest.call("POST", "/flow_runs/", body)["id"])
-        prefect_server.rest.set_state(created, state)
-        return created
+        return prefect_server.rest.run_in(flow_id, state, [video_parts_tag(str(job_id), attempt)])
 
     busy, waiting, other = part(1, "RUNNING"), part(1, "SCHEDULED"), part(2, "RUNNING")
     done = part(1, "COMPLETED")
     with Session(relay.engine) as session:
         crud.cancel_job(session, owner=owner.user, job_id=job_id)
     reap.run_once(relay)
-    states = {r: prefect_server.rest.run(r)["state_type"] for r in (busy, waiting, other, done)}
+    states = prefect_server.rest.state_types((busy, waiting, other, done))
     assert states == {busy: "CANCELLING", waiting: "CANCELLED", other: "RUNNING", done: "COMPLETED"}
 
 
@@ -584,11 +581,7 @@ def test_a_cancel_never_overwrites_what_the_run_did_after_it_was_read(
     _job_id, run_id = running(relay, owner, prefect_server)
     flow_id = prefect_server.rest.run(run_id)["flow_id"]
 
-    def run_in(state: str) -> str:
-        created = str(prefect_server.rest.call("POST", "/flow_runs/", {"flow_id": flow_id})["id"])
-        prefect_server.rest.set_state(created, state)
-        return created
-
+    run_in = partial(prefect_server.rest.run_in, flow_id)
     ended, started, claimed = run_in("RUNNING"), run_in("SCHEDULED"), run_in("SCHEDULED")
     waiting = run_in("SCHEDULED")
     runs = (ended, started, claimed, waiting)
@@ -601,8 +594,7 @@ def test_a_cancel_never_overwrites_what_the_run_did_after_it_was_read(
     assert cancel(stale[started], message="late") is StateType.CANCELLING
     assert cancel(stale[claimed], message="late") is StateType.CANCELLING
     assert cancel(stale[waiting], message="late") is StateType.CANCELLED  # no worker has it
-    states = {r: prefect_server.rest.run(r)["state_type"] for r in runs}
-    assert states == {
+    assert prefect_server.rest.state_types(runs) == {
         ended: "COMPLETED",
         started: "CANCELLING",
         claimed: "CANCELLING",
@@ -626,10 +618,7 @@ def test_a_crashed_video_coordinators_parts_are_cancelled_and_the_job_runs_again
     flow_id = prefect_server.rest.run(run_id)["flow_id"]
 
     def part(state: str) -> str:
-        body = {"flow_id": flow_id, "tags": [video_parts_tag(str(job_id), 1)]}
-        created = str(prefect_server.rest.call("POST", "/flow_runs/", body)["id"])
-        prefect_server.rest.set_state(created, state)
-        return created
+        return prefect_server.rest.run_in(flow_id, state, [video_parts_tag(str(job_id), 1)])
 
     busy, claimed, waiting = part("RUNNING"), part("PENDING"), part("SCHEDULED")
     prefect_server.rest.set_state(run_id, "CRASHED")
@@ -637,10 +626,9 @@ def test_a_crashed_video_coordinators_parts_are_cancelled_and_the_job_runs_again
     assert job(relay.engine, job_id).status is JobStatus.queued
     reap.run_once(relay)  # the cancel_run row
     runs = (busy, claimed, waiting, run_id)
-    states = {r: prefect_server.rest.run(r)["state_type"] for r in runs}
     # a claimed part is left to its worker (a Cancelled one could still start); no worker
     # holds a scheduled one
-    assert states == {
+    assert prefect_server.rest.state_types(runs) == {
         busy: "CANCELLING",
         claimed: "CANCELLING",
         waiting: "CANCELLED",

@@ -108,9 +108,8 @@ def _get(engine: Engine, job_id: uuid.UUID) -> Job | None:
 
 
 def test_inputs_results_and_rows_expire_in_turn_and_nothing_else(
-    engine: Engine, settings: Settings, store: ObjectStore
+    engine: Engine, settings: Settings, store: ObjectStore, user: crud.NewUser
 ) -> None:
-    user = make_user(engine, settings)
     shared, own = _sample_inputs(store, settings)
     other = _stored(store, image_bytes(200, 160, "PNG"), "target", settings)
     done = new_job(engine, settings, user, source=shared, target=own)
@@ -176,9 +175,8 @@ def test_the_owner_s_retention_times_override_the_settings(
 
 
 def test_a_failed_job_loses_its_inputs_and_attempt_files_but_is_not_result_expired(
-    engine: Engine, settings: Settings, store: ObjectStore
+    engine: Engine, settings: Settings, store: ObjectStore, user: crud.NewUser
 ) -> None:
-    user = make_user(engine, settings)
     source, target = _sample_inputs(store, settings)
     job = new_job(engine, settings, user, source=source, target=target)
     sidecar = result_meta_key(str(job.id), 1)
@@ -193,9 +191,8 @@ def test_a_failed_job_loses_its_inputs_and_attempt_files_but_is_not_result_expir
 
 
 def test_a_submit_reusing_an_input_deleted_meanwhile_is_told_to_store_it_again(
-    engine: Engine, settings: Settings, store: ObjectStore
+    engine: Engine, settings: Settings, store: ObjectStore, user: crud.NewUser
 ) -> None:
-    user = make_user(engine, settings)
     source, target = _sample_inputs(store, settings)
     old = new_job(engine, settings, user, source=source, target=target)
     move(engine, old.id, JobStatus.cancelled, JobStatus.queued)
@@ -260,9 +257,8 @@ def test_a_retention_pass_over_many_jobs_touches_only_what_is_due(
 
 
 def test_a_mapping_job_s_other_sources_and_references_expire_unless_still_used(
-    engine: Engine, settings: Settings, store: ObjectStore
+    engine: Engine, settings: Settings, store: ObjectStore, user: crud.NewUser
 ) -> None:
-    user = make_user(engine, settings)
     source, target = _sample_inputs(store, settings)
     second = _stored(store, image_bytes(150, 140, "PNG"), "sources[1]", settings)
     reference = _stored(store, image_bytes(140, 150, "PNG"), "references[0]", settings)
@@ -303,12 +299,11 @@ def test_a_mapping_job_s_other_sources_and_references_expire_unless_still_used(
 
 
 def test_a_video_jobs_rendered_chunks_go_with_its_inputs(
-    engine: Engine, settings: Settings, store: ObjectStore
+    engine: Engine, settings: Settings, store: ObjectStore, user: crud.NewUser
 ) -> None:
     """A cancelled video job's attempts listed their chunks and analysed ranges: the first
     pass after its end deletes them, the lists and the parts' records; another job's chunk
     stays."""
-    user = make_user(engine, settings)
     job = new_job(engine, settings, user)
     mine = [f"video-chunks/{uuid.uuid4().hex}-{i}.mp4" for i in range(3)]
     other = f"video-chunks/{uuid.uuid4().hex}-other.mp4"
