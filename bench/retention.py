@@ -31,6 +31,7 @@ from sqlmodel import Session, col, select
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from faceflow.testing.databases import job_store
+from faceflow.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY, moto_server
 from flows.params import input_key, result_key, result_meta_key
 from webapi.config import Settings
 from webapi.db import get_engine
@@ -44,21 +45,14 @@ def storage(kind: str, tmp: Path) -> Iterator[tuple[str, str | None]]:
     if kind == "local":
         yield (tmp / "storage").as_uri(), None
         return
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        os.environ.setdefault(name, "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
-    try:
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+        ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+        ("AWS_DEFAULT_REGION", REGION),
+    ):
+        os.environ.setdefault(name, value)
+    with moto_server(tmp, "bench") as endpoint:
         yield "s3://bench/retention", endpoint
-    finally:
-        server.stop()
 
 
 def populate(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,14 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import av
-import httpx
 import numpy as np
 from PIL import Image
 
 from blocks.ranged import RangedSource
 from blocks.storage import fetch_to, put_from, read_in_place, s3_storage
 from faceflow import samples
-from faceflow.testing.net import free_port
+from faceflow.testing.s3 import moto_server
 from tasks.video_io import probe_frames, read_frames
 
 
@@ -72,23 +70,9 @@ def main() -> None:
         began = time.perf_counter()
         video = _clip(work / "clip.mp4", args.width, args.height, args.fps, args.seconds)
         encoded_s = time.perf_counter() - began
-        port = free_port()
-        moto = subprocess.Popen(
-            [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            endpoint = f"http://127.0.0.1:{port}"
-            for _ in range(300):
-                try:
-                    httpx.get(endpoint, timeout=2)
-                    break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
+        with moto_server(work, "bench") as endpoint:
             store = s3_storage("bench", endpoint_url=endpoint, region_name="us-east-1",
                                aws_access_key_id="k", aws_secret_access_key="s")  # fmt: skip
-            store._get_s3_client().create_bucket(Bucket="bench")  # type: ignore[attr-defined]
             put_from(store, "inputs/clip.mp4", video)  # type: ignore[arg-type]
             info, (pts, _) = probe_frames(video)
             per_chunk = round(args.chunk_s * args.fps)
@@ -107,9 +91,6 @@ def main() -> None:
             assert isinstance(source, RangedSource)
             got = list(read_frames(source, start, stop, timestamps=pts))
             in_place_s = time.perf_counter() - began
-        finally:
-            moto.terminate()
-            moto.wait(10)
         same = [f.pts for f in got] == [f.pts for f in want] and all(
             np.array_equal(a.image, b.image) for a, b in zip(got, want, strict=True)
         )

@@ -1,15 +1,12 @@
 """A loopback webhook receiver that can be switched down (connection refused), to 500, or up.
 
 Every POST is recorded with what it was answered; only 2xx answers count as deliveries.
-Signatures are checked here with the Standard Webhooks rules, written independently of
-``webapi.webhooks``.
+Signatures are checked with ``faceflow.testing.webhooks.independent_verify`` (the Standard
+Webhooks rules, written independently of ``webapi.webhooks``), at any age.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import json
 import threading
 import time
@@ -19,24 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 
 from faceflow.faults.report import Delivery
+from faceflow.testing.webhooks import independent_verify
 
 Mode = Literal["up", "error", "down"]
-
-
-def verify_signature(secret: str, headers: dict[str, str], body: bytes) -> bool:
-    """Whether ``webhook-signature`` holds a valid ``v1`` HMAC of id.timestamp.body."""
-    try:
-        key = base64.b64decode(secret.removeprefix("whsec_"))
-        signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
-    except (KeyError, ValueError):
-        return False
-    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
-    offered = [
-        part.split(",", 1)[1]
-        for part in headers.get("webhook-signature", "").split()
-        if part.startswith("v1,")
-    ]
-    return any(hmac.compare_digest(expected, sig) for sig in offered)
 
 
 @dataclass(frozen=True)
@@ -109,7 +91,8 @@ class Receiver:
                     webhook_id=hit.headers.get("webhook-id", ""),
                     event=hit.event,
                     job_id=job_id,
-                    signature_ok=bool(secret) and verify_signature(secret, hit.headers, hit.body),
+                    signature_ok=bool(secret)
+                    and independent_verify(secret, hit.headers, hit.body, tolerance_s=None),
                 )
             )
         return found

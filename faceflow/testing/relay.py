@@ -9,15 +9,11 @@ and restart it. Prefect is imported lazily: importing this module stays cheap.
 
 from __future__ import annotations
 
-import base64
 import contextvars
-import hashlib
-import hmac
 import json
 import select
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -480,25 +476,3 @@ def job(engine: Engine, job_id: uuid.UUID) -> Job:
 
 def body_json(received: Received) -> Any:
     return json.loads(received.body)
-
-
-# --------------------------------------------------------------------------- verification
-
-
-def independent_verify(
-    secret: str, headers: dict[str, str], body: bytes, *, tolerance_s: int = 300
-) -> bool:
-    """Standard Webhooks verification written from the spec, sharing no code with
-    ``webapi.webhooks``: HMAC-SHA256 over ``id.timestamp.body`` with the base64-decoded
-    ``whsec_`` key, compared with each ``v1,`` signature in the header."""
-    lower = {name.lower(): value for name, value in headers.items()}
-    msg_id, stamp = lower["webhook-id"], lower["webhook-timestamp"]
-    if abs(time.time() - int(stamp)) > tolerance_s:
-        return False
-    key = base64.b64decode(secret.split("_", 1)[1])
-    signed = b".".join([msg_id.encode(), stamp.encode(), body])
-    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
-    offered = [sig.split(",", 1) for sig in lower["webhook-signature"].split(" ")]
-    return any(
-        version == "v1" and hmac.compare_digest(value, expected) for version, value in offered
-    )

@@ -3,7 +3,6 @@ the processes that carry its home, and jobs watched over real HTTP."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import os
 import signal
@@ -13,6 +12,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -117,9 +117,20 @@ def prefect_client(home: Path, api_url: str) -> httpx.Client:
     return httpx.Client(base_url=api_url, headers=headers, timeout=30)
 
 
-def data_uri(data: bytes, mime: str = "image/jpeg") -> str:
-    """An image as a ``data:`` URI for a JSON job request."""
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+class StackClient:
+    """The ``client()`` of a stack: a client of its API at ``api`` as the user of
+    ``api_key`` (both fields of the dataclass it is mixed into)."""
+
+    api: str
+    api_key: str
+    client_timeout_s: ClassVar[float] = 30
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.api,
+            headers={"Authorization": f"Bearer {self.api_key}"},
+            timeout=self.client_timeout_s,
+        )
 
 
 def watch(client: httpx.Client, job_id: str, timeout: float = 180) -> tuple[dict, list[str]]:

@@ -25,11 +25,12 @@ import redis
 from psycopg import sql
 
 from faceflow.testing.databases import postgres_unavailable
+from faceflow.testing.jobs import data_uri
 from faceflow.testing.net import free_port
 from tests import samples
 from tests.e2e.harness import (
+    StackClient,
     create_user,
-    data_uri,
     pid_of,
     pids_with_home,
     prefect_client,
@@ -62,7 +63,7 @@ def _drop_database(name: str) -> None:
 
 
 @dataclass
-class ScaleOutStack:
+class ScaleOutStack(StackClient):
     home: Path
     api: str
     prefect_api: str
@@ -70,11 +71,6 @@ class ScaleOutStack:
     database: str
     redis: redis.Redis
     process: object
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.api, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=30
-        )
 
     def query(self, statement: str, *params: object) -> list[tuple[object, ...]]:
         with psycopg.connect(dbname=self.database, **PG) as conn:  # type: ignore[arg-type]

@@ -7,21 +7,17 @@ way an app would. Stopping the stack must leave no process behind.
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import io
 import json
 import os
 import signal
 import stat
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,10 +28,13 @@ from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary
 
 from blocks.settings import FusionSettings
 from faceflow.faults.observe import inline_stages
+from faceflow.testing.jobs import data_uri
+from faceflow.testing.relay import Receiver, receiver
+from faceflow.testing.webhooks import independent_verify
 from tests import samples
 from tests.e2e.harness import (
+    StackClient,
     create_user,
-    data_uri,
     local_stack,
     pid_of,
     pids_with_home,
@@ -48,47 +47,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @dataclass
-class Receiver:
-    """A webhook receiver on loopback that records every delivery."""
-
-    server: ThreadingHTTPServer
-    deliveries: list[tuple[dict[str, str], bytes]] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-
-
-def _receiver() -> Receiver:
-    holder: list[Receiver] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            holder[0].deliveries.append(({k.lower(): v for k, v in self.headers.items()}, body))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    holder.append(Receiver(server))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return holder[0]
-
-
-def verify_signature(secret: str, headers: dict[str, str], body: bytes) -> bool:
-    """Standard Webhooks verification, written here independently of webapi.webhooks."""
-    key = base64.b64decode(secret.removeprefix("whsec_"))
-    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
-    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
-    offered = [s.split(",", 1)[1] for s in headers["webhook-signature"].split() if "," in s]
-    return any(hmac.compare_digest(expected, sig) for sig in offered)
-
-
-@dataclass
-class RunningStack:
+class RunningStack(StackClient):
     home: Path
     api: str
     prefect_api: str
@@ -99,19 +58,13 @@ class RunningStack:
     prefect: httpx.Client
     """The stack's Prefect API, with its credential."""
 
-    def client(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.api, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=30
-        )
-
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     home = tmp_path_factory.mktemp("stack") / "home"
     with local_stack(home, FACEFLOW_ALLOW_PRIVATE_URLS="true") as local:
         fields = create_user(local.env, "e2e")
-        receiver = _receiver()
-        try:
+        with receiver() as hooks:
             yield RunningStack(
                 home=home,
                 api=local.api,
@@ -119,11 +72,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
                 api_key=fields["api key"],
                 webhook_secret=fields["webhook secret"],
                 process=local.process,
-                receiver=receiver,
+                receiver=hooks,
                 prefect=local.prefect,
             )
-        finally:
-            receiver.server.shutdown()
 
 
 def _onto(target: str, **fields: object) -> dict[str, object]:
@@ -146,7 +97,7 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
             _onto(
                 data_uri(samples.grace_hopper_jpeg_bytes()),
                 options={"min_identity": 0.99},  # out of reach: the floor retries once
-                callback_url=stack.receiver.url,
+                callback_url=f"{stack.receiver.url}/hook",
                 callback_events=["job.running", "job.succeeded", "job.failed"],
             ),
         )
@@ -173,17 +124,18 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        events = {json.loads(b)["type"] for _, b in stack.receiver.deliveries}
+        events = {json.loads(post.body)["type"] for post in stack.receiver.posts()}
         if "job.succeeded" in events:
             break
         time.sleep(0.5)
-    mine = [(h, b) for h, b in stack.receiver.deliveries if job_id in b.decode()]
+    mine = [(p.headers, p.body) for p in stack.receiver.posts() if job_id in p.body.decode()]
     succeeded = [json.loads(b) for _, b in mine if json.loads(b)["type"] == "job.succeeded"]
     assert succeeded, mine
     assert succeeded[0]["data"]["quality"] == quality  # the webhook carries the report
     for headers, body in mine:
-        assert verify_signature(stack.webhook_secret, headers, body)
-        assert not verify_signature("whsec_" + base64.b64encode(b"x" * 32).decode(), headers, body)
+        assert independent_verify(stack.webhook_secret, headers, body, tolerance_s=None)
+        wrong = "whsec_" + base64.b64encode(b"x" * 32).decode()
+        assert not independent_verify(wrong, headers, body, tolerance_s=None)
 
     runs = stack.prefect.post(
         "/flow_runs/filter", json={"flow_runs": {"name": {"any_": [job_id]}}}

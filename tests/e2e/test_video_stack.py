@@ -15,7 +15,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -27,6 +27,7 @@ from tasks.video_io import frame_timestamps, probe_video
 from tests import samples
 from tests.e2e.harness import (
     BIN,
+    StackClient,
     create_user,
     local_stack,
     pid_of,
@@ -43,17 +44,13 @@ LIVE_TYPES = ("SCHEDULED", "PENDING", "RUNNING")
 
 
 @dataclass
-class VideoStack:
+class VideoStack(StackClient):
     home: Path
     api: str
     api_key: str
     prefect: httpx.Client
     env: dict[str, str]
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.api, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=60
-        )
+    client_timeout_s: ClassVar[float] = 60
 
 
 @pytest.fixture(scope="module")

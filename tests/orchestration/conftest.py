@@ -12,16 +12,15 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from faceflow.testing.databases import postgres_unavailable
 from faceflow.testing.inputs import put_input
 from faceflow.testing.prefect import PrefectServer, server_database
+from faceflow.testing.s3 import moto_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -95,43 +94,8 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
             server.stop(grace=10)
 
 
-def s3_client(endpoint: str) -> Any:
-    """A boto3 S3 client for the moto server (moto accepts any keys)."""
-    import boto3
-
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-
-
-@contextmanager
-def moto_server(directory: Path) -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 (its log in ``directory``) with the bucket
-    ``S3_BUCKET`` created, stopped on leaving; its endpoint URL."""
-    import httpx
-
-    from faceflow.supervisor import Service
-    from faceflow.testing.net import free_port
-
-    port = free_port()
-    log = directory / "moto.log"
-    server = Service("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], log)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        server.wait_ready(lambda: httpx.get(endpoint, timeout=2).status_code < 500, timeout=60)
-        s3_client(endpoint).create_bucket(Bucket=S3_BUCKET)
-        yield endpoint
-    finally:
-        server.stop(grace=5)
-
-
 @pytest.fixture(scope="session")
 def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto S3 server for the session (``moto_server``); its endpoint URL."""
-    with moto_server(tmp_path_factory.mktemp("moto")) as endpoint:
+    """A moto S3 server for the session with the bucket ``S3_BUCKET``; its endpoint URL."""
+    with moto_server(tmp_path_factory.mktemp("moto"), S3_BUCKET) as endpoint:
         yield endpoint

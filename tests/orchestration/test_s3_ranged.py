@@ -13,6 +13,7 @@ from prefect.filesystems import LocalFileSystem
 
 from blocks.ranged import RangedSource
 from blocks.storage import ByteStore, fetch_to, put_from, read_from, read_in_place, s3_storage
+from faceflow.testing.s3 import moto_server, s3_client
 from flows.video_steps import VideoJob, analyse_task
 from tasks import video_analysis
 from tasks.errors import InvalidInput, TransientError
@@ -21,7 +22,7 @@ from tasks.pipeline import PipelineContext
 from tasks.video import analyse_range
 from tasks.video_io import VideoFrame, probe_frames, read_frames
 from tasks.video_records import Probed
-from tests.orchestration.conftest import S3_BUCKET, moto_server, s3_client
+from tests.orchestration.conftest import S3_BUCKET
 from tests.videos import Videos
 
 FOLDER = "ranged"
@@ -151,7 +152,7 @@ def test_a_server_gone_mid_read_is_transient_not_a_broken_video(
     videos: Videos, tmp_path: Path
 ) -> None:
     pts = probed(videos.long).pts
-    with moto_server(tmp_path) as endpoint:  # this test's own, to stop
+    with moto_server(tmp_path, S3_BUCKET) as endpoint:  # this test's own, to stop
         store = bucket(endpoint)
         put_from(store, KEY, videos.long)
         source = read_in_place(store, KEY, tmp_path / "input", block_size=BLOCK)

@@ -10,11 +10,12 @@ import pytest
 from PIL import Image
 
 from blocks.storage import load_storage, location_of, read_bytes, s3_storage, write_bytes
+from faceflow.testing.s3 import s3_client
 from flows.fuse import fuse_faces
 from flows.params import ResultRef, input_key, result_meta_key
 from tasks.errors import InvalidInput
 from tests.orchestration.conftest import S3_BUCKET as BUCKET
-from tests.orchestration.conftest import Home, s3_client
+from tests.orchestration.conftest import Home
 from tests.orchestration.helpers import check_file_transfer, job_params
 from tests.samples import astronaut_jpeg_bytes, grace_hopper_jpeg_bytes
 

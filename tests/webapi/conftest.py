@@ -25,9 +25,9 @@ from sqlalchemy.engine import Engine
 
 from faceflow.testing.databases import job_store, postgres_unavailable
 from faceflow.testing.jobs import make_user
-from faceflow.testing.net import free_port
 from faceflow.testing.prefect import PrefectServer
 from faceflow.testing.relay import stand_in_server
+from faceflow.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY, moto_server
 from webapi import capacity
 from webapi.config import Settings
 from webapi.crud import NewUser
@@ -142,26 +142,18 @@ def live_url(app: FastAPI) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1 with bucket ``faceflow``."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 with bucket ``faceflow``; its keys and region in the
+    environment (``AWS_*``) for the session."""
     with pytest.MonkeyPatch.context() as patch:
         for name, value in (
-            ("AWS_ACCESS_KEY_ID", "testing"),
-            ("AWS_SECRET_ACCESS_KEY", "testing"),
-            ("AWS_DEFAULT_REGION", "us-east-1"),
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ("AWS_DEFAULT_REGION", REGION),
         ):
             patch.setenv(name, value)
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="faceflow")
-        yield endpoint
-    server.stop()
+        with moto_server(tmp_path_factory.mktemp("moto"), "faceflow") as endpoint:
+            yield endpoint
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,13 @@ from faceflow.testing.relay import (
     body_json,
     execute_run,
     in_thread,
-    independent_verify,
     job,
     receiver,
     submit,
     write_result,
 )
 from faceflow.testing.wait import wait_for
+from faceflow.testing.webhooks import independent_verify
 from flows.params import (
     FINAL_STAGE,
     FuseFacesParams,

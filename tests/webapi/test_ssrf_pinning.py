@@ -31,7 +31,8 @@ from sqlalchemy.engine import Engine
 
 from blocks.signing import certificate_builder
 from faceflow.testing.jobs import make_user, outbox_of, succeed
-from faceflow.testing.relay import FAST, independent_verify, submit
+from faceflow.testing.relay import FAST, submit
+from faceflow.testing.webhooks import independent_verify
 from tests.webapi.conftest import make_settings
 from webapi.relay import notify
 from webapi.relay.fetch import FetchRejected, FetchUnavailable, fetch_url

@@ -1,6 +1,6 @@
 """Standard Webhooks signing, and the relay's notify step against a real loopback receiver.
 
-Signatures are checked with ``independent_verify`` (faceflow/testing/relay.py), which
+Signatures are checked with ``independent_verify`` (faceflow/testing/webhooks.py), which
 is written from the spec and shares no code with ``webapi.webhooks``.
 """
 
@@ -21,7 +21,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from faceflow.testing.jobs import auth, make_user, outbox_of, succeed
-from faceflow.testing.relay import FAST, Receiver, independent_verify, receiver, submit
+from faceflow.testing.relay import FAST, Receiver, receiver, submit
+from faceflow.testing.webhooks import independent_verify
 from tests.webapi.conftest import make_settings
 from webapi import crud, webhooks
 from webapi.main import create_app
