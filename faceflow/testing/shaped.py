@@ -1,5 +1,6 @@
 """GPU-shaped stand-ins for compute functions: a function that sleeps instead of
-computing and returns the real result it computed the first time it saw the same inputs.
+computing and returns the real result it computed the first time it saw the same inputs
+(with the caller's own objects where the real stage passes its arguments through).
 ``bench/gpu_shaped.py`` shapes the pipeline's stages with it."""
 
 from __future__ import annotations
@@ -54,8 +55,15 @@ def fingerprint(value: Any) -> str:
 def shaped(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
     """``fn`` that sleeps ``seconds`` and returns its real result for the same inputs
     (computed once, the first time, also when a batch calls it on several threads: the
-    later stages then see the very objects they saw before)."""
-    seen: dict[str, Any] = {}
+    later stages then see the very objects they saw before).
+
+    What the real stage passes through stays the caller's own: where the first result is
+    one of the first call's arguments, or holds one in a dataclass field (the quality
+    stage's ``Checked`` keeps the image and options it was given when no retry won), a
+    later call gets its own argument there. Else a later stage that asks whether it got
+    the very object it started from (``tasks.pipeline.Beside``: the encoding started
+    beside quality) would see another one and do its work again, as no real run does."""
+    seen: dict[str, tuple[dict[str, Any], Any]] = {}
     first = threading.Lock()
     signature = inspect.signature(fn)
 
@@ -72,9 +80,32 @@ def shaped(fn: Callable[..., Any], seconds: float) -> Callable[..., Any]:
         if key not in seen:
             with first:
                 if key not in seen:
-                    seen[key] = fn(*args, **kwargs)
-                    return seen[key]
+                    result = fn(*args, **kwargs)
+                    seen[key] = (dict(bound.arguments), result)
+                    return result
         time.sleep(seconds)
-        return seen[key]
+        given, result = seen[key]
+        return _passed_through(result, given, bound.arguments)
 
     return stage
+
+
+_SHARED_VALUES = (int, float, str, bytes, bool, type(None))
+"""Values Python may share between calls (small ints, interned strings): never taken for
+a passed-through argument."""
+
+
+def _passed_through(result: Any, given: dict[str, Any], now: dict[str, Any]) -> Any:
+    """``result`` with each object that is one of the ``given`` arguments (itself, or a
+    field of a dataclass result) replaced by the argument of that name in ``now``."""
+    names = {id(v): name for name, v in given.items() if not isinstance(v, _SHARED_VALUES)}
+    if id(result) in names:
+        return now[names[id(result)]]
+    if not dataclasses.is_dataclass(result) or isinstance(result, type):
+        return result
+    changes = {
+        f.name: now[names[id(value)]]
+        for f in dataclasses.fields(result)
+        if id(value := getattr(result, f.name)) in names
+    }
+    return dataclasses.replace(result, **changes) if changes else result
