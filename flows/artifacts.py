@@ -11,8 +11,11 @@ shows up once it has been the current one for ``PROGRESS_DELAY_S`` (from a timer
 off the flow's path), fast stages in between are coalesced, and the final value is written
 when the run ends. A run that finishes within the delay writes its progress artifact once,
 already final: three artifact calls per run instead of ten, and those three are written
-(one after another: on a SQLite Prefect server concurrent writers only contend for its
-lock) while the engine records the run's final state (see ``OperatorView.finish``).
+one after another (on a SQLite Prefect server concurrent writers only contend for its
+lock) right after the engine has recorded the run's final state, before the flow call
+returns (see ``OperatorView.publish``): written beside it, they delayed the final state on
+a busy server, and with it the relay's notice of the job's end (a batch's artifacts,
+``flows.batch_view``, are still written beside its final state).
 Stage-by-stage detail stays in the run's logs, its task runs and the final table. The
 relay's sync reads the progress description (``Stage i/n: <stage> ...``) of running runs,
 so a job's ``stage`` can lag by up to the delay; on success the relay records the last
@@ -52,8 +55,22 @@ PROGRESS_DELAY_S = 0.5
 FINISH_TIMEOUT_S = 30.0
 """How long a run's final state hooks wait for its last artifacts to be written."""
 
-_FINISHING: dict[UUID, threading.Thread] = {}
-"""Flow-run id → the thread writing that run's final artifacts (``OperatorView.finish``)."""
+UNHOOKED_PUBLISH_S = 5.0
+"""How long final artifacts held for the final state wait for a state hook that may never
+run (a final state the server refused: the run was cancelled meanwhile) before they are
+written anyway."""
+
+
+@dataclass
+class _Finishing:
+    """The thread writing a run's final artifacts, and the signal it waits for."""
+
+    thread: threading.Thread
+    go: threading.Event
+
+
+_FINISHING: dict[UUID, _Finishing] = {}
+"""Flow-run id → the writer of that run's final artifacts (``publish_at_end``)."""
 
 
 def artifact_key(job_id: str, kind: str) -> str:
@@ -219,9 +236,11 @@ class OperatorView:
     ) -> None:
         """Close the progress bar and publish the table and markdown artifacts.
 
-        In a flow run they are written by a thread (with this run's context) while the
-        engine records the final state; the run's state hooks wait for it
-        (``wait_for_operator_view``), so they are in place when the flow call returns.
+        In a flow run they are written by a thread (with this run's context) once the
+        engine has recorded the final state, so that the state (and the relay's notice of
+        it) does not queue behind them on the server; the run's state hooks start and wait
+        for it (``wait_for_operator_view``), so they are in place when the flow call
+        returns.
         """
         done = outcome == "succeeded"
         progress = (100.0 if done else self._fraction_done(), f"Finished: {outcome}.")
@@ -253,7 +272,7 @@ class OperatorView:
                 description=f"Job {self.job_id} attempt {self.attempt}: result.",
             )
 
-        publish_at_end(self.progress, publish)
+        publish_at_end(self.progress, publish, after_final_state=True)
 
     def table(self, *, device: str, gpu: GpuStats, faces: dict[str, int]) -> list[dict[str, Any]]:
         """Rows: one per stage, then faces, device and GPU memory."""
@@ -287,20 +306,35 @@ class OperatorView:
             self.progress.show(value, description)
 
 
-def publish_at_end(progress: DeferredProgress | None, publish: Callable[[], None]) -> None:
-    """Run ``publish`` (the final artifacts) in a thread with this run's context while the
-    engine records the run's final state; ``wait_for_operator_view`` joins it. Without a
-    flow run (no progress artifact) it runs here and now."""
+def publish_at_end(
+    progress: DeferredProgress | None,
+    publish: Callable[[], None],
+    *,
+    after_final_state: bool = False,
+) -> None:
+    """Run ``publish`` (the final artifacts) in a thread with this run's context, at once
+    (while the engine records the run's final state) or, ``after_final_state``, when the
+    final state is recorded (its state hook runs; after ``UNHOOKED_PUBLISH_S`` without
+    one); ``wait_for_operator_view`` joins it. Without a flow run (no progress artifact)
+    it runs here and now."""
     if progress is None:
         publish()
         return
+    go = threading.Event()
+    if not after_final_state:
+        go.set()
+
+    def when_due() -> None:
+        go.wait(UNHOOKED_PUBLISH_S)
+        publish()
+
     thread = threading.Thread(
-        target=in_this_context(publish), name="faceflow-operator-view", daemon=True
+        target=in_this_context(when_due), name="faceflow-operator-view", daemon=True
     )
     for run_id, old in list(_FINISHING.items()):  # runs whose hooks never ran
-        if not old.is_alive():
+        if not old.thread.is_alive():
             _FINISHING.pop(run_id, None)
-    _FINISHING[progress.flow_run_id] = thread
+    _FINISHING[progress.flow_run_id] = _Finishing(thread, go)
     thread.start()
 
 
@@ -390,10 +424,11 @@ def safely(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def wait_for_operator_view(flow: object, flow_run: FlowRun, state: State[Any]) -> None:
-    """Flow state hook: wait until this run's final artifacts are written (a no-op when
-    the run published none)."""
-    thread = _FINISHING.pop(flow_run.id, None)
-    if thread is not None:
-        thread.join(FINISH_TIMEOUT_S)
-        if thread.is_alive():
+    """Flow state hook: let this run's final artifacts be written and wait until they are
+    (a no-op when the run published none)."""
+    finishing = _FINISHING.pop(flow_run.id, None)
+    if finishing is not None:
+        finishing.go.set()
+        finishing.thread.join(FINISH_TIMEOUT_S)
+        if finishing.thread.is_alive():
             logger.warning("Final artifacts of flow run %s still unwritten", flow_run.id)

@@ -114,6 +114,11 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home, inline: bool) 
     assert items["detect"]["detail"].startswith("done")
     assert by_type["progress"].data == 100.0
     assert by_type["progress"].description == "Finished: succeeded."
+    # The final artifacts are written once the run's final state is recorded: they never
+    # hold it up (nor the relay's notice of the job's end) on a busy server.
+    assert run.end_time is not None
+    finals = [by_type["table"].created, by_type["markdown"].created, by_type["progress"].updated]
+    assert all(at is not None and at >= run.end_time for at in finals), (finals, run.end_time)
     assert stages_seen(run_id, inline) == {stage: (1, "Completed") for stage in STAGE_RUNS}
     # the fault suite's observer counts the run as its job's one result writer either way
     api_url = str(PREFECT_API_URL.value())

@@ -453,6 +453,44 @@ def test_stale_flow_run_late_result_is_ignored(
     assert final.result_key == result_key(str(job_id), 2, "png")
 
 
+def test_an_ended_runs_event_settles_its_job_from_storage_fenced_on_the_run(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """A run that an event said ended settles its job from the stored outcome before the
+    runs are read (Prefect still shows it RUNNING here, as when the event outruns the
+    state's commit); a run the job does not hold, and a job not yet marked started, are
+    left to the read of the runs."""
+    job_id, first = running(relay, owner, prefect_server)
+    prefect_server.rest.set_state(first, "CRASHED")
+    assert reap.run_once(relay) >= 1
+    dispatch.run_once(relay)
+    second = str(job(relay.engine, job_id).flow_run_id)
+    prefect_server.rest.set_state(second, "RUNNING")
+    assert sync.run_once(relay) == 1 and job(relay.engine, job_id).status is JobStatus.running
+    started_at = job(relay.engine, job_id).started_at
+    unstarted = dispatched(relay, owner)
+    unstarted_run = str(job(relay.engine, unstarted).flow_run_id)
+    write_result(SCRIPT.storage(), str(unstarted), 1)
+
+    # Attempt 1's zombie "ends" with a result of its own: not the run the job holds.
+    write_result(SCRIPT.storage(), str(job_id), 1)
+    for run_id in (first, str(uuid.uuid4()), unstarted_run):
+        relay.ended_runs.add(run_id)
+    assert sync.run_once(relay) == 0
+    assert job(relay.engine, job_id).status is JobStatus.running
+    assert job(relay.engine, unstarted).status is JobStatus.queued
+
+    write_result(SCRIPT.storage(), str(job_id), 2)
+    relay.ended_runs.add(second)
+    assert sync.run_once(relay) == 1
+    done = job(relay.engine, job_id)
+    assert done.status is JobStatus.succeeded and done.stage == FINAL_STAGE
+    assert done.result_key == result_key(str(job_id), 2, "png")
+    assert done.started_at == started_at and done.finished_at is not None
+    assert relay.prefect.read_flow_run(second).state_type is StateType.RUNNING  # type: ignore[union-attr]
+    assert sync.run_once(relay) == 0 and not relay.ended_runs.take()
+
+
 # --------------------------------------------------------------------------- expire
 
 

@@ -7,6 +7,7 @@ the write lock at ``BEGIN``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,6 +67,26 @@ class RelayTimings:
     fetch_lease_margin_s: float = 10.0
 
 
+class EndedRuns:
+    """Ids of flow runs that Prefect's events said reached a final state, kept (thread-safe)
+    until sync's next pass takes them."""
+
+    def __init__(self) -> None:
+        self._ids: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, run_id: str) -> None:
+        """Note that ``run_id`` ended."""
+        with self._lock:
+            self._ids.add(run_id)
+
+    def take(self) -> set[str]:
+        """The ids noted since the last ``take``."""
+        with self._lock:
+            ids, self._ids = self._ids, set()
+        return ids
+
+
 @dataclass
 class Relay:
     """The relay's dependencies; ``owner`` names this replica in outbox leases."""
@@ -82,6 +103,8 @@ class Relay:
     http: httpx.Client = field(default_factory=lambda: httpx.Client(follow_redirects=False))
     wake: Callable[[str], None] = field(default=lambda _step: None)
     """Run a relay step's loop now (set by ``RelayRunner``; a no-op for single passes)."""
+    ended_runs: EndedRuns = field(default_factory=EndedRuns)
+    """Flow runs that an event said ended, for sync's next pass (``sync.settle_ended``)."""
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -75,11 +76,19 @@ class Watched:
         return cls(job_id=job.id, **same)
 
 
-def watched_jobs(relay: Relay, *, limit: int = WATCH_LIMIT) -> list[Watched]:
-    """Non-terminal jobs holding a flow run, oldest update first."""
+def watched_jobs(
+    relay: Relay, *, limit: int = WATCH_LIMIT, runs: Collection[str] | None = None
+) -> list[Watched]:
+    """Non-terminal jobs holding a flow run (one of ``runs`` when given), oldest update
+    first."""
+    held = (
+        col(Job.flow_run_id).is_not(None)
+        if runs is None
+        else col(Job.flow_run_id).in_([uuid.UUID(run) for run in runs])
+    )
     query = (
         select(Job)
-        .where(col(Job.status).in_(list(ACTIVE_STATUSES)), col(Job.flow_run_id).is_not(None))
+        .where(col(Job.status).in_(list(ACTIVE_STATUSES)), held)
         .order_by(col(Job.updated_at))
         .limit(limit)
     )

@@ -5,8 +5,10 @@ a run starts or ends instead of at its next poll.
 Prefect's own ``PrefectEventSubscriber``: HTTP basic auth on the upgrade with the server's
 credential, an ``auth`` message, then a ``filter`` for ``prefect.flow-run.*`` events, no
 backfill) in a daemon thread, and calls ``on_change`` for each run that moved to a state
-the relay acts on. It never decides an outcome: the relay's sync pass re-reads every
-watched run over REST, which is also what makes a missed event harmless:
+the relay acts on. It never decides an outcome: a final-state event only lets sync settle
+the run's jobs from what their flow stored (``sync.settle_ended``) before it reads the
+runs, and the sync pass re-reads every watched run over REST, which is also what makes a
+missed event harmless:
 
 - the REST poll stays as a safety net at ``RelayTimings.sync_safety_net_s`` while the
   stream is connected, and at the fast ``sync_interval_s`` while it is not (refused,
@@ -38,6 +40,9 @@ log = logging.getLogger(__name__)
 
 #: Flow-run state types after which the relay has something to write.
 WATCHED_STATES = frozenset({"RUNNING", "COMPLETED", "FAILED", "CANCELLED", "CRASHED", "CANCELLING"})
+#: Final state types whose event lets sync settle the run's jobs from what the flow stored,
+#: without reading the run first (``sync.settle_ended``).
+SETTLED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 #: Seconds after an event when the runs are read again (the state's transaction may not
 #: have been committed when the event left).
 REREAD_AFTER_S: tuple[float, ...] = (0.15, 1.0)

@@ -26,7 +26,7 @@ from webapi.migrations import check_migrated
 from webapi.prefect_api import PrefectAPI
 from webapi.relay import dispatch, expire, fetch_lane, notify, reap, sync
 from webapi.relay.context import Relay, RelayTimings
-from webapi.relay.run_events import RunEvents
+from webapi.relay.run_events import SETTLED_STATES, RunEvents
 from webapi.storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,9 @@ class RelayRunner:
             return None
         auth = relay.settings.prefect_api_auth_string
 
-        def changed(_run_id: str, state: str) -> None:
+        def changed(run_id: str, state: str) -> None:
+            if state in SETTLED_STATES:
+                relay.ended_runs.add(run_id)
             self.wake("sync", "reap") if state == "CRASHED" else self.wake("sync")
 
         return RunEvents(

@@ -17,6 +17,10 @@ pass, every ``sync_interval_s``). Mapping:
   reaper does (``outcomes.retry_or_fail``). A state's message never decides an outcome;
 - CRASHED, lost runs and overdue runs are the reaper's (``webapi.relay.reap``).
 
+A run that Prefect's events said ended (COMPLETED, FAILED, CANCELLED: ``run_events``) is
+settled first, from what its flow stored, without waiting for the read of the runs
+(``settle_ended``); a job whose run stored nothing is left to that read.
+
 Every write is conditional on the job's current ``flow_run_id``: a stale run never writes.
 """
 
@@ -32,7 +36,16 @@ from webapi.jobstate import record_progress
 from webapi.models import JobStatus, utcnow
 from webapi.prefect_api import FlowRun, PrefectError, StateType
 from webapi.relay.context import Relay
-from webapi.relay.outcomes import TRANSITIONS, Watched, end, observe, retry_or_fail, settle, write
+from webapi.relay.outcomes import (
+    TRANSITIONS,
+    Watched,
+    end,
+    observe,
+    retry_or_fail,
+    settle,
+    watched_jobs,
+    write,
+)
 from webapi.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -43,15 +56,35 @@ _PROGRESS = re.compile(r"^\s*Stage \d+/\d+:\s*([A-Za-z][\w-]{0,31})")
 
 def run_once(relay: Relay) -> int:
     """One sync pass; returns how many jobs changed."""
+    settled = settle_ended(relay)
     observed = [(job, run) for job, run in observe(relay) or [] if run is not None]
     progress = _progress(relay, [run for _job, run in observed])
-    changed = sum(apply_run_state(relay, job, run, progress.get(run.id)) for job, run in observed)
+    changed = settled + sum(
+        apply_run_state(relay, job, run, progress.get(run.id)) for job, run in observed
+    )
     videos = [
         job for job, run in observed if job.media == "video" and run.state_type is StateType.RUNNING
     ]
     # A video's progress is read from storage, not told by events: keep the fast poll.
     relay.reading_progress = bool(videos)
     return changed + sum(video_progress(relay, job) for job in videos)
+
+
+def settle_ended(relay: Relay) -> int:
+    """Settle the jobs of the runs that Prefect's events said ended (``relay.ended_runs``)
+    from the outcome their flow stored, without reading the runs first: the flow stores
+    its ``ResultRef`` or ``JobFailure`` before it proposes its final state, the outcome
+    never depends on the state, and the write is fenced on the job's run as always. A job
+    with no stored outcome, or not yet marked started (its start time is the run's), is
+    left to the pass that reads its run. Returns how many jobs changed."""
+    runs = relay.ended_runs.take()
+    if not runs:
+        return 0
+    changed = 0
+    for job in watched_jobs(relay, runs=runs):
+        if job.started_at is not None and settle(relay, job, None):
+            changed += 1
+    return changed
 
 
 def video_progress(relay: Relay, job: Watched) -> bool:
