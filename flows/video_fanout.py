@@ -86,8 +86,9 @@ class Parts:
         tick: Callable[[set[str]], None] = lambda waiting: None,
     ) -> None:
         """Create ``parts`` from ``deployment`` and wait until all completed, calling
-        ``done(part, message)`` as each does and ``tick(waiting)`` between two polls. Raises the typed error of a part that
-        failed, ``PartsCancelled`` when one was cancelled, ``DeadlineExceeded``."""
+        ``done(part, message)`` as each does and ``tick(waiting)`` between two polls.
+        Raises the typed error of a part that failed, ``PartsCancelled`` when one was
+        cancelled, ``DeadlineExceeded``."""
         if not parts:
             return
         with get_client(sync_client=True) as client:

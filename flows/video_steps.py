@@ -10,9 +10,10 @@ place (``VideoJob.read_input``: a link in the run's temporary directory to a loc
 block's file, no byte copied, or ranged reads of an S3 object, only the blocks FFmpeg asks
 for); the probe reads it whole, from that link or a copy (``read_locally``), as the report
 reads the chunks; chunks and the result go back file by file (``put_from``). A rendered
-chunk is stored under ``video-chunks/<chunk_name>`` (a name made from the video, chunk, face plan, sources and options): a chunk found there is not
-rendered again, so a re-dispatched attempt renders only the missing chunks. The analysis
-of a frame range is stored the same way, under ``video-analysis/<range_name>`` (``.npz``).
+chunk is stored under ``video-chunks/<chunk_name>`` (a name made from the video, chunk,
+face plan, sources and options): a chunk found there is not rendered again, so a
+re-dispatched attempt renders only the missing chunks. The analysis of a frame range is
+stored the same way, under ``video-analysis/<range_name>`` (``.npz``).
 """
 
 from __future__ import annotations

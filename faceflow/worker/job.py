@@ -142,11 +142,12 @@ class DefinitionCache:
 
     Every run of a burst names the same deployment and flow; reading them once per
     ``ttl_s`` instead of once per run saves two API requests per run. The worker still
-    reads a claimed run's deployment beside its ``Pending`` proposal (a deleted deployment's
-    runs are cancelled at once) and keeps that read here (``remember``), with the run's
-    flow read beside it: a run's configuration then needs no request after ``Pending``,
-    after idle time too. A flow changed on the server applies ``ttl_s`` later. Each caller gets its own deep copy: Prefect merges a run's
-    job variables into the deployment's in place.
+    reads a claimed run's deployment beside its ``Pending`` proposal (a deleted
+    deployment's runs are cancelled at once) and keeps that read here (``remember``), with
+    the run's flow read beside it: a run's configuration then needs no request after
+    ``Pending``, after idle time too. A flow changed on the server applies ``ttl_s``
+    later. Each caller gets its own deep copy: Prefect merges a run's job variables into
+    the deployment's in place.
     """
 
     def __init__(self, ttl_s: float = 5.0) -> None:

@@ -49,6 +49,7 @@ from faceflow.worker.settings import DEFAULT_ENTRYPOINT, WorkerSettings
 from tasks.error_codes import JobErrorCode
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine
     from uuid import UUID
 
     from prefect.client.schemas.objects import FlowRun, State
@@ -321,10 +322,10 @@ class FaceFlowGpuWorker(
     # ------------------------------------------------------------------ pickup
     # Prefect 3.9's BaseWorker has no public hook for these five steps of its pickup (the
     # submission, the Pending claim, the Submitting state, the worker labels, the
-    # scheduled-run query), so
-    # they override its private methods, each calling ``super()`` where it keeps Prefect's
-    # behaviour. The warm-worker tests (tests/worker/) exercise each one against a real
-    # server, so a Prefect release that renames or reshapes them fails CI, not production.
+    # scheduled-run query), so they override its private methods, each calling ``super()``
+    # where it keeps Prefect's behaviour. The warm-worker tests (tests/worker/) exercise
+    # each one against a real server, so a Prefect release that renames or reshapes them
+    # fails CI, not production.
     # Everything else uses public hooks: ``setup``, ``teardown``, ``run``,
     # ``get_and_submit_flow_runs``, ``kill_infrastructure``.
 
@@ -437,7 +438,11 @@ class FaceFlowGpuWorker(
             except Exception as exc:  # labels help operators; a failure must not stop a run
                 self._logger.debug("could not label flow run %s: %s", flow_run_id, exc)
 
-        task = asyncio.create_task(label())
+        self._in_background(label())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` as a task of its own, kept until it ends (cancelled at teardown)."""
+        task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -494,8 +499,7 @@ class FaceFlowGpuWorker(
             )
         except ObjectNotFound:
             return []
-        found = self._cut_to_open_places(runs)
-        return found
+        return self._cut_to_open_places(runs)
 
     def _cut_to_open_places(self, runs: list[WorkerFlowRunResponse]) -> list[WorkerFlowRunResponse]:
         """``runs`` not claimed yet, cut to the places open now. Called with no await
@@ -585,19 +589,13 @@ class FaceFlowGpuWorker(
                         if event.event == CANCELLING_EVENT:
                             self._check_state_now(event.resource.id)
                         else:
-                            self._claim_in_background(event)
+                            # beside the stream: a Cancelling event never waits for a claim
+                            self._in_background(self._claim_announced(event))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self._logger.debug("event pickup unavailable (%s); polling only", exc)
                 await asyncio.sleep(5)
-
-    def _claim_in_background(self, event: Event) -> None:
-        """``_claim_announced`` beside the event stream (a Cancelling event never waits
-        for a claim's read)."""
-        task = asyncio.create_task(self._claim_announced(event))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _check_state_now(self, resource_id: str) -> None:
         """Nudge the supervision of flow run ``prefect.flow-run.<id>``, if a child runs it."""
