@@ -27,7 +27,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -163,10 +163,14 @@ def run_part(
     sources = [read_from(store, k) for k in [spec.source_key, *spec.extra_source_keys]]
     plan_key = video_plan_key(spec.job_id, spec.attempt)
     sweep_workdirs()
-    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as tmp,
+        ExitStack() as ending,
+    ):
         workdir = Path(tmp)
         chunk_len = chunk_s or settings.video_chunk_s
         job = VideoJob(store, workdir, workdir / "input", sources, chosen, ctx, chunk_len)
+        ending.callback(_log_input_reads, job, part)  # failed parts too
         job.payload = payload_for(spec.job_id) if ctx.marker is not None else None
         if part == PROBE_PART:
             job.references = [read_from(store, k) for k in spec.reference_keys]
@@ -217,3 +221,10 @@ def run_part(
         rendered = bool(guarded("render_chunk", deadline).run(render, job, chunk, runner))
         counter.write(dict(runner.failures))
         return rendered
+
+
+def _log_input_reads(job: VideoJob, part: str) -> None:
+    """Log what ``part`` fetched of an input it read in place (S3 ranged reads)."""
+    reads = job.input_reads()
+    if reads is not None:
+        get_run_logger().info("Part %s %s", part, reads)

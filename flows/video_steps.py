@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from prefect import task
 
+from blocks.ranged import RangedSource
 from blocks.storage import (
     ByteStore,
     is_stored,
@@ -90,6 +91,18 @@ class VideoJob:
         """Let the steps read the input video under ``key`` where it is stored
         (``read_in_place``: a link to a local file, ranged reads of an S3 object)."""
         self.video = read_in_place(self.store, key, self.workdir / "input")
+
+    def input_reads(self) -> str | None:
+        """What the ranged reads of an input read in place fetched (``None`` for a local
+        file): the figure that shows a part read its range of the upload, not all of it."""
+        video = self.video
+        if not isinstance(video, RangedSource):
+            return None
+        share = video.fetched_bytes / video.size if video.size else 0.0
+        return (
+            f"read {video.fetched_bytes} of the input's {video.size} bytes ({share:.1%}) "
+            f"in {video.requests} ranged requests"
+        )
 
     def chunk_key(self, chunk: Chunk) -> str:
         """Where ``chunk``'s segment is stored (named by content: any attempt reuses it)."""

@@ -90,6 +90,11 @@ def test_an_analysis_part_on_s3_fetches_its_range_not_the_upload(
     assert analyse_task.fn(job, start, stop)  # the part's step, as ``analyse-<a>-<b>`` runs it
     figures(f"analysis part, frames {start}-{stop}", source, time.perf_counter() - began)
     assert source.fetched_bytes < source.size / 2
+    reads = job.input_reads()  # what the part logs when it ends
+    assert (
+        reads is not None and f"read {source.fetched_bytes} of the input's {source.size}" in reads
+    )
+    assert f"in {source.requests} ranged requests" in reads and source.requests > 0
     stored = read_from(uploaded, job.analysis_key(start, stop))
     local = analyse_range(videos.long, job.probed, start, stop, options, ctx)
     assert stored == video_analysis.encode(local)
@@ -121,6 +126,8 @@ def test_a_local_store_still_links_the_stored_file(videos: Videos, tmp_path: Pat
     put_from(store, KEY, videos.silent)
     linked = read_in_place(store, KEY, tmp_path / "input")
     assert isinstance(linked, Path) and linked.is_symlink()
+    job = VideoJob(store, tmp_path, linked, [], FusionOptions(), PipelineContext(), chunk_s=1.0)
+    assert job.input_reads() is None  # nothing ranged to log
     assert len(list(read_frames(linked, 3, 9))) == 6
 
 
