@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from faceflow.supervisor import Service, process_table
+from faceflow.testing.wait import poll
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,10 +45,8 @@ WORKER = textwrap.dedent(
 
 
 def _wait_for_pid(path: Path, timeout: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"no pid written to {path}"
-        time.sleep(0.05)
+    written = poll(path.exists, timeout)
+    assert written, f"no pid written to {path}"
     return int(path.read_text())
 
 
@@ -106,10 +105,8 @@ def test_faceflow_up_stops_an_orphaned_grandchild_on_sigint(tmp_path: Path) -> N
     )
     grandchild = _wait_for_pid(tmp_path / "up.pid")
     try:
-        deadline = time.monotonic() + 10
-        while process_table().get(grandchild, (0,))[0] != up.pid:
-            assert time.monotonic() < deadline, "the orphan was not adopted by faceflow up"
-            time.sleep(0.05)
+        adopted = poll(lambda: process_table().get(grandchild, (0,))[0] == up.pid, 10)
+        assert adopted, "the orphan was not adopted by faceflow up"
         up.send_signal(signal.SIGINT)
         output, _ = up.communicate(timeout=60)
         assert b"stopping the stack" in output, output

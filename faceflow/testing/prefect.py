@@ -29,6 +29,7 @@ from faceflow.prefect_server import PrefectMode
 from faceflow.supervisor import Service
 from faceflow.testing.databases import postgres_database
 from faceflow.testing.net import free_port, http_ok
+from faceflow.testing.wait import poll_value
 from flows.params import run_tags
 from webapi.prefect_api import auth_headers
 
@@ -109,16 +110,25 @@ class PrefectRest:
         """Each flow run's state type, by run id."""
         return {run_id: self.run(run_id)["state_type"] for run_id in run_ids}
 
-    def wait_final(self, run_id: str, timeout: float = 600) -> dict[str, Any]:
-        """The run once its state is in ``FINAL`` (``AssertionError`` after ``timeout``)."""
-        end = time.monotonic() + timeout
-        while True:
+    def wait_final(
+        self, run_id: str, timeout: float = 600, *, message_prefix: str = "", step_s: float = 0.25
+    ) -> dict[str, Any]:
+        """The run once its state is in ``FINAL`` with a message that starts with
+        ``message_prefix`` (``AssertionError`` after ``timeout``). Latencies come from the
+        server's timestamps, not from this poll every ``step_s``."""
+
+        def final() -> dict[str, Any] | None:
             run = self.run(run_id)
-            if run["state_type"] in FINAL:
-                return run
-            if time.monotonic() > end:
-                raise AssertionError(f"run {run_id} still {run['state_type']} after {timeout} s")
-            time.sleep(0.25)  # latencies come from server timestamps, not from this poll
+            message = (run["state"] or {}).get("message") or ""
+            done = run["state_type"] in FINAL and message.startswith(message_prefix)
+            return run if done else None
+
+        run = poll_value(final, timeout, step_s=step_s)
+        if run is None:
+            run = self.run(run_id)
+            state = f"{run['state_type']} {(run['state'] or {}).get('message')!r}"
+            raise AssertionError(f"run {run_id} is {state} after {timeout} s")
+        return run
 
     def set_state(
         self, run_id: str, state_type: str, message: str | None = None, *, force: bool = True

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def poll(
@@ -26,6 +29,27 @@ def poll(
         if time.monotonic() - started >= timeout_s:
             return False
         time.sleep(step_s)
+
+
+def poll_value(
+    get: Callable[[], T | None],
+    timeout_s: float,
+    *,
+    step_s: float = 0.05,
+    ignore: tuple[type[Exception], ...] = (),
+) -> T | None:
+    """``poll`` of a value: the first ``get()`` that is not None, or None once ``timeout_s``
+    has passed."""
+    found: list[T] = []
+
+    def check() -> bool:
+        value = get()
+        if value is None:
+            return False
+        found.append(value)
+        return True
+
+    return found[0] if poll(check, timeout_s, step_s=step_s, ignore=ignore) else None
 
 
 def wait_for(

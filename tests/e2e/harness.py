@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from faceflow.prefect_server import AUTH_FILE
+from faceflow.testing.wait import poll, poll_value
 from webapi.prefect_api import auth_headers
 
 BIN = Path(sys.executable).parent
@@ -69,18 +69,16 @@ def start_stack(
             env=dict(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     port = args[list(args).index("--api-port") + 1]
-    deadline = time.monotonic() + ready_s
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         assert proc.poll() is None, log_path.read_text()
-        try:
-            if (
-                httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
-                and b"ready:" in log_path.read_bytes()
-            ):
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+        return (
+            httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200
+            and b"ready:" in log_path.read_bytes()
+        )
+
+    if poll(ready, ready_s, step_s=1, ignore=(httpx.HTTPError,)):
+        return proc
     stop_unready(proc, home)
     pytest.fail("stack not ready: " + log_path.read_text()[-3000:])
 
@@ -136,15 +134,17 @@ class StackClient:
 def watch(client: httpx.Client, job_id: str, timeout: float = 180) -> tuple[dict, list[str]]:
     """Poll a job until it ends: the job and the statuses seen on the way."""
     seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def ended() -> dict | None:
         job = client.get(f"/v1/jobs/{job_id}").json()
         if not seen or seen[-1] != job["status"]:
             seen.append(job["status"])
-        if job["status"] in TERMINAL:
-            return job, seen
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} not terminal after {timeout} s: {seen}")
+        return job if job["status"] in TERMINAL else None
+
+    job = poll_value(ended, timeout, step_s=0.2)
+    if job is None:
+        raise AssertionError(f"job {job_id} not terminal after {timeout} s: {seen}")
+    return job, seen
 
 
 def pid_of(home: Path, word: bytes) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from psycopg import sql
 from faceflow.testing.databases import postgres_unavailable
 from faceflow.testing.jobs import data_uri
 from faceflow.testing.net import free_port
+from faceflow.testing.wait import poll
 from tests import samples
 from tests.e2e.harness import (
     StackClient,
@@ -110,9 +110,7 @@ def scale_out(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScaleOutStac
         )
     finally:
         stop_stack(proc)
-        deadline = time.monotonic() + 15
-        while pids_with_home(home) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        poll(lambda: not pids_with_home(home), 15, step_s=0.5)
         leftovers = pids_with_home(home)
         with contextlib.suppress(psycopg.Error):
             _drop_database(database)
@@ -171,14 +169,10 @@ def test_jobs_run_and_their_events_travel_through_redis(scale_out: ScaleOutStack
     # Events: published by the API processes to Redis, consumed by the services process,
     # persisted to PostgreSQL. With in-memory messaging across processes none would arrive.
     run_resources = [f"prefect.flow-run.{run_id}" for run_id, _ in runs]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        events = scale_out.query(
-            "SELECT DISTINCT event FROM events WHERE resource_id = ANY(%s)", run_resources
-        )
-        if ("prefect.flow-run.Completed",) in events:
-            break
-        time.sleep(1)
+    query = "SELECT DISTINCT event FROM events WHERE resource_id = ANY(%s)"
+    completed = ("prefect.flow-run.Completed",)
+    poll(lambda: completed in scale_out.query(query, run_resources), 60, step_s=1)
+    events = scale_out.query(query, run_resources)
     assert ("prefect.flow-run.Completed",) in events, events
     assert scale_out.redis.dbsize() > 0, "Prefect's streams and caches live in Redis"
     keys = {key.decode() for key in scale_out.redis.scan_iter(count=1000)}

@@ -30,6 +30,7 @@ from blocks.settings import FusionSettings
 from faceflow.faults.observe import inline_stages
 from faceflow.testing.jobs import data_uri
 from faceflow.testing.relay import Receiver, receiver
+from faceflow.testing.wait import poll
 from faceflow.testing.webhooks import independent_verify
 from tests import samples
 from tests.e2e.harness import (
@@ -122,12 +123,11 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
     assert [a["settings"]["identity_weight"] for a in quality["attempts"]] == [0.85, 1.0]
     assert quality["settings"] in [a["settings"] for a in quality["attempts"]]
 
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        events = {json.loads(post.body)["type"] for post in stack.receiver.posts()}
-        if "job.succeeded" in events:
-            break
-        time.sleep(0.5)
+    poll(
+        lambda: "job.succeeded" in {json.loads(p.body)["type"] for p in stack.receiver.posts()},
+        30,
+        step_s=0.5,
+    )
     mine = [(p.headers, p.body) for p in stack.receiver.posts() if job_id in p.body.decode()]
     succeeded = [json.loads(b) for _, b in mine if json.loads(b)["type"] == "job.succeeded"]
     assert succeeded, mine
@@ -150,13 +150,13 @@ def test_submit_runs_to_success_with_webhook_result_and_prefect_run(stack: Runni
     # each named with its attempt and time in the run's log, which the server writes in
     # batches (faceflow.prefect_server.SERVICE_WRITE_BATCHING), within seconds.
     stages = {"moderate_inputs", "detect", "align", "fuse", "postprocess", "quality", "store"}
-    deadline = time.monotonic() + 15
-    while True:
-        auth = {"Authorization": stack.prefect.headers["Authorization"]}
-        done = inline_stages(stack.prefect_api, [runs[0]["id"]], auth)
-        if stages <= done[runs[0]["id"]] or time.monotonic() > deadline:
-            break
-        time.sleep(0.25)
+    auth = {"Authorization": stack.prefect.headers["Authorization"]}
+    poll(
+        lambda: stages <= inline_stages(stack.prefect_api, [runs[0]["id"]], auth)[runs[0]["id"]],
+        15,
+        step_s=0.25,
+    )
+    done = inline_stages(stack.prefect_api, [runs[0]["id"]], auth)
     assert stages <= done[runs[0]["id"]], done
 
 
@@ -301,10 +301,8 @@ def test_the_stack_restarts_a_part_that_dies_and_counts_it(stack: RunningStack) 
     assert retention.status_code == 200
     os.kill(pid_of(stack.home, b"local-control"), signal.SIGKILL)
     log = stack.home.parent / "up.log"
-    deadline = time.monotonic() + 30
-    while b"restarted worker-control" not in log.read_bytes():
-        assert time.monotonic() < deadline, log.read_text()[-2000:]
-        time.sleep(0.2)
+    restarted = poll(lambda: b"restarted worker-control" in log.read_bytes(), 30, step_s=0.2)
+    assert restarted, log.read_text()[-2000:]
     assert b"killed by SIGKILL (restart 1" in log.read_bytes()
     assert pid_of(stack.home, b"local-control") > 0  # running again
     metrics = httpx.get(f"{stack.api}/metrics", timeout=10).text
@@ -340,7 +338,5 @@ def test_stopping_the_stack_leaves_no_process(stack: RunningStack) -> None:
     assert pids_with_home(stack.home), "the stack's processes should be visible while it runs"
     stack.process.send_signal(signal.SIGTERM)
     stack.process.wait(timeout=90)
-    deadline = time.monotonic() + 15
-    while pids_with_home(stack.home) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    poll(lambda: not pids_with_home(stack.home), 15, step_s=0.5)
     assert pids_with_home(stack.home) == []

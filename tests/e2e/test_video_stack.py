@@ -22,6 +22,7 @@ import pytest
 from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
 from blocks.settings import FusionSettings
+from faceflow.testing.wait import poll, poll_value
 from flows.params import chunks_manifest_key, video_parts_tag
 from tasks.video_io import frame_timestamps, probe_video
 from tests import samples
@@ -169,13 +170,17 @@ def _until(
     client: httpx.Client, job_id: str, ready: Callable[[dict[str, Any]], bool], timeout: float
 ) -> dict[str, Any]:
     """Poll the job until ``ready(job)``; fails if it ends first or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def found() -> dict[str, Any] | None:
         job = client.get(f"/v1/jobs/{job_id}").json()
         if ready(job):
             return job
         assert job["status"] not in ("succeeded", "failed", "expired", "cancelled"), job
-        time.sleep(0.1)
+        return None
+
+    job = poll_value(found, timeout, step_s=0.1)
+    if job is not None:
+        return job
     raise AssertionError(f"job {job_id} not ready in {timeout} s")
 
 
@@ -195,12 +200,15 @@ def _listed_chunks(stack: VideoStack, job_id: str, timeout: float = 600) -> list
     """The storage keys of the chunks the job's first attempt lists once it has planned,
     before it renders any; waits for the list."""
     listed = stack.home / "storage" / chunks_manifest_key(job_id, 1)
-    end = time.monotonic() + timeout
-    while True:  # written whole (blocks.storage.write_to), or not yet
-        with suppress(FileNotFoundError):
-            return [str(key) for key in json.loads(listed.read_text())]
-        assert time.monotonic() < end, "the attempt never listed its chunks"
-        time.sleep(0.005)
+    # written whole (blocks.storage.write_to), or not yet
+    keys = poll_value(
+        lambda: [str(key) for key in json.loads(listed.read_text())],
+        timeout,
+        step_s=0.005,
+        ignore=(FileNotFoundError,),
+    )
+    assert keys is not None, "the attempt never listed its chunks"
+    return keys
 
 
 @contextmanager
@@ -267,6 +275,14 @@ def _parts(stack: VideoStack, job_id: str, attempt: int) -> list[dict[str, Any]]
     return list(stack.prefect.post("/flow_runs/filter", json=body).json())
 
 
+def _wait_parts(stack: VideoStack, job_id: str, done: Callable[[str], bool], step_s: float) -> None:
+    """Poll attempt 1's parts until ``done`` holds for each one's state type (60 s)."""
+    settled = poll(
+        lambda: all(done(r["state_type"]) for r in _parts(stack, job_id, 1)), 60, step_s=step_s
+    )
+    assert settled, [(r["name"], r["state_type"]) for r in _parts(stack, job_id, 1)]
+
+
 def test_a_coordinator_killed_mid_video_runs_again_and_its_parts_stop(
     stack: VideoStack, videos: Videos
 ) -> None:
@@ -278,13 +294,15 @@ def test_a_coordinator_killed_mid_video_runs_again_and_its_parts_stop(
     with stack.client() as client:
         job_id = _submit(client, videos.short, own)
         listed = _listed_chunks(stack, job_id)
-        end = time.monotonic() + 120
-        while not any(
-            "-chunk-" in r["name"] and r["state_type"] == "RUNNING"
-            for r in _parts(stack, job_id, 1)
-        ):  # a render part on the GPU worker's child, held there next
-            assert time.monotonic() < end, "no render part of attempt 1 ran"
-            time.sleep(0.02)
+        rendering = poll(
+            lambda: any(
+                "-chunk-" in r["name"] and r["state_type"] == "RUNNING"
+                for r in _parts(stack, job_id, 1)
+            ),
+            120,
+            step_s=0.02,
+        )  # a render part on the GPU worker's child, held there next
+        assert rendering, "no render part of attempt 1 ran"
         with _child_paused(stack):
             body = {"flow_runs": {"name": {"any_": [job_id]}}}
             (run,) = stack.prefect.post("/flow_runs/filter", json=body).json()
@@ -292,21 +310,12 @@ def test_a_coordinator_killed_mid_video_runs_again_and_its_parts_stop(
             os.kill(_run_process(stack, run_id), signal.SIGKILL)
             killed = datetime.now(UTC)
             _until(client, job_id, lambda job: job["attempts"] == 2, timeout=120)
-            end = time.monotonic() + 60  # the relay's cancel lands while the part is held
-            while any(r["state_type"] in LIVE_TYPES for r in _parts(stack, job_id, 1)):
-                assert time.monotonic() < end, [
-                    (r["name"], r["state_type"]) for r in _parts(stack, job_id, 1)
-                ]
-                time.sleep(0.1)
+            # the relay's cancel lands while the part is held
+            _wait_parts(stack, job_id, lambda state: state not in LIVE_TYPES, step_s=0.1)
         job, _ = watch(client, job_id, timeout=900)
     assert job["status"] == "succeeded" and job["attempts"] == 2, job
     assert job["video_report"]["chunks"] == len(listed)
-    end = time.monotonic() + 60
-    while any(r["state_type"] not in FINAL_TYPES for r in _parts(stack, job_id, 1)):
-        assert time.monotonic() < end, [
-            (r["name"], r["state_type"]) for r in _parts(stack, job_id, 1)
-        ]
-        time.sleep(0.2)
+    _wait_parts(stack, job_id, lambda state: state in FINAL_TYPES, step_s=0.2)
     first = _parts(stack, job_id, 1)
     late = [
         r["name"]

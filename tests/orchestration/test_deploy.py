@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,6 +16,7 @@ from PIL import Image
 
 from faceflow.supervisor import Service
 from faceflow.testing.prefect import PrefectServer
+from faceflow.testing.wait import poll
 from flows.binding import sign, worker_keys
 from flows.params import (
     BATCH_DEPLOYMENT_NAME,
@@ -302,14 +302,16 @@ def test_process_worker_runs_a_triggered_deployment(
         )
         assert created.status_code in (200, 201), created.text  # 200: a retried repeat
         run_id = created.json()["id"]
-        deadline = time.monotonic() + 240
-        state: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+
+        def final() -> bool:
             state = api(prefect_server, "GET", f"/flow_runs/{run_id}").json()["state"]
             if state["type"] in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}:
-                break
+                return True
             assert worker.alive(), worker.log.read_text()[-3000:]
-            time.sleep(1.0)
+            return False
+
+        poll(final, 240, step_s=1.0)
+        state = api(prefect_server, "GET", f"/flow_runs/{run_id}").json()["state"]
         assert state.get("type") == "COMPLETED", f"{state}\n{worker.log.read_text()[-4000:]}"
     finally:
         worker.stop(grace=10)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +27,7 @@ from faceflow.testing.jobs import make_user
 from faceflow.testing.prefect import PrefectServer
 from faceflow.testing.relay import stand_in_server
 from faceflow.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY, moto_server
+from faceflow.testing.wait import poll
 from webapi import capacity
 from webapi.config import Settings
 from webapi.crud import NewUser
@@ -121,11 +121,9 @@ def serve(app: FastAPI) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
+    poll(lambda: server.started or not thread.is_alive(), 15, step_s=0.02)
+    if not server.started:
+        raise RuntimeError("uvicorn did not start")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

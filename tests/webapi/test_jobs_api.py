@@ -35,6 +35,7 @@ from faceflow.testing.jobs import (
     succeed,
     target_jpeg,
 )
+from faceflow.testing.wait import poll_value
 from flows.params import input_key
 from tests.webapi.conftest import app_client
 from webapi.config import Settings
@@ -464,23 +465,12 @@ def test_prefer_wait_returns_as_soon_as_the_job_is_terminal(
     client: TestClient, engine: Engine, user: NewUser
 ) -> None:
 
-    def finish_when_submitted() -> None:
-        for _ in range(200):
-            jobs = jobs_of(engine, user.user.id)
-            if jobs:
-                time.sleep(0.3)
-                succeed(engine, jobs[0].id, result_key=f"results/{jobs[0].id}/attempt-1.png")
-                return
-            time.sleep(0.05)
+    def finish(job_id: uuid.UUID) -> None:
+        succeed(engine, job_id, result_key=f"results/{job_id}/attempt-1.png")
 
-    worker = threading.Thread(target=finish_when_submitted)
-    worker.start()
     started = time.monotonic()
-    response = client.post(
-        "/v1/jobs", json=job_body(), headers={**auth(user), "Prefer": "respond-async, wait=30"}
-    )
+    response, _ = _wait_and_end(client, user, finish, prefer="respond-async, wait=30")
     elapsed = time.monotonic() - started
-    worker.join()
     assert response.status_code == 202
     job = response.json()
     assert job["status"] == "succeeded" and job["result"]["width"] == 64
@@ -488,27 +478,27 @@ def test_prefer_wait_returns_as_soon_as_the_job_is_terminal(
 
 
 def _wait_and_end(
-    client: TestClient, user: NewUser, end: Callable[[uuid.UUID], float | None]
+    client: TestClient,
+    user: NewUser,
+    end: Callable[[uuid.UUID], float | None],
+    prefer: str = "wait=30",
 ) -> tuple[Response, float]:
-    """POST a job with ``Prefer: wait=30``, have ``end`` end it from another thread 0.3 s
-    after it is stored; the response and how long after the end's commit it came (the
-    wall-clock time ``end`` returns, else when it returned)."""
+    """POST a job with ``Prefer: <prefer>``, have ``end`` end it from another thread 0.3 s
+    after it is stored (looked for over 10 s); the response and how long after the end's
+    commit it came (the wall-clock time ``end`` returns, else when it returned)."""
     ended_at: list[float] = []
     engine = client.app.state.engine  # type: ignore[attr-defined]
 
     def end_when_submitted() -> None:
-        for _ in range(200):
-            jobs = jobs_of(engine, user.user.id)
-            if jobs:
-                time.sleep(0.3)
-                committed = end(jobs[0].id)
-                ended_at.append(committed or time.time())
-                return
-            time.sleep(0.05)
+        jobs = poll_value(lambda: jobs_of(engine, user.user.id) or None, 10, step_s=0.05)
+        if jobs:
+            time.sleep(0.3)
+            committed = end(jobs[0].id)
+            ended_at.append(committed or time.time())
 
     worker = threading.Thread(target=end_when_submitted)
     worker.start()
-    response = client.post("/v1/jobs", json=job_body(), headers={**auth(user), "Prefer": "wait=30"})
+    response = client.post("/v1/jobs", json=job_body(), headers={**auth(user), "Prefer": prefer})
     answered = time.time()
     worker.join()
     return response, answered - ended_at[0]

@@ -28,6 +28,7 @@ from websockets.typing import Subprotocol
 from faceflow.testing.jobs import make_user
 from faceflow.testing.prefect import PrefectServer
 from faceflow.testing.relay import FAST, SCRIPT, execute_run, job, submit
+from faceflow.testing.wait import poll
 from tests.webapi.conftest import PREFECT_AUTH as AUTH
 from tests.webapi.conftest import stand_in_run
 from webapi.config import Settings
@@ -147,10 +148,14 @@ def test_the_relay_with_the_credential_dispatches_and_learns_the_outcome(
     # run by a Prefect client holding PREFECT_API_AUTH_STRING, and synced to success.
     relay = build_relay(settings, engine=engine, store=store, timings=FAST)
     try:
-        deadline = time.monotonic() + 10  # the row waits out its backoff after the 401
-        while job(engine, new.id).flow_run_id is None and time.monotonic() < deadline:
+
+        def dispatched() -> bool:
+            if job(engine, new.id).flow_run_id is not None:
+                return True
             dispatch.run_once(relay)
-            time.sleep(0.1)
+            return False
+
+        poll(dispatched, 10, step_s=0.1)  # the row waits out its backoff after the 401
         stored = job(engine, new.id)
         assert stored.flow_run_id is not None
         assert [r["id"] for r in locked.rest.runs_of_job(new.id)] == [str(stored.flow_run_id)]

@@ -13,6 +13,7 @@ import pytest
 
 from faceflow.testing.net import free_port
 from faceflow.testing.relay import Receiver, receiver, tarpit
+from faceflow.testing.wait import poll
 from webapi.relay.fetch import (
     Deadline,
     FetchRejected,
@@ -141,9 +142,7 @@ def test_a_tarpit_is_cut_at_the_deadline(client: httpx.Client, mode: str) -> Non
         took = time.monotonic() - started
         assert raised.value.code == "input_fetch_timeout"
         assert 1.9 <= took < 2.5, took
-        deadline = time.monotonic() + 3
-        while slow.open and time.monotonic() < deadline:
-            time.sleep(0.05)
+        poll(lambda: not slow.open, 3, step_s=0.05)
         assert (slow.connections, slow.open) == (1, 0)
 
 

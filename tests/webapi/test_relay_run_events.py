@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 from faceflow.testing.jobs import make_user
 from faceflow.testing.prefect import PrefectServer
 from faceflow.testing.relay import FAST, SCRIPT, execute_run, job, submit
+from faceflow.testing.wait import poll_value
 from tests.webapi.conftest import PREFECT_AUTH as AUTH
 from tests.webapi.conftest import stand_in_run
 from webapi.config import Settings
@@ -41,12 +42,8 @@ def settings(locked_settings: Settings) -> Settings:
 
 
 def _until(ready: Callable[[], Any], timeout_s: float) -> Any:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if value := ready():
-            return value
-        time.sleep(0.02)
-    return ready()
+    value = poll_value(lambda: ready() or None, timeout_s, step_s=0.02)
+    return ready() if value is None else value
 
 
 def _runner(settings: Settings, engine: Engine, timings: Any = SLOW_POLL) -> RelayRunner:

@@ -24,6 +24,7 @@ import pytest
 
 from faceflow.testing.bodies import deep, many_keys
 from faceflow.testing.jobs import make_user, stack_webapi
+from faceflow.testing.wait import poll
 from webapi.config import Settings
 from webapi.db import create_engine
 from webapi.migrations import upgrade
@@ -171,12 +172,7 @@ def test_client_disconnect_is_one_info_line(served: Served) -> None:
     with _connect(served) as sock:
         sock.sendall(head.encode() + b'{"source": "data:image/png;base64,AAAA')
         time.sleep(0.3)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        text = served.log.read_bytes()[mark:].decode()
-        if "client disconnected" in text:
-            break
-        time.sleep(0.1)
+    poll(lambda: "client disconnected" in served.log.read_bytes()[mark:].decode(), 10, step_s=0.1)
     time.sleep(0.3)
     text = served.log.read_bytes()[mark:].decode()
     entries = [json.loads(line) for line in text.splitlines() if line.startswith("{")]

@@ -13,7 +13,6 @@ import datetime
 import socket
 import ssl
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from sqlalchemy.engine import Engine
 from blocks.signing import certificate_builder
 from faceflow.testing.jobs import make_user, outbox_of, succeed
 from faceflow.testing.relay import FAST, submit
+from faceflow.testing.wait import poll
 from faceflow.testing.webhooks import independent_verify
 from tests.webapi.conftest import make_settings
 from webapi.relay import notify
@@ -220,15 +220,16 @@ def test_webhook_connects_to_the_checked_address(
         job = submit(engine, settings, relay.store, owner, callback_url=pair.url("/hook?x=1"))
         succeed(engine, job.id, result_key=f"results/{job.id}/attempt-1.png")
         dns.answers.clear()  # whatever submission looked up: rebinding starts now
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
+
+        def closed() -> bool:
             notify.run_once(relay)
             [row] = [r for r in outbox_of(engine, job.id) if r.kind == "webhook"]
-            if row.done_at is not None:
-                break
-            time.sleep(0.05)
+            return row.done_at is not None
+
+        poll(closed, 15, step_s=0.05)
     finally:
         relay.close()
+    [row] = [r for r in outbox_of(engine, job.id) if r.kind == "webhook"]
     assert row.outcome == "done"
     assert dns.answers == [GOOD]
     [(method, path, headers, body)] = pair.good.requests

@@ -32,6 +32,7 @@ from faceflow.testing.jobs import (
     submit,
     succeed,
 )
+from faceflow.testing.wait import poll
 from tests.webapi.conftest import app_client
 from webapi import crud
 from webapi.auth import KeyCache
@@ -98,9 +99,11 @@ def bearer(key: str) -> dict[str, str]:
 
 def refused_after(client: TestClient, headers: dict[str, str], since: float) -> float:
     """Poll ``GET /v1/jobs`` until it is 401; seconds from ``since``."""
-    while client.get("/v1/jobs", headers=headers).status_code == 200:
-        assert time.monotonic() - since < 30, "still accepted after 30 s"
-        time.sleep(0.02)
+    left_s = 30 - (time.monotonic() - since)
+    refused = poll(
+        lambda: client.get("/v1/jobs", headers=headers).status_code != 200, left_s, step_s=0.02
+    )
+    assert refused, "still accepted after 30 s"
     return time.monotonic() - since
 
 

@@ -22,6 +22,7 @@ from sqlmodel import Session, col, select
 
 from faceflow.testing.jobs import auth, make_user, outbox_of, succeed
 from faceflow.testing.relay import FAST, Receiver, receiver, submit
+from faceflow.testing.wait import poll_value
 from faceflow.testing.webhooks import independent_verify
 from tests.webapi.conftest import make_settings
 from webapi import crud, webhooks
@@ -138,14 +139,15 @@ def deliveries(relay: Relay, job_id: uuid.UUID) -> list[WebhookDelivery]:
 
 
 def notify_until_closed(relay: Relay, job_id: uuid.UUID, timeout_s: float = 15.0) -> Outbox:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def closed() -> Outbox | None:
         notify.run_once(relay)
         row = webhook_row(relay, job_id)
-        if row.done_at is not None:
-            return row
-        time.sleep(0.05)
-    pytest.fail("the webhook row was not closed in time")
+        return row if row.done_at is not None else None
+
+    row = poll_value(closed, timeout_s, step_s=0.05)
+    if row is None:
+        pytest.fail("the webhook row was not closed in time")
+    return row
 
 
 def test_retries_after_500_with_the_same_webhook_id_until_delivered(

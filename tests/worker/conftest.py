@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -21,7 +22,8 @@ import pytest
 
 from faceflow.supervisor import Service
 from faceflow.testing.net import free_port
-from faceflow.testing.prefect import FINAL, PREFECT, PrefectRest, PrefectServer
+from faceflow.testing.prefect import PREFECT, PrefectRest, PrefectServer
+from faceflow.testing.wait import poll, poll_value
 from flows.binding import signed_parameters, worker_keys
 from tests.orchestration.conftest import Home, prefect_server
 
@@ -47,18 +49,6 @@ class Api(PrefectRest):
 
     def state(self, run_id: str) -> str:
         return str(self.run(run_id)["state_type"])
-
-    def wait_message(self, run_id: str, prefix: str, timeout: float) -> dict[str, Any]:
-        """Wait until the run is final with a state message starting with ``prefix``."""
-        end = time.monotonic() + timeout
-        while True:
-            run = self.run(run_id)
-            message = run["state"]["message"] or ""
-            if run["state_type"] in FINAL and message.startswith(prefix):
-                return run
-            if time.monotonic() > end:
-                raise AssertionError(f"run {run_id}: {run['state_type']} {message!r}")
-            time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
@@ -143,18 +133,20 @@ class WarmWorker:
 
     def wait_idle(self, timeout: float = 120) -> dict[str, Any]:
         """Wait until every child is warm and idle; the status then."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
+
+        def idle() -> dict[str, Any] | None:
+            with contextlib.suppress(httpx.HTTPError):
                 status = self.status()
                 if status["children"] and all(c["state"] == "idle" for c in status["children"]):
                     return status
-            except httpx.HTTPError:
-                pass
             if not self.service.alive():
                 raise AssertionError(f"worker exited; log: {self.service.log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        raise AssertionError(f"worker children not idle after {timeout} s")
+            return None
+
+        status = poll_value(idle, timeout, step_s=0.1)
+        if status is None:
+            raise AssertionError(f"worker children not idle after {timeout} s")
+        return status
 
     def submit(self, job_variables: dict[str, Any] | None = None, **parameters: Any) -> str:
         params = {"out_dir": str(self.out_dir), **parameters}
@@ -170,11 +162,8 @@ class WarmWorker:
 
     def wait_started(self, run_id: str, timeout: float = 30) -> dict[str, Any]:
         path = self.out_dir / f"{run_id}.started.json"
-        end = time.monotonic() + timeout
-        while not path.exists():
-            if time.monotonic() > end:
-                raise AssertionError(f"run {run_id} did not start within {timeout} s")
-            time.sleep(0.02)
+        if not poll(path.exists, timeout, step_s=0.02):
+            raise AssertionError(f"run {run_id} did not start within {timeout} s")
         time.sleep(0.05)
         return dict(json.loads(path.read_text()))
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from faceflow.testing.wait import poll
 from tests.worker.conftest import Api, WarmWorker, start_warm_worker
 from webapi.prefect_api import PrefectAPI
 
@@ -69,10 +70,8 @@ def _one_round(worker: WarmWorker) -> dict[str, float]:
     like a model call); ``FACEFLOW_LANE_TEST_FUSE=1`` runs the real pipeline instead."""
     api = worker.api
     normal = [worker.submit(**JOB) for _ in range(BURST)]
-    end = time.monotonic() + 120
-    while not any(_has_started(worker, run_id) for run_id in normal):
-        assert time.monotonic() < end, "no run of the burst started within 120 s"
-        time.sleep(0.05)
+    started = poll(lambda: any(_has_started(worker, run_id) for run_id in normal), 120)
+    assert started, "no run of the burst started within 120 s"
     time.sleep(0.3)  # the worker has claimed its run ahead by now
     body = {
         "parameters": {"out_dir": str(worker.out_dir), **JOB},

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from faceflow.testing.wait import poll_value
 from flows.params import DEPLOYMENT_NAME, FLOW_NAME, result_key
 from tests.worker.conftest import FUSE_ENTRYPOINT, Api, WarmWorker, live_relay
 
@@ -30,16 +31,14 @@ def relay(prefect_api: Api, warm_worker: WarmWorker, tmp_path: Path) -> Iterator
 
 def _stop_child_while_running(api: Api, run_id: str, pid: int) -> bool:
     """Freeze the child (SIGSTOP) as soon as the run is RUNNING; False if it ended first."""
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        state = api.state(run_id)
-        if state == "RUNNING":
-            os.kill(pid, signal.SIGSTOP)
-            return api.state(run_id) == "RUNNING"
-        if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-            return False
-        time.sleep(0.005)
-    raise AssertionError(f"run {run_id} never started")
+    seen = ("RUNNING", "COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+    state = poll_value(lambda: s if (s := api.state(run_id)) in seen else None, 60, step_s=0.005)
+    if state is None:
+        raise AssertionError(f"run {run_id} never started")
+    if state != "RUNNING":
+        return False
+    os.kill(pid, signal.SIGSTOP)
+    return api.state(run_id) == "RUNNING"
 
 
 def test_sigkilled_child_is_crashed_then_redispatched(

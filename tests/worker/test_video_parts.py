@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from faceflow.testing.wait import poll
 from flows.artifacts import artifact_key
 from flows.params import (
     VIDEO_ANALYSE_DEPLOYMENT,
@@ -109,12 +110,7 @@ def watch_parts(
     """A thread that polls the job's parts until ``act(run)`` returns True for one."""
 
     def loop() -> None:
-        end = time.monotonic() + 600
-        while time.monotonic() < end:
-            for run in parts_of(prefect_api, job_id):
-                if act(run):
-                    return
-            time.sleep(0.05)
+        poll(lambda: any(act(run) for run in parts_of(prefect_api, job_id)), 600)
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
@@ -332,12 +328,11 @@ def test_cancelling_the_parts_ends_the_attempt_cancelled_without_a_result(
     state = coordinate(prefect_api, params)
     watcher.join(timeout=5)
     assert state.is_cancelled(), state
-    end = time.monotonic() + 60
-    while any(
-        r["state_type"] not in ("CANCELLED", "COMPLETED") for r in parts_of(prefect_api, job_id)
-    ):
-        assert time.monotonic() < end, parts_of(prefect_api, job_id)
-        time.sleep(0.2)
+    ended = ("CANCELLED", "COMPLETED")
+    settled = poll(
+        lambda: all(r["state_type"] in ended for r in parts_of(prefect_api, job_id)), 60, step_s=0.2
+    )
+    assert settled, parts_of(prefect_api, job_id)
     storage = prefect_api.home.storage
     assert not (storage / result_key(job_id, 1, "mp4")).exists()
     assert not (storage / result_meta_key(job_id, 1)).exists()

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from faceflow.testing.prefect import PREFECT
+from faceflow.testing.wait import poll
 from flows.params import result_key
 from tests.worker.conftest import (
     REPO,
@@ -91,12 +92,9 @@ def test_fuse_faces_runs_are_named_by_job_and_labelled_by_worker(
         states = warm_worker.api.call("GET", f"/flow_run_states/?flow_run_id={run_id}")
         names = [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
         assert names == ["Scheduled", "Pending", "Running", "Completed"], names
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # labels are written beside the hand-over
-        labels = warm_worker.api.run(named)["labels"]
-        if "prefect.worker.name" in labels:
-            break
-        time.sleep(0.1)
+    # labels are written beside the hand-over
+    poll(lambda: "prefect.worker.name" in warm_worker.api.run(named)["labels"], 10, step_s=0.1)
+    labels = warm_worker.api.run(named)["labels"]
     assert labels["prefect.worker.type"] == "faceflow-gpu"
     assert labels["prefect.work-pool.name"]
 
@@ -113,7 +111,9 @@ def test_deadline_kills_a_child_blocked_in_c(warm_worker: WarmWorker, block_sigt
         block_sigterm=block_sigterm,  # True: only SIGKILL stops it (the escalation)
     )
     warm_worker.wait_started(run_id)
-    run = warm_worker.api.wait_message(run_id, "[deadline_exceeded] ", timeout=30)
+    run = warm_worker.api.wait_final(
+        run_id, timeout=30, message_prefix="[deadline_exceeded] ", step_s=0.05
+    )
     assert run["state_type"] == "CRASHED"
     ended = datetime.fromisoformat(run["state"]["timestamp"])
     late = (ended - deadline).total_seconds() - grace
@@ -233,10 +233,9 @@ def test_a_run_cancelled_while_it_waits_for_a_child_never_starts(
     busy = warm_worker.submit(c_sleep_s=busy_s, fuse=False)
     warm_worker.wait_started(busy)
     waiting = warm_worker.submit(fuse=False)
-    end = time.monotonic() + 20
-    while warm_worker.api.state(waiting) != "PENDING":  # claimed ahead, waiting for the child
-        assert time.monotonic() < end, warm_worker.api.run(waiting)["state"]
-        time.sleep(0.05)
+    # claimed ahead, waiting for the child
+    claimed = poll(lambda: warm_worker.api.state(waiting) == "PENDING", 20)
+    assert claimed, warm_worker.api.run(waiting)["state"]
     with PrefectAPI(warm_worker.api.url) as api:  # what the relay's cancel path does
         run = api.read_flow_runs([waiting])[waiting]
         assert api.cancel_flow_run(run, message="Cancelled by FaceFlow") is StateType.CANCELLING

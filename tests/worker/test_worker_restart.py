@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from faceflow.testing.wait import poll
 from tests.worker.conftest import Api, pid_alive, start_warm_worker
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
@@ -32,9 +33,7 @@ def test_a_restarted_worker_crashes_the_run_its_dead_predecessor_left(
         stuck = first.submit(c_sleep_s=300, fuse=False)
         child_pid = first.wait_started(stuck, timeout=60)["pid"]
         first.service.kill(signal.SIGKILL)  # the worker's group; its child dies with it
-        end = time.monotonic() + 10
-        while pid_alive(child_pid) and time.monotonic() < end:
-            time.sleep(0.05)
+        poll(lambda: not pid_alive(child_pid), 10)
         assert not pid_alive(child_pid)
         queued = first.submit(fuse=False)
         time.sleep(3)
