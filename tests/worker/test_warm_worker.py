@@ -76,8 +76,8 @@ def test_fuse_faces_runs_are_named_by_job_and_labelled_by_worker(
     warm_worker: WarmWorker, inputs: tuple[str, str]
 ) -> None:
     """The child skips Prefect's rename when the relay already named the run by its job id,
-    and still renames a run created under another name; the worker's labels land beside
-    the hand-over; no ``Submitting`` state: Pending → Running → Completed."""
+    and still renames a run created under another name; the worker's labels land once the
+    run is Running; no ``Submitting`` state: Pending → Running → Completed."""
     warm_worker.wait_idle()
     named, job_id = warm_worker.submit_fuse(*inputs)
     params = fuse_params(*inputs)
@@ -92,7 +92,7 @@ def test_fuse_faces_runs_are_named_by_job_and_labelled_by_worker(
         names = [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
         assert names == ["Scheduled", "Pending", "Running", "Completed"], names
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # labels are written beside the hand-over
+    while time.monotonic() < deadline:  # labels are written once the run is Running
         labels = warm_worker.api.run(named)["labels"]
         if "prefect.worker.name" in labels:
             break
