@@ -31,3 +31,8 @@ if _DETECT_MS:
     from bench.video_fanout import install_detect_ms
 
     install_detect_ms(float(_DETECT_MS))
+if os.environ.get("FACEFLOW_BENCH_TRACE"):  # bench/dispatch_trace.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.dispatch_trace import install as install_trace
+
+    install_trace()

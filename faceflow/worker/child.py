@@ -44,6 +44,9 @@ from faceflow.worker.protocol import (
 
 FlowCacheKey = tuple[str, str]
 
+STORAGE_TTL_S = 30.0
+"""How long the child uses the default result storage it resolved while idle (s)."""
+
 
 def rss_mb() -> float:
     """Resident set size of this process now (MiB); peak RSS where /proc is missing."""
@@ -152,6 +155,8 @@ class WarmChild:
         self.spec = spec
         self.flows: dict[FlowCacheKey, Any] = {}
         self.unrenamed: dict[int, tuple[Any, Any]] = {}
+        self.stored: dict[int, tuple[Any, Any, Any]] = {}
+        self.default_storage: tuple[float, Any] | None = None
         self.runs_done = 0
 
     def telemetry(self) -> Telemetry:
@@ -201,6 +206,55 @@ class WarmChild:
             unrenamed = self.unrenamed[id(flow)] = (flow, copied)
         return unrenamed[1]
 
+    def resolve_default_storage(self) -> None:
+        """Resolve Prefect's default result storage now, while the child is idle: the
+        storage Prefect's engine looks up at the start of every run (the server's default
+        result storage block, read over ``GET /api/admin/storage``, else the local
+        result path). A failed read leaves the lookup to the engine."""
+        try:
+            from prefect.results import get_default_result_storage
+
+            storage = get_default_result_storage(_sync=True)  # type: ignore[call-arg]
+        except Exception:
+            self.default_storage = None
+            return
+        self.default_storage = (time.monotonic(), storage)
+
+    def with_default_storage(self, flow: Any) -> Any:
+        """``flow``, or a copy of it whose ``result_storage`` is the default result storage
+        resolved while idle (``resolve_default_storage``, at most ``STORAGE_TTL_S`` old), so
+        that the engine need not look it up between ``Running`` and the flow's first line.
+        The run's result store is the one the engine would have made: same storage, same
+        persistence (``persist_result`` is the flow's, not derived from the storage). A
+        flow with a storage of its own, or no fresh resolution, is left as it is."""
+        if getattr(flow, "result_storage", None) is not None or self.default_storage is None:
+            return flow
+        at, storage = self.default_storage
+        if time.monotonic() - at > STORAGE_TTL_S:
+            return flow
+        stored = self.stored.get(id(flow))
+        if stored is None or stored[0] is not flow or stored[1] is not storage:
+            copied = copy.copy(flow)
+            copied.result_storage = storage
+            stored = self.stored[id(flow)] = (flow, storage, copied)
+        return stored[2]
+
+    def next_message(self) -> Any:
+        """The worker's next message, with the default result storage kept resolved: every
+        ``STORAGE_TTL_S`` / 2 s while the child is idle, and before a run when the last
+        resolution is too old to use (a child that is never idle pays one read per
+        ``STORAGE_TTL_S``, not one per run)."""
+        while True:
+            at = self.default_storage[0] if self.default_storage is not None else None
+            age = float("inf") if at is None else time.monotonic() - at
+            if age >= STORAGE_TTL_S or (age >= STORAGE_TTL_S / 2 and not self.conn.poll(0)):
+                self.resolve_default_storage()
+                if self.default_storage is None:  # Prefect unreachable: the engine's lookup
+                    return self.conn.recv()
+                continue
+            if self.conn.poll(max(0.0, STORAGE_TTL_S / 2 - age)):
+                return self.conn.recv()
+
     def preload(self) -> None:
         """Import the configured flows now so the first run does not pay for it."""
         base = Path(self.spec.working_dir or os.getcwd())
@@ -234,7 +288,7 @@ class WarmChild:
             working_dir = request.working_dir or self.spec.working_dir
             flow = self.load_flow(request.entrypoint, working_dir)
             flow_run = self.flow_run_of(request, client)
-            flow = self.named_already(flow, flow_run)
+            flow = self.with_default_storage(self.named_already(flow, flow_run))
             self.conn.send(RunStarted(request.flow_run_id, (time.perf_counter() - start) * 1e3))
             with run_environment(request.env, working_dir):
                 state = run_flow(flow, flow_run=flow_run, return_type="state")
@@ -267,10 +321,11 @@ class WarmChild:
 
                 install_shared_observer()
             self.preload()
+            self.resolve_default_storage()
             self.conn.send(ready)
             while True:
                 try:
-                    message = self.conn.recv()
+                    message = self.next_message()
                 except EOFError:
                     return
                 if isinstance(message, Shutdown):

@@ -9,7 +9,8 @@ then hands the run to an idle child, which runs it through ``prefect.flow_engine
 (states, logs and the UI as usual). It skips the per-run work that a warm child makes
 pointless: no ``Submitting`` state, the settings serialised into the run's environment once,
 the deployment and flow read beside the ``Pending`` proposal, not after it
-(``job.DefinitionCache``), labels written beside the hand-over, no rename when the run
+(``job.DefinitionCache``), the run's infrastructure pid and labels written once the run
+is ``Running`` (``_after_start``), not beside the child's start of it, no rename when the run
 already has its job's name. A run announced by its pool's ``Scheduled`` event is claimed
 from that event (one read of the run); the polls stay as the fallback.
 
@@ -63,6 +64,10 @@ DEADLINE_CODE = JobErrorCode.deadline_exceeded
 LOST_CODE = JobErrorCode.worker_lost
 SCHEDULED_EVENT = "prefect.flow-run.Scheduled"
 CANCELLING_EVENT = "prefect.flow-run.Cancelling"
+RUNNING_EVENT = "prefect.flow-run.Running"
+# The run's bookkeeping (its infrastructure pid, the worker's labels) waits for the run's
+# Running event, at most this long (s): see ``_after_start``.
+START_WAIT_S = 2.0
 _KEEP_ON_KILL = frozenset({StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED})
 # A run that waited longer than this for a child is read again before one gets it (it may
 # have been cancelled meanwhile); one that got a child at once goes without the extra read.
@@ -114,6 +119,8 @@ class FaceFlowGpuWorker(
         self._journal: ClaimJournal | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._announced: set[str] = set()  # runs being claimed from their Scheduled event
+        self._events_live = False  # the event subscription is up
+        self._starts: dict[str, asyncio.Event] = {}  # handed-over runs not seen Running yet
         self.claims = {"event": 0, "poll": 0}  # runs claimed (Pending accepted), by source
 
     # ------------------------------------------------------------------ lifecycle
@@ -359,11 +366,14 @@ class FaceFlowGpuWorker(
             ready = False
         if ready:
             assert self._runs_task_group is not None
+            if self._events_live:
+                self._starts[str(flow_run.id)] = asyncio.Event()
             started = await self._runs_task_group.start(
                 self._submit_run_and_capture_errors, flow_run
             )
             if started and not isinstance(started, Exception):
                 run_logger = self.get_flow_run_logger(flow_run)
+                await self._after_start(flow_run.id)
                 try:
                     await self.client.update_flow_run(
                         flow_run_id=flow_run.id, infrastructure_pid=str(started)
@@ -429,16 +439,44 @@ class FaceFlowGpuWorker(
 
     async def _give_worker_labels_to_flow_run(self, flow_run_id: UUID) -> None:
         """Label the run with this worker and pool (as Prefect does) without making the
-        run wait for it: the request runs beside the hand-over to the child."""
+        run wait for it: the request runs in the background once the run is ``Running``
+        (``_after_start``)."""
         parent = super()._give_worker_labels_to_flow_run
 
         async def label() -> None:
+            await self._after_start(flow_run_id)
             try:
                 await parent(flow_run_id)
             except Exception as exc:  # labels help operators; a failure must not stop a run
                 self._logger.debug("could not label flow run %s: %s", flow_run_id, exc)
 
         self._in_background(label())
+
+    async def _after_start(self, flow_run_id: UUID) -> None:
+        """Wait until a handed-over run is ``Running`` (its event), has ended, or
+        ``START_WAIT_S`` passed. The worker's own writes to the run (its infrastructure
+        pid and labels, two requests to Prefect) then come after the child's engine has
+        started the run, not beside the engine's update of the run and its ``Running``
+        proposal, which would wait behind them on the server (the same row of Prefect's
+        database and the same event loop). Prefect's cancellation of a run without a pid
+        happens only before ``Running``; this worker's supervision stops the child either way
+        (``_cancel_if_requested``, nudged by the run's ``Cancelling`` event)."""
+        key = str(flow_run_id)
+        start = self._starts.get(key)
+        if start is None:
+            return
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(start.wait(), START_WAIT_S)
+        finally:
+            if self._starts.get(key) is start:  # no event came (a submission that failed)
+                del self._starts[key]
+
+    def _run_started(self, flow_run_id: str) -> None:
+        """The run is ``Running`` (or over): its bookkeeping may go (``_after_start``)."""
+        start = self._starts.pop(flow_run_id, None)
+        if start is not None:
+            start.set()
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` as a task of its own, kept until it ends (cancelled at teardown)."""
@@ -573,7 +611,7 @@ class FaceFlowGpuWorker(
         while self._work_pool is None:
             await asyncio.sleep(0.1)
         event_filter = EventFilter(
-            event=EventNameFilter(name=[SCHEDULED_EVENT, CANCELLING_EVENT]),
+            event=EventNameFilter(name=[SCHEDULED_EVENT, CANCELLING_EVENT, RUNNING_EVENT]),
             any_resource=EventAnyResourceFilter(id=[f"prefect.work-pool.{self._work_pool.id}"]),
         )
         while True:
@@ -585,9 +623,12 @@ class FaceFlowGpuWorker(
                         if slot.flow_run_id is not None:
                             slot.run_queue.put_nowait(CheckState(slot.flow_run_id))
                     self._poll_now.set()
+                    self._events_live = True
                     async for event in subscriber:
                         if event.event == CANCELLING_EVENT:
                             self._check_state_now(event.resource.id)
+                        elif event.event == RUNNING_EVENT:
+                            self._run_started(event.resource.id.removeprefix("prefect.flow-run."))
                         else:
                             # beside the stream: a Cancelling event never waits for a claim
                             self._in_background(self._claim_announced(event))
@@ -595,6 +636,9 @@ class FaceFlowGpuWorker(
                 raise
             except Exception as exc:
                 self._logger.debug("event pickup unavailable (%s); polling only", exc)
+                self._events_live = False
+                for run_id in list(self._starts):  # their Running events may never come
+                    self._run_started(run_id)
                 await asyncio.sleep(5)
 
     def _check_state_now(self, resource_id: str) -> None:
@@ -637,6 +681,7 @@ class FaceFlowGpuWorker(
         try:
             return await self._run(flow_run, configuration, task_status)
         finally:
+            self._run_started(str(flow_run.id))  # over: its bookkeeping need not wait
             if self._journal is not None:
                 self._journal.remove(str(flow_run.id))
             # Prefect frees this run's limiter place right after ``run`` returns, with no

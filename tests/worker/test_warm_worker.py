@@ -77,8 +77,8 @@ def test_fuse_faces_runs_are_named_by_job_and_labelled_by_worker(
     warm_worker: WarmWorker, inputs: tuple[str, str]
 ) -> None:
     """The child skips Prefect's rename when the relay already named the run by its job id,
-    and still renames a run created under another name; the worker's labels land beside
-    the hand-over; no ``Submitting`` state: Pending → Running → Completed."""
+    and still renames a run created under another name; the worker's labels land once the
+    run is Running; no ``Submitting`` state: Pending → Running → Completed."""
     warm_worker.wait_idle()
     named, job_id = warm_worker.submit_fuse(*inputs)
     params = fuse_params(*inputs)
@@ -92,7 +92,7 @@ def test_fuse_faces_runs_are_named_by_job_and_labelled_by_worker(
         states = warm_worker.api.call("GET", f"/flow_run_states/?flow_run_id={run_id}")
         names = [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
         assert names == ["Scheduled", "Pending", "Running", "Completed"], names
-    # labels are written beside the hand-over
+    # labels are written once the run is Running
     poll(lambda: "prefect.worker.name" in warm_worker.api.run(named)["labels"], 10, step_s=0.1)
     labels = warm_worker.api.run(named)["labels"]
     assert labels["prefect.worker.type"] == "faceflow-gpu"

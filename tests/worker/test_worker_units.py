@@ -256,3 +256,25 @@ def test_a_childs_plain_console_writes_the_lines_prefects_console_handler_wrote(
         for lg, handlers in saved.items():
             lg.handlers = handlers
         logger.handlers, logger.propagate = [], True
+
+
+def test_a_runs_bookkeeping_waits_for_its_running_event_or_its_end() -> None:
+    """The worker's writes to a handed-over run (pid, labels) wait for the run's Running
+    event, or for its end, or for the subscription to drop; without a live subscription
+    they do not wait at all."""
+
+    async def scenario() -> None:
+        worker = FaceFlowGpuWorker(work_pool_name="p")
+        run_id = UUID(int=1)
+        assert not worker._events_live
+        await asyncio.wait_for(worker._after_start(run_id), 1)  # no subscription: no wait
+        for end in ("running", "over"):
+            worker._starts[str(run_id)] = asyncio.Event()
+            waiting = asyncio.create_task(worker._after_start(run_id))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # handed over, not Running yet
+            worker._run_started(str(run_id))  # the Running event, or run() ending
+            await asyncio.wait_for(waiting, 1)
+            assert str(run_id) not in worker._starts, end
+
+    asyncio.run(scenario())

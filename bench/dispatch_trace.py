@@ -1,0 +1,277 @@
+"""A single job's way from its run's creation to its end, hop by hop (bench only).
+
+Installed in the warm worker and its children by ``bench/gpu_shaped_site/sitecustomize.py``
+when ``FACEFLOW_BENCH_TRACE`` names a file: it wraps the worker's and the child's steps and
+Prefect's flow engine steps, and appends one JSON line per step (``run``, ``mark``, ``t``:
+epoch seconds, comparable across the processes) to that file. Nothing of it runs outside
+the bench. Read the file with ``report`` (``main``), with the job store beside it for the
+job's creation and end:
+
+    BENCH_KEEP_DIR=/tmp/keep PYTHONPATH=$PWD .venv/bin/python bench/warm_worker.py \
+        --modes per-job --gpu-ms 30 --jobs 20 --server-db postgresql --no-in-process \
+        --worker-env FACEFLOW_BENCH_TRACE=/tmp/keep/trace.jsonl
+    PYTHONPATH=$PWD .venv/bin/python bench/dispatch_trace.py /tmp/keep/trace.jsonl \
+        /tmp/keep/jobs-per-job.db
+
+The table has the median of each step over the jobs run one after another (ms after the
+job's creation, and the step's own length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sqlite3
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+_PATH = os.environ.get("FACEFLOW_BENCH_TRACE", "")
+_CURRENT: dict[str, str] = {}  # the child's run now (one run at a time)
+
+# The steps in order: (mark, what it is)
+STEPS: list[tuple[str, str]] = [
+    ("job_created", "job row created (POST /v1/jobs)"),
+    ("run_created", "run created on the server (its Scheduled event's time)"),
+    ("event_at_worker", "Scheduled event reaches the worker"),
+    ("run_read", "worker has read the run (submission starts)"),
+    ("pending_proposed", "worker proposes Pending"),
+    ("pending_accepted", "Pending accepted"),
+    ("sent_to_child", "worker sends the run to the child"),
+    ("child_got", "child has the request"),
+    ("run_flow_called", "child calls run_flow"),
+    ("engine_patch_done", "engine's PATCH of the run done"),
+    ("running_proposed", "engine proposes Running"),
+    ("running_accepted", "Running accepted"),
+    ("flow_first_line", "flow function called (run context set up)"),
+    ("body_end", "flow body returned"),
+    ("completed_accepted", "Completed accepted"),
+    ("hooks_done", "state hooks done (the run's final artifacts)"),
+    ("run_flow_returned", "run_flow returned"),
+    ("worker_finished", "worker has the child's report"),
+    ("job_finished", "job row finished"),
+]
+
+
+def mark(run: str, name: str, t: float | None = None) -> None:
+    """Append one step of ``run`` to the trace file."""
+    line = json.dumps({"run": run, "mark": name, "t": time.time() if t is None else t})
+    fd = os.open(_PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _wrap(owner: Any, attr: str, before: Callable[..., None] | None, after: Any = None) -> None:
+    original = getattr(owner, attr)
+    if getattr(original, "_traced", False):
+        return
+    if _is_coroutine(original):
+
+        @functools.wraps(original)
+        async def awrapper(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before(*args, **kwargs)
+            result = await original(*args, **kwargs)
+            if after is not None:
+                after(result, *args, **kwargs)
+            return result
+
+        awrapper._traced = True  # type: ignore[attr-defined]
+        setattr(owner, attr, awrapper)
+        return
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if after is not None:
+            after(result, *args, **kwargs)
+        return result
+
+    wrapper._traced = True  # type: ignore[attr-defined]
+    setattr(owner, attr, wrapper)
+
+
+def _is_coroutine(fn: Any) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)
+
+
+def _current(name: str) -> Callable[..., None]:
+    def record(*_args: Any, **_kwargs: Any) -> None:
+        if "run" in _CURRENT:
+            mark(_CURRENT["run"], name)
+
+    return record
+
+
+def install_worker() -> None:
+    """Wrap the worker's steps (called at its import)."""
+    from faceflow.worker import pool, worker
+    from faceflow.worker.protocol import RunRequest
+
+    cls = worker.FaceFlowGpuWorker
+
+    def on_event(_self: Any, event: Any) -> None:
+        run = event.resource.id.removeprefix("prefect.flow-run.")
+        mark(run, "run_created", event.occurred.timestamp())
+        mark(run, "event_at_worker")
+
+    def on_submit(_self: Any, *args: Any, **kwargs: Any) -> None:
+        for r in args[0] if args else kwargs["flow_run_response"]:
+            mark(str(r.flow_run.id), "run_read")
+
+    _wrap(cls, "_claim_announced", on_event)
+    _wrap(cls, "_submit_scheduled_flow_runs", on_submit)
+    _wrap(
+        cls,
+        "_propose_pending_state",
+        lambda _s, fr, **_k: mark(str(fr.id), "pending_proposed"),
+        lambda ok, _s, fr, **_k: mark(str(fr.id), "pending_accepted") if ok else None,
+    )
+    _wrap(cls, "_finished", lambda _s, _slot, fr, *_a, **_k: mark(str(fr.id), "worker_finished"))
+    _wrap(
+        pool.ChildProcess,
+        "send",
+        lambda _s, m: mark(m.flow_run_id, "sent_to_child") if isinstance(m, RunRequest) else None,
+    )
+
+
+def install_child() -> None:
+    """Wrap the child's and the flow engine's steps (called at the child's import)."""
+    import sys
+
+    import prefect.flow_engine as engine
+    from prefect.client.orchestration import SyncPrefectClient
+
+    def on_run(_self: Any, request: Any, _client: Any) -> None:
+        _CURRENT["run"] = request.flow_run_id
+        mark(request.flow_run_id, "child_got")
+
+    child = sys.modules.get("__main__")
+    if child is not None and hasattr(child, "WarmChild"):  # python -m faceflow.worker.child
+        _wrap(child.WarmChild, "run", on_run)
+    _wrap(engine, "run_flow", _current("run_flow_called"), _current("run_flow_returned"))
+    _wrap(SyncPrefectClient, "update_flow_run", None, _current("engine_patch_done"))
+    _wrap(
+        engine.FlowRunEngine,
+        "begin_run",
+        _current("running_proposed"),
+        _current("running_accepted"),
+    )
+    _wrap(engine.FlowRunEngine, "call_flow_fn", _current("flow_first_line"))
+    _wrap(engine.FlowRunEngine, "handle_success", _current("body_end"), _current("hooks_done"))
+    completed = _current("completed_accepted")
+    _wrap(
+        engine,
+        "propose_state_sync",
+        None,
+        lambda state, *_a, **_k: completed() if state.is_completed() else None,
+    )
+
+
+def install() -> None:
+    """Install the wrappers that fit this process (worker or child), once imported."""
+    _after_import("faceflow.worker.worker", install_worker)
+    _after_import("prefect.flow_engine", install_child)
+
+
+def _after_import(module: str, then: Callable[[], None]) -> None:
+    """Run ``then`` once ``module`` is imported (now if it is)."""
+    import importlib.abc
+    import sys
+
+    if module in sys.modules:
+        then()
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+            if name != module:
+                return None
+            sys.meta_path.remove(self)
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_then(mod: Any) -> None:
+                exec_module(mod)
+                then()
+
+            spec.loader.exec_module = exec_then  # type: ignore[method-assign,assignment]
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _epoch(text: str) -> float:
+    value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if value.tzinfo is None:
+        from datetime import UTC
+
+        value = value.replace(tzinfo=UTC)
+    return value.timestamp()
+
+
+def report(trace: str, jobs_db: str) -> list[tuple[str, float, float]]:
+    """Median ms after the job's creation and median step length, per step, over the jobs
+    that ran one after another (created after the previous job finished)."""
+    marks: dict[str, dict[str, float]] = {}
+    with open(trace) as fh:
+        for line in fh:
+            item = json.loads(line)
+            marks.setdefault(item["run"], {}).setdefault(item["mark"], item["t"])
+    con = sqlite3.connect(jobs_db)
+    rows = con.execute(
+        "select flow_run_id, created_at, finished_at from jobs order by created_at"
+    ).fetchall()
+    previous_end = 0.0
+    runs: list[dict[str, float]] = []
+    for flow_run_id, created, finished in rows:
+        if flow_run_id is None or finished is None:
+            continue
+        c, f = _epoch(created), _epoch(finished)
+        run = str(flow_run_id)
+        if len(run) == 32:
+            run = f"{run[:8]}-{run[8:12]}-{run[12:16]}-{run[16:20]}-{run[20:]}"
+        if c > previous_end and run in marks:
+            steps = dict(marks[run], job_created=c, job_finished=f)
+            runs.append(steps)
+        previous_end = max(previous_end, f)
+    table: list[tuple[str, float, float]] = []
+    previous = "job_created"
+    for name, _what in STEPS:
+        at = [r[name] - r["job_created"] for r in runs if name in r]
+        step = [r[name] - r[previous] for r in runs if name in r and previous in r]
+        if at:
+            table.append((name, statistics.median(at) * 1e3, statistics.median(step) * 1e3))
+            previous = name
+    print(f"{len(runs)} jobs one after another")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("trace")
+    parser.add_argument("jobs_db")
+    args = parser.parse_args()
+    what = dict(STEPS)
+    table = report(args.trace, args.jobs_db)
+    print("| step | ms after job created | step ms |\n|---|---|---|")
+    for name, at, step in table:
+        print(f"| {what[name]} | {at:.0f} | {step:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
