@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,27 @@ from sqlalchemy.engine import Engine
 
 from faceflow.testing.jobs import make_user
 from faceflow.testing.prefect import PrefectServer
-from faceflow.testing.relay import FAST, SCRIPT, execute_run, job, submit
+from faceflow.testing.relay import (
+    FAST,
+    SCRIPT,
+    ReadCounter,
+    execute_run,
+    job,
+    submit,
+    write_result,
+)
 from tests.webapi.conftest import PREFECT_AUTH as AUTH
 from tests.webapi.conftest import stand_in_run
 from webapi.config import Settings
 from webapi.models import JobStatus
-from webapi.relay.run_events import RunEvents, events_url, wait_connected, watched_run
+from webapi.prefect_api import PrefectAPI
+from webapi.relay.run_events import (
+    REREAD_AFTER_S,
+    RunEvents,
+    events_url,
+    wait_connected,
+    watched_run,
+)
 from webapi.relay.runner import RelayRunner, build_relay
 from webapi.storage import LocalObjectStore
 
@@ -59,7 +75,10 @@ def test_the_stream_url_and_what_counts_as_a_run_change() -> None:
     assert events_url("http://127.0.0.1:4200/api") == "ws://127.0.0.1:4200/api/events/out"
     assert events_url("https://prefect.internal/api/") == "wss://prefect.internal/api/events/out"
     resource = {"prefect.resource.id": "prefect.flow-run.abc", "prefect.state-type": "COMPLETED"}
-    assert watched_run({"type": "event", "event": {"resource": resource}}) == ("abc", "COMPLETED")
+    occurred = "2026-12-06T10:00:00.123456Z"
+    event = {"type": "event", "event": {"resource": resource, "occurred": occurred}}
+    at = datetime(2026, 12, 6, 10, 0, 0, 123456, tzinfo=UTC)
+    assert watched_run(event) == ("abc", "COMPLETED", at)
     scheduled = {**resource, "prefect.state-type": "SCHEDULED"}
     assert watched_run({"type": "event", "event": {"resource": scheduled}}) is None
 
@@ -71,14 +90,13 @@ def test_the_stream_delivers_a_runs_states_with_the_credential_only(
     events = RunEvents(
         locked.api_url,
         auth_string=AUTH,
-        on_change=lambda run, state: heard.append((run, state)),
+        on_change=lambda run, state, _at: heard.append((run, state)),
         on_connect=lambda: None,
-        reread_after_s=(),
     )
     wrong = RunEvents(
         locked.api_url,
         auth_string="faceflow:guess",
-        on_change=lambda run, state: heard.append(("wrong", state)),
+        on_change=lambda run, state, _at: heard.append(("wrong", state)),
         on_connect=lambda: None,
     )
     events.start()
@@ -156,14 +174,81 @@ def test_a_cut_stream_reconnects_and_reads_what_it_missed(
         runner.wake()
         run_id = _until(lambda: job(engine, new.id).flow_run_id, 20)
         assert run_id is not None
-        events._on_change = lambda _run, _state: None  # events are lost from here on
+        events._on_change = lambda _run, _state, _at: None  # events are lost from here on
         assert execute_run(str(run_id)) == "COMPLETED"
         assert job(engine, new.id).status is not JobStatus.succeeded
-        events._on_change = lambda _run, state: runner.wake("sync")
+        events._on_change = lambda _run, _state, _at: runner.wake("sync")
         socket = events._socket
         assert socket is not None
         socket.close()
         assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
         assert _until(lambda: events.connects >= 2, 10), "reconnected"
+    finally:
+        runner.stop()
+
+
+def test_a_run_moves_its_job_from_events_alone_without_reading_it(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """A job's run goes RUNNING then COMPLETED while the poll is 30 s apart: the job is
+    marked running at the RUNNING event's time and ends on the COMPLETED event, and the
+    relay's sync reads neither the run nor its artifacts over REST, not even a second later
+    (the events were enough: nothing to re-read)."""
+    reads = ReadCounter()
+    prefect = PrefectAPI(settings.prefect_api_url, auth_string=AUTH, transport=reads)
+    store = LocalObjectStore(Path(settings.home) / "storage")
+    SCRIPT.storage_dir = store.basepath
+    # The reaper reads the runs on its own interval: 30 s apart here too.
+    timings = replace(SLOW_POLL, reap_interval_s=30.0)
+    relay = build_relay(settings, engine=engine, prefect=prefect, store=store, timings=timings)
+    runner = RelayRunner(relay)
+    owner = make_user(engine, settings, quota=10)
+    runner.start()
+    try:
+        assert runner.events is not None and wait_connected(runner.events, 20)
+        new = submit(engine, settings, store, owner)
+        runner.wake()
+        run_id = _until(lambda: job(engine, new.id).flow_run_id, 20)
+        assert run_id is not None, "dispatched"
+        before = reads.reads
+        locked.rest.set_state(str(run_id), "RUNNING")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.running, 10)
+        started = job(engine, new.id)
+        run = locked.rest.call("GET", f"/flow_runs/{run_id}")
+        assert started.stage == "started" and started.started_at is not None
+        assert started.started_at == datetime.fromisoformat(run["state"]["timestamp"])
+        write_result(store.basepath, str(new.id), 1)
+        locked.rest.set_state(str(run_id), "COMPLETED")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
+        time.sleep(REREAD_AFTER_S[-1] + 0.2)
+        assert reads.reads == before, "no REST read of the run"
+    finally:
+        runner.stop()
+
+
+def test_a_missed_running_event_still_starts_the_job_by_the_safety_net(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """The stream is up but the run's RUNNING event is lost (as when the subscriber's queue
+    overflows): the safety-net read, here every second, marks the job running; its
+    COMPLETED event still ends it."""
+    runner = _runner(settings, engine, timings=replace(FAST, sync_safety_net_s=1.0))
+    events = runner.events
+    assert events is not None
+    on_change = events._on_change
+    events._on_change = lambda run, state, at: state != "RUNNING" and on_change(run, state, at)
+    owner = make_user(engine, settings, quota=10)
+    runner.start()
+    try:
+        assert wait_connected(events, 20)
+        new = submit(engine, settings, runner.relay.store, owner)
+        runner.wake()
+        run_id = _until(lambda: job(engine, new.id).flow_run_id, 20)
+        assert run_id is not None
+        locked.rest.set_state(str(run_id), "RUNNING")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.running, 10)
+        write_result(SCRIPT.storage(), str(new.id), 1)
+        locked.rest.set_state(str(run_id), "COMPLETED")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
     finally:
         runner.stop()

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol
 
 from sqlalchemy.engine import Engine
@@ -26,7 +28,7 @@ from webapi.migrations import check_migrated
 from webapi.prefect_api import PrefectAPI
 from webapi.relay import dispatch, expire, fetch_lane, notify, reap, sync
 from webapi.relay.context import Relay, RelayTimings
-from webapi.relay.run_events import SETTLED_STATES, RunEvents
+from webapi.relay.run_events import REREAD_AFTER_S, SETTLED_STATES, RunEvents
 from webapi.storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,8 @@ class RelayRunner:
             "reap": t.reap_interval_s,
             "notify": t.notify_interval_s,
         }
-        steps = {**STEPS, "fetch": self.fetches.run_once}
+        steps = {**STEPS, "fetch": self.fetches.run_once, "sync": self._sync}
+        self._next_poll = 0.0
         self._loops = {
             name: _Loop(name, step, intervals[name], threading.Event())
             for name, step in steps.items()
@@ -102,29 +105,51 @@ class RelayRunner:
             return None
         auth = relay.settings.prefect_api_auth_string
 
-        def changed(run_id: str, state: str) -> None:
-            if state in SETTLED_STATES:
-                relay.ended_runs.add(run_id)
+        def changed(run_id: str, state: str, occurred: datetime) -> None:
+            if state == "RUNNING":
+                relay.news.started(run_id, occurred)
+            elif state in SETTLED_STATES:
+                relay.news.ended(run_id)
+            else:  # CRASHED, CANCELLING: the run's state over REST decides
+                relay.news.read((0.0, *REREAD_AFTER_S))
             self.wake("sync", "reap") if state == "CRASHED" else self.wake("sync")
+
+        def connected() -> None:
+            relay.news.read()
+            self.wake("sync")
 
         return RunEvents(
             relay.settings.prefect_api_url,
             auth_string=auth.get_secret_value() if auth else None,
             on_change=changed,
-            on_connect=lambda: self.wake("sync"),
+            on_connect=connected,
         )
+
+    def _streaming(self) -> bool:
+        return self.events is not None and self.events.connected
 
     def _interval(self, loop: _Loop) -> float:
         """The loop's poll interval: sync's is the safety net while events arrive and no
         running video's progress is to be read."""
-        if (
-            loop.name == "sync"
-            and self.events is not None
-            and self.events.connected
-            and not self.relay.reading_progress
-        ):
+        if loop.name == "sync" and self._streaming() and not self.relay.reading_progress:
             return max(loop.interval_s, self.relay.timings.sync_safety_net_s)
         return loop.interval_s
+
+    def _wait_s(self, loop: _Loop) -> float:
+        """How long the loop sleeps unless woken: its poll interval, or less for sync when
+        an event asked for a pass sooner."""
+        asked = self.relay.news.wait_s() if loop.name == "sync" else None
+        interval = self._interval(loop)
+        return interval if asked is None else min(interval, asked)
+
+    def _sync(self, relay: Relay) -> int:
+        """A sync pass that reads the runs over REST when its poll interval is up (always
+        while no events arrive); between polls only where an event asked for it."""
+        now = time.monotonic()
+        poll = not self._streaming() or now >= self._next_poll
+        if poll:
+            self._next_poll = now + self._interval(self._loops["sync"])
+        return sync.run_once(relay, read_runs=poll)
 
     @property
     def running(self) -> bool:
@@ -174,7 +199,7 @@ class RelayRunner:
                 self.relay.metrics.inc("faceflow_relay_loop_errors_total", loop.name)
             if handled >= self.relay.timings.batch:
                 continue  # more is due: go again at once
-            loop.wake.wait(self._interval(loop))
+            loop.wake.wait(self._wait_s(loop))
             loop.wake.clear()
 
 
