@@ -38,7 +38,8 @@ class RelayTimings:
     dispatch_interval_s: float = 0.2
     sync_interval_s: float = 0.5
     # While Prefect's flow-run events arrive (webapi.relay.run_events) sync runs on each
-    # event and polls only this often, as the safety net for a missed event.
+    # event, and sync and reap read the runs over REST only this often (and where an
+    # event asks), as the safety net for a missed event.
     sync_safety_net_s: float = 5.0
     expire_interval_s: float = 1.0
     reap_interval_s: float = 1.0
@@ -88,7 +89,7 @@ class RunNews:
     def __init__(self) -> None:
         self._started: dict[str, tuple[Noted, float]] = {}
         self._ended: dict[str, tuple[Noted, float]] = {}
-        self._passes: list[tuple[float, bool]] = []
+        self._passes: list[tuple[float, bool, str]] = []
         self._lock = threading.Lock()
 
     def started(self, run_id: str, at: datetime) -> None:
@@ -111,13 +112,14 @@ class RunNews:
             (self._ended if noted.at is None else self._started).setdefault(
                 noted.run_id, (retry, due)
             )
-            self._passes.append((due, read))
+            self._passes.append((due, read, "sync"))
 
-    def read(self, after_s: Iterable[float] = (0.0,)) -> None:
-        """Ask for a pass that reads the runs ``after_s`` seconds from now (each)."""
+    def read(self, after_s: Iterable[float] = (0.0,), *, steps: Iterable[str] = ("sync",)) -> None:
+        """Ask for a pass of each of ``steps`` (sync, reap) that reads the runs ``after_s``
+        seconds from now (each)."""
         now = time.monotonic()
         with self._lock:
-            self._passes.extend((now + delay, True) for delay in after_s)
+            self._passes.extend((now + delay, True, step) for delay in after_s for step in steps)
 
     def take_started(self) -> list[Noted]:
         """The started runs due now."""
@@ -135,20 +137,21 @@ class RunNews:
                 del noted[run.run_id]
         return due
 
-    def take_read(self) -> bool:
-        """Whether a pass that reads the runs is due now; the passes due now are done."""
+    def take_read(self, step: str = "sync") -> bool:
+        """Whether a pass of ``step`` that reads the runs is due now; its passes due now
+        are done."""
         now = time.monotonic()
         with self._lock:
-            read = any(read for at, read in self._passes if at <= now)
-            self._passes = [(at, read) for at, read in self._passes if at > now]
-        return read
+            due = [read for at, read, of in self._passes if of == step and at <= now]
+            self._passes = [p for p in self._passes if p[2] != step or p[0] > now]
+        return any(due)
 
-    def wait_s(self) -> float | None:
-        """Seconds until the next asked pass (0 when one is due); None when none is."""
+    def wait_s(self, step: str = "sync") -> float | None:
+        """Seconds until ``step``'s next asked pass (0 when one is due); None when none
+        is."""
         with self._lock:
-            if not self._passes:
-                return None
-            return max(0.0, min(at for at, _read in self._passes) - time.monotonic())
+            asked = [at for at, _read, of in self._passes if of == step]
+        return max(0.0, min(asked) - time.monotonic()) if asked else None
 
 
 @dataclass

@@ -34,6 +34,9 @@ from webapi.storage import ObjectStore, open_store
 log = logging.getLogger(__name__)
 
 Step = Callable[[Relay], int]
+#: Steps that read the runs over REST: while Prefect's events arrive, only as often as the
+#: safety net asks and where an event asks.
+READ_STEPS = ("sync", "reap")
 #: Steps in reconcile order: fetch input URLs, start what is due, learn what happened,
 #: then clean up.
 STEPS: dict[str, Step] = {
@@ -91,8 +94,8 @@ class RelayRunner:
             "reap": t.reap_interval_s,
             "notify": t.notify_interval_s,
         }
-        steps = {**STEPS, "fetch": self.fetches.run_once, "sync": self._sync}
-        self._next_poll = 0.0
+        steps = {**STEPS, "fetch": self.fetches.run_once, "sync": self._sync, "reap": self._reap}
+        self._next_read = dict.fromkeys(READ_STEPS, 0.0)
         self._loops = {
             name: _Loop(name, step, intervals[name], threading.Event())
             for name, step in steps.items()
@@ -111,12 +114,12 @@ class RelayRunner:
             elif state in SETTLED_STATES:
                 relay.news.ended(run_id)
             else:  # CRASHED, CANCELLING: the run's state over REST decides
-                relay.news.read((0.0, *REREAD_AFTER_S))
+                relay.news.read((0.0, *REREAD_AFTER_S), steps=("sync", "reap"))
             self.wake("sync", "reap") if state == "CRASHED" else self.wake("sync")
 
         def connected() -> None:
-            relay.news.read()
-            self.wake("sync")
+            relay.news.read(steps=("sync", "reap"))
+            self.wake("sync", "reap")
 
         return RunEvents(
             relay.settings.prefect_api_url,
@@ -136,20 +139,35 @@ class RelayRunner:
         return loop.interval_s
 
     def _wait_s(self, loop: _Loop) -> float:
-        """How long the loop sleeps unless woken: its poll interval, or less for sync when
-        an event asked for a pass sooner."""
-        asked = self.relay.news.wait_s() if loop.name == "sync" else None
+        """How long the loop sleeps unless woken: its poll interval, or less for sync and
+        reap when an event asked for a pass sooner."""
+        asked = self.relay.news.wait_s(loop.name) if loop.name in READ_STEPS else None
         interval = self._interval(loop)
         return interval if asked is None else min(interval, asked)
 
-    def _sync(self, relay: Relay) -> int:
-        """A sync pass that reads the runs over REST when its poll interval is up (always
-        while no events arrive); between polls only where an event asked for it."""
+    def _read_due(self, name: str) -> bool:
+        """Whether ``name``'s pass reads the runs over REST as a poll: always while no
+        events arrive, else once per safety-net interval (reap's passes in between still
+        run: cancellations, and what the job store alone shows overdue)."""
         now = time.monotonic()
-        poll = not self._streaming() or now >= self._next_poll
-        if poll:
-            self._next_poll = now + self._interval(self._loops["sync"])
-        return sync.run_once(relay, read_runs=poll)
+        if self._streaming() and now < self._next_read[name]:
+            return False
+        interval = self._interval(self._loops[name])
+        if name == "reap" and self._streaming():
+            interval = max(interval, self.relay.timings.sync_safety_net_s)
+        self._next_read[name] = now + interval
+        return True
+
+    def _sync(self, relay: Relay) -> int:
+        """A sync pass that reads the runs when its poll is due; between polls only where
+        an event asked for it."""
+        return sync.run_once(relay, read_runs=self._read_due("sync"))
+
+    def _reap(self, relay: Relay) -> int:
+        """A reap pass that reads the runs when its poll is due, or an event asked for it
+        (CRASHED, CANCELLING, a reconnect)."""
+        read = self._read_due("reap")
+        return reap.run_once(relay, read_runs=relay.news.take_read("reap") or read)
 
     @property
     def running(self) -> bool:
