@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -53,6 +54,20 @@ FAST = RelayTimings(
     webhook_backoff_base_s=0.1,
     webhook_backoff_cap_s=0.3,
 )
+
+
+class ReadCounter(httpx.HTTPTransport):
+    """A real transport that counts the relay's reads of flow runs and artifacts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path.endswith("/filter") or (request.method == "GET" and "/flow_runs/" in path):
+            self.reads += 1
+        return super().handle_request(request)
 
 
 # --------------------------------------------------------------------------- stand-in flow

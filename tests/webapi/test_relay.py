@@ -32,6 +32,7 @@ from faceflow.testing.relay import (
     FAST,
     QUALITY,
     SCRIPT,
+    ReadCounter,
     body_json,
     execute_run,
     in_thread,
@@ -59,6 +60,7 @@ from webapi.prefect_api import FlowRun, PrefectAPI, PrefectUnavailable, StateTyp
 from webapi.relay import dispatch, expire, fetch_lane, reap, sync
 from webapi.relay.context import Relay
 from webapi.relay.metrics import METRICS
+from webapi.relay.run_events import REREAD_AFTER_S
 from webapi.relay.runner import build_relay, reconcile_once, start_relay, stop_relay
 from webapi.relay.runs import plan_of
 from webapi.storage import LocalObjectStore
@@ -108,6 +110,13 @@ def running(
     sync.run_once(relay)
     assert job(relay.engine, job_id).status is JobStatus.running
     return job_id, run_id
+
+
+def script_store(settings: Settings) -> LocalObjectStore:
+    """The storage the stand-in flow and the relay share, under the settings' home."""
+    store = LocalObjectStore(tmp_path_of(settings) / "storage")
+    SCRIPT.storage_dir = store.basepath
+    return store
 
 
 def flow_run_of(relay: Relay, job_id: uuid.UUID) -> FlowRun:
@@ -475,20 +484,62 @@ def test_an_ended_runs_event_settles_its_job_from_storage_fenced_on_the_run(
     # Attempt 1's zombie "ends" with a result of its own: not the run the job holds.
     write_result(SCRIPT.storage(), str(job_id), 1)
     for run_id in (first, str(uuid.uuid4()), unstarted_run):
-        relay.ended_runs.add(run_id)
+        relay.news.ended(run_id)
     assert sync.run_once(relay) == 0
     assert job(relay.engine, job_id).status is JobStatus.running
     assert job(relay.engine, unstarted).status is JobStatus.queued
 
     write_result(SCRIPT.storage(), str(job_id), 2)
-    relay.ended_runs.add(second)
-    assert sync.run_once(relay) == 1
+    relay.news.ended(second)
+    assert sync.run_once(relay, read_runs=False) == 1
     done = job(relay.engine, job_id)
     assert done.status is JobStatus.succeeded and done.stage == FINAL_STAGE
     assert done.result_key == result_key(str(job_id), 2, "png")
     assert done.started_at == started_at and done.finished_at is not None
     assert relay.prefect.read_flow_run(second).state_type is StateType.RUNNING  # type: ignore[union-attr]
-    assert sync.run_once(relay) == 0 and not relay.ended_runs.take()
+    assert sync.run_once(relay) == 0 and not relay.news.take_ended()
+
+
+def test_a_running_event_starts_its_job_at_the_events_time_without_a_rest_read(
+    engine: Engine, settings: Settings, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """A RUNNING event marks its queued job running (stage "started", ``started_at`` the
+    event's time) from the job store alone: no flow-run or artifact read reaches Prefect.
+    The event of a run the job no longer holds (a re-dispatched job's first run) writes
+    nothing; a run no job holds yet is looked for again after the re-read delay."""
+    reads = ReadCounter()
+    prefect = PrefectAPI(settings.prefect_api_url, transport=reads)
+    relay = build_relay(
+        settings, engine=engine, prefect=prefect, store=script_store(settings), timings=FAST
+    )
+    job_id, first = running(relay, owner, prefect_server)
+    prefect_server.rest.set_state(first, "CRASHED")
+    assert reap.run_once(relay) >= 1
+    dispatch.run_once(relay)
+    second = str(job(relay.engine, job_id).flow_run_id)
+    queued = job(relay.engine, job_id)
+    assert queued.status is JobStatus.queued and second != first
+    before = reads.reads
+
+    relay.news.started(first, utcnow())  # the stale run: it is not the job's run any more
+    assert sync.run_once(relay, read_runs=False) == 0
+    assert job(relay.engine, job_id).updated_at == queued.updated_at
+    fresh = dispatched(relay, owner)
+    fresh_run = str(job(relay.engine, fresh).flow_run_id)
+    unknown = str(uuid.uuid4())
+    at = utcnow() - timedelta(seconds=3)
+    for run_id in (unknown, fresh_run, second):
+        relay.news.started(run_id, at)
+    assert sync.run_once(relay, read_runs=False) == 2
+    started = job(relay.engine, fresh)
+    assert started.status is JobStatus.running and started.stage == "started"
+    assert started.started_at == at
+    again = job(relay.engine, job_id)  # its first attempt's start stays the job's start
+    assert again.status is JobStatus.running and again.started_at == queued.started_at
+    assert reads.reads == before, "decided from the events alone"
+    time.sleep(REREAD_AFTER_S[0])
+    again_ids = {noted.run_id for noted in relay.news.take_started()}
+    assert unknown in again_ids and not again_ids & {fresh_run, second}, "looked for again"
 
 
 # --------------------------------------------------------------------------- expire

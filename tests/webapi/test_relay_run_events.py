@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,29 @@ from sqlalchemy.engine import Engine
 
 from faceflow.testing.jobs import make_user
 from faceflow.testing.prefect import PrefectServer
-from faceflow.testing.relay import FAST, SCRIPT, execute_run, job, submit
+from faceflow.testing.relay import (
+    FAST,
+    SCRIPT,
+    ReadCounter,
+    execute_run,
+    job,
+    submit,
+    write_result,
+)
 from faceflow.testing.wait import poll_value
 from tests.webapi.conftest import PREFECT_AUTH as AUTH
 from tests.webapi.conftest import stand_in_run
+from webapi import crud
 from webapi.config import Settings
-from webapi.models import JobStatus
-from webapi.relay.run_events import RunEvents, events_url, wait_connected, watched_run
+from webapi.models import Job, JobStatus
+from webapi.prefect_api import PrefectAPI
+from webapi.relay.run_events import (
+    REREAD_AFTER_S,
+    RunEvents,
+    events_url,
+    wait_connected,
+    watched_run,
+)
 from webapi.relay.runner import RelayRunner, build_relay
 from webapi.storage import LocalObjectStore
 
@@ -52,11 +69,24 @@ def _runner(settings: Settings, engine: Engine, timings: Any = SLOW_POLL) -> Rel
     return RelayRunner(build_relay(settings, engine=engine, store=store, timings=timings))
 
 
+def _dispatched(runner: RelayRunner, owner: crud.NewUser) -> tuple[Job, str]:
+    """Submit a job to ``runner``'s relay and wait until it is dispatched: (job, run id)."""
+    relay = runner.relay
+    new = submit(relay.engine, relay.settings, relay.store, owner)
+    runner.wake()
+    run_id = _until(lambda: job(relay.engine, new.id).flow_run_id, 20)
+    assert run_id is not None, "dispatched"
+    return new, str(run_id)
+
+
 def test_the_stream_url_and_what_counts_as_a_run_change() -> None:
     assert events_url("http://127.0.0.1:4200/api") == "ws://127.0.0.1:4200/api/events/out"
     assert events_url("https://prefect.internal/api/") == "wss://prefect.internal/api/events/out"
     resource = {"prefect.resource.id": "prefect.flow-run.abc", "prefect.state-type": "COMPLETED"}
-    assert watched_run({"type": "event", "event": {"resource": resource}}) == ("abc", "COMPLETED")
+    occurred = "2026-12-06T10:00:00.123456Z"
+    event = {"type": "event", "event": {"resource": resource, "occurred": occurred}}
+    at = datetime(2026, 12, 6, 10, 0, 0, 123456, tzinfo=UTC)
+    assert watched_run(event) == ("abc", "COMPLETED", at)
     scheduled = {**resource, "prefect.state-type": "SCHEDULED"}
     assert watched_run({"type": "event", "event": {"resource": scheduled}}) is None
 
@@ -68,14 +98,13 @@ def test_the_stream_delivers_a_runs_states_with_the_credential_only(
     events = RunEvents(
         locked.api_url,
         auth_string=AUTH,
-        on_change=lambda run, state: heard.append((run, state)),
+        on_change=lambda run, state, _at: heard.append((run, state)),
         on_connect=lambda: None,
-        reread_after_s=(),
     )
     wrong = RunEvents(
         locked.api_url,
         auth_string="faceflow:guess",
-        on_change=lambda run, state: heard.append(("wrong", state)),
+        on_change=lambda run, state, _at: heard.append(("wrong", state)),
         on_connect=lambda: None,
     )
     events.start()
@@ -101,11 +130,8 @@ def test_a_job_ends_on_its_runs_event_not_on_the_poll(
     runner.start()
     try:
         assert runner.events is not None and wait_connected(runner.events, 20)
-        new = submit(engine, settings, runner.relay.store, owner)
-        runner.wake()
-        run_id = _until(lambda: job(engine, new.id).flow_run_id, 20)
-        assert run_id is not None, "dispatched"
-        assert execute_run(str(run_id)) == "COMPLETED"
+        new, run_id = _dispatched(runner, owner)
+        assert execute_run(run_id) == "COMPLETED"
         ended = time.monotonic()
         done = _until(lambda: job(engine, new.id).status.is_terminal, 10)
         took = time.monotonic() - ended
@@ -127,11 +153,8 @@ def test_without_the_stream_the_relay_polls_at_its_fast_interval(
     owner = make_user(engine, settings, quota=10)
     runner.start()
     try:
-        new = submit(engine, settings, runner.relay.store, owner)
-        runner.wake()
-        run_id = _until(lambda: job(engine, new.id).flow_run_id, 20)
-        assert run_id is not None
-        assert execute_run(str(run_id)) == "COMPLETED"
+        new, run_id = _dispatched(runner, owner)
+        assert execute_run(run_id) == "COMPLETED"
         assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
         assert not runner.events.connected and runner.events.connects == 0
     finally:
@@ -149,18 +172,95 @@ def test_a_cut_stream_reconnects_and_reads_what_it_missed(
     try:
         events = runner.events
         assert events is not None and wait_connected(events, 20)
-        new = submit(engine, settings, runner.relay.store, owner)
-        runner.wake()
-        run_id = _until(lambda: job(engine, new.id).flow_run_id, 20)
-        assert run_id is not None
-        events._on_change = lambda _run, _state: None  # events are lost from here on
-        assert execute_run(str(run_id)) == "COMPLETED"
+        new, run_id = _dispatched(runner, owner)
+        events._on_change = lambda _run, _state, _at: None  # events are lost from here on
+        assert execute_run(run_id) == "COMPLETED"
         assert job(engine, new.id).status is not JobStatus.succeeded
-        events._on_change = lambda _run, state: runner.wake("sync")
+        events._on_change = lambda _run, _state, _at: runner.wake("sync")
         socket = events._socket
         assert socket is not None
         socket.close()
         assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
         assert _until(lambda: events.connects >= 2, 10), "reconnected"
+    finally:
+        runner.stop()
+
+
+def test_a_run_moves_its_job_from_events_alone_without_reading_it(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """A job's run goes RUNNING then COMPLETED while the poll is 30 s apart: the job is
+    marked running at the RUNNING event's time and ends on the COMPLETED event, and the
+    relay (sync and reap) reads neither the run nor its artifacts over REST, not even a
+    second later (the events were enough: nothing to re-read)."""
+    reads = ReadCounter()
+    prefect = PrefectAPI(settings.prefect_api_url, auth_string=AUTH, transport=reads)
+    store = LocalObjectStore(Path(settings.home) / "storage")
+    SCRIPT.storage_dir = store.basepath
+    relay = build_relay(settings, engine=engine, prefect=prefect, store=store, timings=SLOW_POLL)
+    runner = RelayRunner(relay)
+    owner = make_user(engine, settings, quota=10)
+    runner.start()
+    try:
+        assert runner.events is not None and wait_connected(runner.events, 20)
+        time.sleep(1.0)  # the reaper's first read on the stream sets its 30 s period
+        new, run_id = _dispatched(runner, owner)
+        before = reads.reads
+        locked.rest.set_state(run_id, "RUNNING")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.running, 10)
+        started = job(engine, new.id)
+        run = locked.rest.call("GET", f"/flow_runs/{run_id}")
+        assert started.stage == "started" and started.started_at is not None
+        assert started.started_at == datetime.fromisoformat(run["state"]["timestamp"])
+        write_result(store.basepath, str(new.id), 1)
+        locked.rest.set_state(run_id, "COMPLETED")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
+        time.sleep(REREAD_AFTER_S[-1] + 0.2)
+        assert reads.reads == before, "no REST read of the run"
+    finally:
+        runner.stop()
+
+
+def test_a_missed_running_event_still_starts_the_job_by_the_safety_net(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """The stream is up but the run's RUNNING event is lost (as when the subscriber's queue
+    overflows): the safety-net read, here every second, marks the job running; its
+    COMPLETED event still ends it."""
+    runner = _runner(settings, engine, timings=replace(FAST, sync_safety_net_s=1.0))
+    events = runner.events
+    assert events is not None
+    on_change = events._on_change
+    events._on_change = lambda run, state, at: state != "RUNNING" and on_change(run, state, at)
+    owner = make_user(engine, settings, quota=10)
+    runner.start()
+    try:
+        assert wait_connected(events, 20)
+        new, run_id = _dispatched(runner, owner)
+        locked.rest.set_state(run_id, "RUNNING")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.running, 10)
+        write_result(SCRIPT.storage(), str(new.id), 1)
+        locked.rest.set_state(run_id, "COMPLETED")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
+    finally:
+        runner.stop()
+
+
+def test_a_crashed_runs_event_gets_its_job_reaped_long_before_the_safety_net(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """Reads of the runs 30 s apart: a CRASHED event makes the reaper read the run, and the
+    job goes back to the queue for its second attempt."""
+    runner = _runner(settings, engine)
+    owner = make_user(engine, settings, quota=10)
+    runner.start()
+    try:
+        assert runner.events is not None and wait_connected(runner.events, 20)
+        new, run_id = _dispatched(runner, owner)
+        locked.rest.set_state(run_id, "RUNNING")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.running, 10)
+        locked.rest.set_state(run_id, "CRASHED")
+        assert _until(lambda: job(engine, new.id).attempts == 2, 10), "reaped, re-dispatched"
+        assert str(job(engine, new.id).flow_run_id) != run_id
     finally:
         runner.stop()

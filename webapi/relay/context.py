@@ -8,9 +8,11 @@ the write lock at ``BEGIN``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import httpx
 import sqlalchemy as sa
@@ -36,7 +38,8 @@ class RelayTimings:
     dispatch_interval_s: float = 0.2
     sync_interval_s: float = 0.5
     # While Prefect's flow-run events arrive (webapi.relay.run_events) sync runs on each
-    # event and polls only this often, as the safety net for a missed event.
+    # event, and sync and reap read the runs over REST only this often (and where an
+    # event asks), as the safety net for a missed event.
     sync_safety_net_s: float = 5.0
     expire_interval_s: float = 1.0
     reap_interval_s: float = 1.0
@@ -67,24 +70,88 @@ class RelayTimings:
     fetch_lease_margin_s: float = 10.0
 
 
-class EndedRuns:
-    """Ids of flow runs that Prefect's events said reached a final state, kept (thread-safe)
-    until sync's next pass takes them."""
+@dataclass(frozen=True)
+class Noted:
+    """A run that an event said started (``at``: the RUNNING event's time) or ended (``at``
+    None), and how often sync has taken it up again (an event can come before the relay or
+    Prefect's REST API can act on it)."""
+
+    run_id: str
+    at: datetime | None = None
+    tries: int = 0
+
+
+class RunNews:
+    """What Prefect's flow-run events told the relay, kept (thread-safe) until sync takes
+    it: runs that started, runs that ended, and the times at which sync should pass
+    (``time.monotonic``), reading the runs over REST or not."""
 
     def __init__(self) -> None:
-        self._ids: set[str] = set()
+        self._started: dict[str, tuple[Noted, float]] = {}
+        self._ended: dict[str, tuple[Noted, float]] = {}
+        self._passes: list[tuple[float, bool, str]] = []
         self._lock = threading.Lock()
 
-    def add(self, run_id: str) -> None:
-        """Note that ``run_id`` ended."""
+    def started(self, run_id: str, at: datetime) -> None:
+        """Note that ``run_id`` went RUNNING at ``at``."""
         with self._lock:
-            self._ids.add(run_id)
+            self._started.setdefault(run_id, (Noted(run_id, at), 0.0))
 
-    def take(self) -> set[str]:
-        """The ids noted since the last ``take``."""
+    def ended(self, run_id: str) -> None:
+        """Note that ``run_id`` reached a final state whose outcome its flow may have
+        stored."""
         with self._lock:
-            ids, self._ids = self._ids, set()
-        return ids
+            self._ended.setdefault(run_id, (Noted(run_id), 0.0))
+
+    def again(self, noted: Noted, after_s: float, *, read: bool) -> None:
+        """Take ``noted`` up again in a pass ``after_s`` seconds from now (that reads the
+        runs when ``read``)."""
+        due = time.monotonic() + after_s
+        retry = Noted(noted.run_id, noted.at, noted.tries + 1)
+        with self._lock:
+            (self._ended if noted.at is None else self._started).setdefault(
+                noted.run_id, (retry, due)
+            )
+            self._passes.append((due, read, "sync"))
+
+    def read(self, after_s: Iterable[float] = (0.0,), *, steps: Iterable[str] = ("sync",)) -> None:
+        """Ask for a pass of each of ``steps`` (sync, reap) that reads the runs ``after_s``
+        seconds from now (each)."""
+        now = time.monotonic()
+        with self._lock:
+            self._passes.extend((now + delay, True, step) for delay in after_s for step in steps)
+
+    def take_started(self) -> list[Noted]:
+        """The started runs due now."""
+        return self._take(self._started)
+
+    def take_ended(self) -> list[Noted]:
+        """The ended runs due now."""
+        return self._take(self._ended)
+
+    def _take(self, noted: dict[str, tuple[Noted, float]]) -> list[Noted]:
+        now = time.monotonic()
+        with self._lock:
+            due = [run for run, at in noted.values() if at <= now]
+            for run in due:
+                del noted[run.run_id]
+        return due
+
+    def take_read(self, step: str = "sync") -> bool:
+        """Whether a pass of ``step`` that reads the runs is due now; its passes due now
+        are done."""
+        now = time.monotonic()
+        with self._lock:
+            due = [read for at, read, of in self._passes if of == step and at <= now]
+            self._passes = [p for p in self._passes if p[2] != step or p[0] > now]
+        return any(due)
+
+    def wait_s(self, step: str = "sync") -> float | None:
+        """Seconds until ``step``'s next asked pass (0 when one is due); None when none
+        is."""
+        with self._lock:
+            asked = [at for at, _read, of in self._passes if of == step]
+        return max(0.0, min(asked) - time.monotonic()) if asked else None
 
 
 @dataclass
@@ -103,8 +170,9 @@ class Relay:
     http: httpx.Client = field(default_factory=lambda: httpx.Client(follow_redirects=False))
     wake: Callable[[str], None] = field(default=lambda _step: None)
     """Run a relay step's loop now (set by ``RelayRunner``; a no-op for single passes)."""
-    ended_runs: EndedRuns = field(default_factory=EndedRuns)
-    """Flow runs that an event said ended, for sync's next pass (``sync.settle_ended``)."""
+    news: RunNews = field(default_factory=RunNews)
+    """What flow-run events said, for sync's next pass (``sync.start_from_events``,
+    ``sync.settle_ended``)."""
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -99,9 +99,12 @@ def watched_jobs(
     return watched
 
 
-def observe(relay: Relay) -> list[tuple[Watched, FlowRun | None]] | None:
-    """Each watched job with its flow run (None: unknown to Prefect); None if unreachable."""
-    watched = watched_jobs(relay)
+def observe(
+    relay: Relay, watched: list[Watched] | None = None
+) -> list[tuple[Watched, FlowRun | None]] | None:
+    """Each watched job (``watched``, default: ``watched_jobs``) with its flow run (None:
+    unknown to Prefect); None if unreachable."""
+    watched = watched_jobs(relay) if watched is None else watched
     if not watched:
         return []
     try:

@@ -38,19 +38,38 @@ from webapi.relay.outcomes import (
     observe,
     retry_or_fail,
     settle,
+    watched_jobs,
 )
 
 log = logging.getLogger(__name__)
 
 
-def run_once(relay: Relay) -> int:
-    """Process cancel_run rows, then reap runs and overdue jobs; returns actions taken."""
+def run_once(relay: Relay, *, read_runs: bool = True) -> int:
+    """Process cancel_run rows, then reap runs and overdue jobs; returns actions taken.
+
+    ``read_runs`` False (the runner between safety-net reads, while Prefect's flow-run
+    events arrive: a CRASHED event asks for a read): the runs are read only when the job
+    store alone shows a watched job due for a look (past its deadline and grace, or a
+    cancel past its grace); a lost or stuck-pending run waits for the safety net."""
     done = cancel_runs(relay)
-    observed = observe(relay)
-    if observed is not None:
-        now = utcnow()
-        done += sum(check(relay, job, run, now=now) for job, run in observed)
+    now = utcnow()
+    watched = watched_jobs(relay)
+    if read_runs or any(_due(relay, job, now) for job in watched):
+        observed = observe(relay, watched)
+        if observed is not None:
+            now = utcnow()
+            done += sum(check(relay, job, run, now=now) for job, run in observed)
     return done + reap_runless(relay)
+
+
+def _due(relay: Relay, job: Watched, now: datetime) -> bool:
+    """Whether the job store alone says ``job``'s run needs a look: overdue, or a cancel
+    request older than its grace."""
+    t = relay.timings
+    if job.status is JobStatus.cancel_requested:
+        requested = job.cancel_requested_at or now
+        return now - requested > timedelta(seconds=t.cancel_grace_s)
+    return now > job.deadline_at + timedelta(seconds=t.running_grace_s)
 
 
 # --------------------------------------------------------------------------- cancel_run

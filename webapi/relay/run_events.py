@@ -5,19 +5,25 @@ a run starts or ends instead of at its next poll.
 Prefect's own ``PrefectEventSubscriber``: HTTP basic auth on the upgrade with the server's
 credential, an ``auth`` message, then a ``filter`` for ``prefect.flow-run.*`` events, no
 backfill) in a daemon thread, and calls ``on_change`` for each run that moved to a state
-the relay acts on. It never decides an outcome: a final-state event only lets sync settle
-the run's jobs from what their flow stored (``sync.settle_ended``) before it reads the
-runs, and the sync pass re-reads every watched run over REST, which is also what makes a
-missed event harmless:
+the relay acts on. It never decides an outcome. Sync (``webapi.relay.sync``) applies what
+an event says without reading the run over REST where the event is enough: a RUNNING
+event marks its job running at the event's time; a COMPLETED, FAILED or CANCELLED event
+settles the run's jobs from what their flow stored. Everything else is left to a REST read
+of the runs, which is also what makes a missed event harmless:
 
 - the REST poll stays as a safety net at ``RelayTimings.sync_safety_net_s`` while the
   stream is connected, and at the fast ``sync_interval_s`` while it is not (refused,
   dropped, Prefect restarting: ``connected`` turns False at once);
-- a reconnect is followed by a pass (``on_connect``): whatever ended while the stream was
-  down is read then, so no backfill from Prefect's events table is needed;
-- Prefect emits a state's event before its transaction commits, so a pass right after the
-  event may still read the old state: ``on_change`` is called again after
-  ``REREAD_AFTER_S`` (coalesced);
+- a reconnect is followed by a pass that reads the runs (``on_connect``): whatever ended
+  while the stream was down is read then, so no backfill from Prefect's events table is
+  needed;
+- Prefect emits a state's event before its transaction commits, so a read right after
+  the event may still see the old state: where a REST read decides (CRASHED, CANCELLING, a
+  final run that stored no outcome, a job whose start was missed), the runs are read again
+  ``REREAD_AFTER_S`` after the event; a RUNNING event whose run no job holds yet (dispatch
+  records a run on its job just after creating it) is looked for again then too, in the
+  job store only. An event that was fully applied needs no re-read: its write is fenced on
+  the job's run and does not depend on what Prefect has committed;
 - a subscriber whose server-side queue (256 events) overflows loses events silently: any
   later event, or the safety net, reads them.
 """
@@ -29,7 +35,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -43,8 +49,8 @@ WATCHED_STATES = frozenset({"RUNNING", "COMPLETED", "FAILED", "CANCELLED", "CRAS
 #: Final state types whose event lets sync settle the run's jobs from what the flow stored,
 #: without reading the run first (``sync.settle_ended``).
 SETTLED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
-#: Seconds after an event when the runs are read again (the state's transaction may not
-#: have been committed when the event left).
+#: Seconds after an event when sync takes it up again where the event alone did not decide
+#: (the state's transaction may not have been committed when the event left).
 REREAD_AFTER_S: tuple[float, ...] = (0.15, 1.0)
 RECONNECT_MIN_S = 0.5
 RECONNECT_MAX_S = 10.0
@@ -70,16 +76,26 @@ def flow_run_filter(now: datetime | None = None) -> dict[str, Any]:
     }
 
 
-def watched_run(message: dict[str, Any]) -> tuple[str, str] | None:
-    """``(flow run id, state type)`` of a stream message about a watched state, else None."""
+def watched_run(message: dict[str, Any]) -> tuple[str, str, datetime] | None:
+    """``(flow run id, state type, when it occurred)`` of a stream message about a watched
+    state, else None (an event without a readable time: now)."""
     if message.get("type") != "event":
         return None
-    resource = (message.get("event") or {}).get("resource") or {}
+    event = message.get("event") or {}
+    resource = event.get("resource") or {}
     state = resource.get("prefect.state-type")
     run_id = str(resource.get("prefect.resource.id", "")).removeprefix("prefect.flow-run.")
     if state not in WATCHED_STATES or not run_id:
         return None
-    return run_id, state
+    return run_id, state, _occurred(event.get("occurred"))
+
+
+def _occurred(value: object) -> datetime:
+    try:
+        at = datetime.fromisoformat(str(value))
+    except ValueError:
+        return datetime.now(UTC)
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 class RunEvents:
@@ -90,20 +106,16 @@ class RunEvents:
         api_url: str,
         *,
         auth_string: str | None,
-        on_change: Callable[[str, str], None],
+        on_change: Callable[[str, str, datetime], None],
         on_connect: Callable[[], None],
-        reread_after_s: Iterable[float] = REREAD_AFTER_S,
     ) -> None:
         self.url = events_url(api_url)
         self._auth_string = auth_string
         self._on_change = on_change
         self._on_connect = on_connect
-        self._reread = tuple(reread_after_s)
         self._connected = threading.Event()
         self._stop = threading.Event()
         self._socket: ClientConnection | None = None
-        self._timers: dict[float, threading.Timer] = {}
-        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.events_seen = 0
         self.connects = 0
@@ -119,15 +131,11 @@ class RunEvents:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Close the stream and its timers."""
+        """Close the stream."""
         self._stop.set()
         socket = self._socket
         if socket is not None:
             socket.close()
-        with self._lock:
-            for timer in self._timers.values():
-                timer.cancel()
-            self._timers.clear()
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -195,24 +203,6 @@ class RunEvents:
             return
         self.events_seen += 1
         self._on_change(*found)
-        for delay in self._reread:
-            self._later(delay, found)
-
-    def _later(self, delay: float, found: tuple[str, str]) -> None:
-        """Call ``on_change`` again after ``delay`` (one pending timer per delay)."""
-        with self._lock:
-            if self._stop.is_set() or delay in self._timers:
-                return
-            timer = threading.Timer(delay, self._fire, args=(delay, found))
-            timer.daemon = True
-            self._timers[delay] = timer
-            timer.start()
-
-    def _fire(self, delay: float, found: tuple[str, str]) -> None:
-        with self._lock:
-            self._timers.pop(delay, None)
-        if not self._stop.is_set():
-            self._on_change(*found)
 
 
 def wait_connected(events: RunEvents, timeout_s: float) -> bool:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol
 
 from sqlalchemy.engine import Engine
@@ -26,12 +28,15 @@ from webapi.migrations import check_migrated
 from webapi.prefect_api import PrefectAPI
 from webapi.relay import dispatch, expire, fetch_lane, notify, reap, sync
 from webapi.relay.context import Relay, RelayTimings
-from webapi.relay.run_events import SETTLED_STATES, RunEvents
+from webapi.relay.run_events import REREAD_AFTER_S, SETTLED_STATES, RunEvents
 from webapi.storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
 
 Step = Callable[[Relay], int]
+#: Steps that read the runs over REST: while Prefect's events arrive, only as often as the
+#: safety net asks and where an event asks.
+READ_STEPS = ("sync", "reap")
 #: Steps in reconcile order: fetch input URLs, start what is due, learn what happened,
 #: then clean up.
 STEPS: dict[str, Step] = {
@@ -89,7 +94,8 @@ class RelayRunner:
             "reap": t.reap_interval_s,
             "notify": t.notify_interval_s,
         }
-        steps = {**STEPS, "fetch": self.fetches.run_once}
+        steps = {**STEPS, "fetch": self.fetches.run_once, "sync": self._sync, "reap": self._reap}
+        self._next_read = dict.fromkeys(READ_STEPS, 0.0)
         self._loops = {
             name: _Loop(name, step, intervals[name], threading.Event())
             for name, step in steps.items()
@@ -102,29 +108,66 @@ class RelayRunner:
             return None
         auth = relay.settings.prefect_api_auth_string
 
-        def changed(run_id: str, state: str) -> None:
-            if state in SETTLED_STATES:
-                relay.ended_runs.add(run_id)
+        def changed(run_id: str, state: str, occurred: datetime) -> None:
+            if state == "RUNNING":
+                relay.news.started(run_id, occurred)
+            elif state in SETTLED_STATES:
+                relay.news.ended(run_id)
+            else:  # CRASHED, CANCELLING: the run's state over REST decides
+                relay.news.read((0.0, *REREAD_AFTER_S), steps=("sync", "reap"))
             self.wake("sync", "reap") if state == "CRASHED" else self.wake("sync")
+
+        def connected() -> None:
+            relay.news.read(steps=("sync", "reap"))
+            self.wake("sync", "reap")
 
         return RunEvents(
             relay.settings.prefect_api_url,
             auth_string=auth.get_secret_value() if auth else None,
             on_change=changed,
-            on_connect=lambda: self.wake("sync"),
+            on_connect=connected,
         )
+
+    def _streaming(self) -> bool:
+        return self.events is not None and self.events.connected
 
     def _interval(self, loop: _Loop) -> float:
         """The loop's poll interval: sync's is the safety net while events arrive and no
         running video's progress is to be read."""
-        if (
-            loop.name == "sync"
-            and self.events is not None
-            and self.events.connected
-            and not self.relay.reading_progress
-        ):
+        if loop.name == "sync" and self._streaming() and not self.relay.reading_progress:
             return max(loop.interval_s, self.relay.timings.sync_safety_net_s)
         return loop.interval_s
+
+    def _wait_s(self, loop: _Loop) -> float:
+        """How long the loop sleeps unless woken: its poll interval, or less for sync and
+        reap when an event asked for a pass sooner."""
+        asked = self.relay.news.wait_s(loop.name) if loop.name in READ_STEPS else None
+        interval = self._interval(loop)
+        return interval if asked is None else min(interval, asked)
+
+    def _read_due(self, name: str) -> bool:
+        """Whether ``name``'s pass reads the runs over REST as a poll: always while no
+        events arrive, else once per safety-net interval (reap's passes in between still
+        run: cancellations, and what the job store alone shows overdue)."""
+        now = time.monotonic()
+        if self._streaming() and now < self._next_read[name]:
+            return False
+        interval = self._interval(self._loops[name])
+        if name == "reap" and self._streaming():
+            interval = max(interval, self.relay.timings.sync_safety_net_s)
+        self._next_read[name] = now + interval
+        return True
+
+    def _sync(self, relay: Relay) -> int:
+        """A sync pass that reads the runs when its poll is due; between polls only where
+        an event asked for it."""
+        return sync.run_once(relay, read_runs=self._read_due("sync"))
+
+    def _reap(self, relay: Relay) -> int:
+        """A reap pass that reads the runs when its poll is due, or an event asked for it
+        (CRASHED, CANCELLING, a reconnect)."""
+        read = self._read_due("reap")
+        return reap.run_once(relay, read_runs=relay.news.take_read("reap") or read)
 
     @property
     def running(self) -> bool:
@@ -174,7 +217,7 @@ class RelayRunner:
                 self.relay.metrics.inc("faceflow_relay_loop_errors_total", loop.name)
             if handled >= self.relay.timings.batch:
                 continue  # more is due: go again at once
-            loop.wake.wait(self._interval(loop))
+            loop.wake.wait(self._wait_s(loop))
             loop.wake.clear()
 
 

@@ -17,9 +17,12 @@ pass, every ``sync_interval_s``). Mapping:
   reaper does (``outcomes.retry_or_fail``). A state's message never decides an outcome;
 - CRASHED, lost runs and overdue runs are the reaper's (``webapi.relay.reap``).
 
-A run that Prefect's events said ended (COMPLETED, FAILED, CANCELLED: ``run_events``) is
-settled first, from what its flow stored, without waiting for the read of the runs
-(``settle_ended``); a job whose run stored nothing is left to that read.
+Prefect's flow-run events (``run_events``) are applied first, without reading the runs: a
+RUNNING event marks its queued job running at the event's time (``start_from_events``); a
+COMPLETED, FAILED or CANCELLED event settles its jobs from what their flow stored
+(``settle_ended``). While events arrive the runner reads the runs only at the safety-net
+interval and where an event leaves the decision to the run's state (CRASHED, CANCELLING, a
+run that stored nothing, a job whose start was missed).
 
 Every write is conditional on the job's current ``flow_run_id``: a stale run never writes.
 """
@@ -28,14 +31,16 @@ from __future__ import annotations
 
 import logging
 import re
+from datetime import datetime
 
+import sqlalchemy as sa
 from pydantic import ValidationError
 
 from flows.params import JobProgress, progress_key
 from webapi.jobstate import record_progress
-from webapi.models import JobStatus, utcnow
+from webapi.models import Job, JobStatus, UTCDateTime, utcnow
 from webapi.prefect_api import FlowRun, PrefectError, StateType
-from webapi.relay.context import Relay
+from webapi.relay.context import Noted, Relay
 from webapi.relay.outcomes import (
     TRANSITIONS,
     Watched,
@@ -46,6 +51,7 @@ from webapi.relay.outcomes import (
     watched_jobs,
     write,
 )
+from webapi.relay.run_events import REREAD_AFTER_S
 from webapi.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -54,12 +60,19 @@ _STAGE = re.compile(r"^\s*stage\s*[:=]\s*([A-Za-z][\w-]{0,31})")
 _PROGRESS = re.compile(r"^\s*Stage \d+/\d+:\s*([A-Za-z][\w-]{0,31})")
 
 
-def run_once(relay: Relay) -> int:
-    """One sync pass; returns how many jobs changed."""
-    settled = settle_ended(relay)
+def run_once(relay: Relay, *, read_runs: bool = True) -> int:
+    """One sync pass; returns how many jobs changed. It first applies what flow-run events
+    said (``start_from_events``, ``settle_ended``); then it reads the watched runs over
+    REST, unless ``read_runs`` is False (the runner between safety-net polls, while events
+    arrive) and no event asked for it or left a job undecided."""
+    changed = start_from_events(relay)
+    settled, undecided = settle_ended(relay)
+    asked = relay.news.take_read()
+    if not (read_runs or asked or undecided):
+        return changed + settled
     observed = [(job, run) for job, run in observe(relay) or [] if run is not None]
     progress = _progress(relay, [run for _job, run in observed])
-    changed = settled + sum(
+    changed += settled + sum(
         apply_run_state(relay, job, run, progress.get(run.id)) for job, run in observed
     )
     videos = [
@@ -70,21 +83,59 @@ def run_once(relay: Relay) -> int:
     return changed + sum(video_progress(relay, job) for job in videos)
 
 
-def settle_ended(relay: Relay) -> int:
-    """Settle the jobs of the runs that Prefect's events said ended (``relay.ended_runs``)
-    from the outcome their flow stored, without reading the runs first: the flow stores
-    its ``ResultRef`` or ``JobFailure`` before it proposes its final state, the outcome
-    never depends on the state, and the write is fenced on the job's run as always. A job
-    with no stored outcome, or not yet marked started (its start time is the run's), is
-    left to the pass that reads its run. Returns how many jobs changed."""
-    runs = relay.ended_runs.take()
-    if not runs:
+def _again_after_s(noted: Noted) -> float | None:
+    """When to take an event up again (``REREAD_AFTER_S`` counts from the event), or None
+    once those tries are spent (the safety-net read covers it then)."""
+    if noted.tries >= len(REREAD_AFTER_S):
+        return None
+    return REREAD_AFTER_S[noted.tries] - (REREAD_AFTER_S[noted.tries - 1] if noted.tries else 0.0)
+
+
+def start_from_events(relay: Relay) -> int:
+    """Mark ``running`` (stage "started", ``started_at`` = the RUNNING event's time) the
+    queued jobs whose runs an event said went RUNNING, without reading the runs; fenced on
+    the job's run as ``_started``, so a stale run's event writes nothing. A run that no job
+    holds may be one that dispatch has not recorded yet: it is looked for again
+    ``REREAD_AFTER_S`` after the event (no REST read), then left to the safety net.
+    Returns how many jobs changed."""
+    noted = relay.news.take_started()
+    if not noted:
         return 0
-    changed = 0
-    for job in watched_jobs(relay, runs=runs):
-        if job.started_at is not None and settle(relay, job, None):
-            changed += 1
-    return changed
+    jobs = watched_jobs(relay, runs=[run.run_id for run in noted])
+    held = {str(job.flow_run_id) for job in jobs}
+    at = {run.run_id: run.at for run in noted}
+    for run in noted:
+        after_s = _again_after_s(run)
+        if run.run_id not in held and after_s is not None:
+            relay.news.again(run, after_s, read=False)
+    return sum(_started(relay, job, None, at=at[str(job.flow_run_id)]) for job in jobs)
+
+
+def settle_ended(relay: Relay) -> tuple[int, bool]:
+    """Settle the jobs of the runs that Prefect's events said ended (COMPLETED, FAILED,
+    CANCELLED) from the outcome their flow stored, without reading the runs first: the flow
+    stores its ``ResultRef`` or ``JobFailure`` before it proposes its final state, the
+    outcome never depends on the state, and the write is fenced on the job's run as always.
+
+    A job whose attempt stored nothing (cancelled or lost: the run's state decides), or
+    not yet marked started (its RUNNING event was missed: its start time is the run's) is
+    undecided: the pass reads the runs, and the run is taken up again ``REREAD_AFTER_S``
+    after its event, as its final state may not be visible over REST yet. Returns how many
+    jobs changed and whether one is undecided."""
+    noted = {run.run_id: run for run in relay.news.take_ended()}
+    if not noted:
+        return 0, False
+    changed, undecided = 0, False
+    for job in watched_jobs(relay, runs=noted):
+        settled = settle(relay, job, None) if job.started_at is not None else None
+        if settled is None:
+            undecided = True
+            run = noted[str(job.flow_run_id)]
+            after_s = _again_after_s(run)
+            if after_s is not None:
+                relay.news.again(run, after_s, read=True)
+        changed += bool(settled)
+    return changed, undecided
 
 
 def video_progress(relay: Relay, job: Watched) -> bool:
@@ -145,9 +196,18 @@ def stage_of(run: FlowRun, progress: str | None = None) -> str | None:
     return match.group(1).lower() if match else None
 
 
-def _started(relay: Relay, job: Watched, stage: str | None) -> bool:
+def _started(relay: Relay, job: Watched, stage: str | None, *, at: datetime | None = None) -> bool:
+    """A running run: a queued job is marked running (``started_at``: ``at`` when given,
+    else now), a running one follows the run's stage."""
     if job.status is JobStatus.queued:
-        changed = write(relay, job, JobStatus.running, JobStatus.queued, stage=stage or "started")
+        started = (
+            {}
+            if at is None
+            else {"started_at": sa.func.coalesce(Job.started_at, sa.literal(at, UTCDateTime))}
+        )
+        changed = write(
+            relay, job, JobStatus.running, JobStatus.queued, stage=stage or "started", **started
+        )
         if changed:
             relay.metrics.inc(TRANSITIONS, JobStatus.running.value)
         return changed
