@@ -8,14 +8,18 @@ pool process). Mode ``gpu`` makes the pipeline GPU-shaped there (``bench/gpu_sha
 as ``bench/warm_worker.py --gpu-ms`` does for Prefect's workers); mode ``sleep`` runs no
 pipeline at all.
 
-Inputs travel as storage keys, as most GPU queues do: the message carries the paths of
-the input files (written once to a temp dir by the bench) and the task writes its result
-beside them and returns the path, never the image bytes.
+Inputs travel as storage keys, as most GPU queues do, never the image bytes. With
+``BENCH_CELERY_HOME`` set (a FaceFlow home whose local storage holds the inputs), a task
+does a FaceFlow job's whole work (``bench.job_work``: inputs read from storage, the
+pipeline with the worker's settings, the result marked with the development chain there,
+result and ``ResultRef`` sidecar written), so that Celery and FaceFlow run the same work;
+without it (the definition before issue 24) the message carries the paths of the input
+files, the task runs ``fuse_images`` unmarked and writes its result beside them.
 
 The worker reads its settings from the environment, which the bench sets:
 ``BENCH_CELERY_REDIS_URL``, ``BENCH_CELERY_MODE`` (``real`` | ``gpu`` | ``sleep``),
-``BENCH_CELERY_TIME_LIMIT_S``, ``BENCH_TORCH_THREADS`` (unset: torch's default) and, in
-mode ``gpu``, ``FACEFLOW_BENCH_GPU_MS`` (compute ms per job).
+``BENCH_CELERY_TIME_LIMIT_S``, ``BENCH_TORCH_THREADS`` (unset: torch's default),
+``BENCH_CELERY_HOME`` and, in mode ``gpu``, ``FACEFLOW_BENCH_GPU_MS`` (compute ms per job).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ MODE_ENV = "BENCH_CELERY_MODE"
 TIME_LIMIT_ENV = "BENCH_CELERY_TIME_LIMIT_S"
 THREADS_ENV = "BENCH_TORCH_THREADS"
 GPU_MS_ENV = "FACEFLOW_BENCH_GPU_MS"  # bench.gpu_shaped.ENV (that module imports numpy)
+HOME_ENV = "BENCH_CELERY_HOME"
 PIPELINE_MODES = ("real", "gpu")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/15"
 DEFAULT_TIME_LIMIT_S = 120.0
@@ -69,16 +74,18 @@ app = make_app(
     float(os.environ.get(TIME_LIMIT_ENV, DEFAULT_TIME_LIMIT_S)),
 )
 
-_state: dict[str, Any] = {"ctx": None, "warm_up_ms": 0.0, "torch_threads": 0}
+_state: dict[str, Any] = {"ctx": None, "job_work": None, "warm_up_ms": 0.0, "torch_threads": 0}
 
 
 def _pipeline_context() -> Any:
     """The pipeline context of this process, its models loaded on the first call (torch
     threads as the context sets them, or as ``BENCH_TORCH_THREADS`` says; the pipeline
-    made GPU-shaped first in mode ``gpu``)."""
+    made GPU-shaped first in mode ``gpu``): with ``BENCH_CELERY_HOME``, that of the
+    process's ``JobWork`` (``_state["job_work"]``)."""
     if _state["ctx"] is None:
         start = time.perf_counter()
-        if os.environ.get(MODE_ENV) == "gpu":
+        gpu = os.environ.get(MODE_ENV) == "gpu"
+        if gpu:
             from bench.gpu_shaped import install
 
             install(float(os.environ[GPU_MS_ENV]))
@@ -86,7 +93,14 @@ def _pipeline_context() -> Any:
 
         from tasks.pipeline import PipelineContext, warm_up
 
-        ctx = PipelineContext.for_this_machine()
+        home = os.environ.get(HOME_ENV)
+        if home:
+            from bench.job_work import JobWork, bench_settings
+
+            _state["job_work"] = JobWork.local(Path(home), bench_settings(gpu_shaped=gpu))
+            ctx = _state["job_work"].ctx
+        else:
+            ctx = PipelineContext.for_this_machine()
         threads = os.environ.get(THREADS_ENV)
         if threads:
             torch.set_num_threads(int(threads))
@@ -116,20 +130,28 @@ def fuse(self: Task, job: dict[str, Any]) -> dict[str, Any]:
     ``gpu`` the first job on given inputs runs the real stages (the untimed one)."""
     started = time.time()
     t0 = time.perf_counter()
-    source = Path(job["source"]).read_bytes()
-    target = Path(job["target"]).read_bytes()
-    c0 = time.perf_counter()
-    if job["mode"] in PIPELINE_MODES:
-        from tasks.stages import fuse_images
-
-        result = fuse_images(source, target, ctx=_pipeline_context())
-        data, faces = result.data, result.faces_replaced
+    if job.get("source_key") and job["mode"] in PIPELINE_MODES:  # a FaceFlow job's work
+        _pipeline_context()
+        c0 = time.perf_counter()
+        ref = _state["job_work"].run(job["source_key"], job["target_key"])
+        compute_ms = (time.perf_counter() - c0) * 1e3  # all of it: reads, marks, writes
+        faces, output = ref.faces_replaced, ref.key
     else:
-        time.sleep(float(job["sleep_ms"]) / 1e3)  # releases the GIL, as a GPU kernel would
-        data, faces = target, 0
-    compute_ms = (time.perf_counter() - c0) * 1e3
-    out = Path(job["out_dir"]) / f"{self.request.id}.out"
-    out.write_bytes(data)
+        source = Path(job["source"]).read_bytes()
+        target = Path(job["target"]).read_bytes()
+        c0 = time.perf_counter()
+        if job["mode"] in PIPELINE_MODES:
+            from tasks.stages import fuse_images
+
+            result = fuse_images(source, target, ctx=_pipeline_context())
+            data, faces = result.data, result.faces_replaced
+        else:
+            time.sleep(float(job["sleep_ms"]) / 1e3)  # releases the GIL, as a GPU kernel would
+            data, faces = target, 0
+        compute_ms = (time.perf_counter() - c0) * 1e3
+        out = Path(job["out_dir"]) / f"{self.request.id}.out"
+        out.write_bytes(data)
+        output = str(out)
     return {
         "started": started,
         "ended": time.time(),
@@ -139,5 +161,5 @@ def fuse(self: Task, job: dict[str, Any]) -> dict[str, Any]:
         "torch_threads": _state["torch_threads"],
         "pid": os.getpid(),
         "faces_replaced": faces,
-        "output": str(out),
+        "output": output,
     }

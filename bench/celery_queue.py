@@ -100,14 +100,18 @@ def run_celery(
     torch_threads: int | None = None,
     time_limit_s: float = 120.0,
     keep_dir: Path | None = None,
+    job_work: bool = False,
 ) -> Figures:
     """Start one Celery worker, run one untimed job, ``jobs`` sequential jobs and a burst
     of ``jobs``, stop the worker by PID and return the figures (times in ms unless named
-    ``_s``). The worker's log is in ``keep_dir`` when given (a temp dir otherwise)."""
+    ``_s``). The worker's log is in ``keep_dir`` when given (a temp dir otherwise).
+    ``job_work`` (modes ``real`` and ``gpu``): each task does a FaceFlow job's whole work
+    (``bench.job_work``) on inputs stored in a FaceFlow home's local storage there."""
     import redis
 
     from bench.celery_app import (
         GPU_MS_ENV,
+        HOME_ENV,
         MODE_ENV,
         REDIS_URL_ENV,
         TASK_NAME,
@@ -147,6 +151,12 @@ def run_celery(
             env[THREADS_ENV] = str(torch_threads)
         if mode == "gpu":
             env[GPU_MS_ENV] = str(sleep_ms)
+        if job_work and mode != "sleep":
+            from faceflow.testing.inputs import put_input
+
+            storage = home / "faceflow" / "storage"
+            job["source_key"], job["target_key"] = (put_input(storage, d) for d in (source, target))
+            env[HOME_ENV] = str(home / "faceflow")
         argv = [sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker"]
         argv += ["--concurrency", "1", "--prefetch-multiplier", "1", "-O", "fair"]
         argv += ["--hostname", f"faceflow-bench-{os.getpid()}@%h", "--loglevel", "WARNING"]
@@ -211,7 +221,10 @@ def run_celery(
     figures: Figures = {
         "mode": mode,
         "jobs": jobs,
-        "inputs": "file paths in a temp dir (storage keys)",
+        "inputs": "keys in a FaceFlow home's local storage"
+        if HOME_ENV in env
+        else "file paths in a temp dir (storage keys)",
+        "work": "a FaceFlow job's (marked, stored)" if HOME_ENV in env else "fuse_images",
         "torch_threads": int(first["torch_threads"]) if mode != "sleep" else "n/a",
         "worker_start_to_first_result_s": round(ready_s, 2),
         "warm_up_ms": round(float(first["warm_up_ms"]), 1),
@@ -263,6 +276,12 @@ def main() -> None:
     )
     parser.add_argument("--time-limit", type=float, default=120.0, help="hard task time limit (s)")
     parser.add_argument("--keep-dir", type=Path, default=None, help="keep inputs, results, log")
+    parser.add_argument(
+        "--job-work",
+        action="store_true",
+        help="modes real and gpu: each task does a FaceFlow job's whole work (inputs read "
+        "from storage, result marked, result and sidecar written: bench/job_work.py)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     # SIGTERM (``timeout``, a CI kill) unwinds like Ctrl-C: the worker is stopped by PID
@@ -281,6 +300,7 @@ def main() -> None:
         torch_threads=args.torch_threads,
         time_limit_s=args.time_limit,
         keep_dir=args.keep_dir,
+        job_work=args.job_work,
     )
     if args.json:
         print(json.dumps(figures, indent=1))

@@ -28,19 +28,18 @@ def prepare_inputs(
     url: str, home: Path, *, gpu_shaped: bool = False
 ) -> tuple[str, str, bytes, bytes]:
     """Default blocks saved; the sample photos stored as the webapi would. ``gpu_shaped``:
-    the settings a GPU host gets (one model call in flight: ``tasks.batch.model_threads``),
-    although the shaped worker's device is the CPU."""
+    the settings a GPU host gets (``bench.job_work.bench_settings``)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from bench.job_work import bench_settings
     from blocks import init_default_blocks
     from blocks.defaults import SETTINGS_NAME
-    from blocks.settings import FusionSettings
     from faceflow import samples
 
     with temporary_settings(updates={PREFECT_API_URL: url}):
         saved = init_default_blocks(home)
         if gpu_shaped:
-            FusionSettings(model_threads=1).save(SETTINGS_NAME, overwrite=True)
+            bench_settings(gpu_shaped=True).save(SETTINGS_NAME, overwrite=True)
     source, target = samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes()
     keys = [put_input(saved.storage_path, data) for data in (source, target)]
     return keys[0], keys[1], source, target

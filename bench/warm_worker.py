@@ -40,7 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from bench.fuse_jobs import (  # noqa: E402
     requests_per_job,
     ts,
 )
+from bench.job_work import JobWork, bench_settings  # noqa: E402
 from faceflow.supervisor import Service  # noqa: E402
 from faceflow.testing.net import free_port, http_ok  # noqa: E402
 from faceflow.testing.prefect import (  # noqa: E402
@@ -81,20 +82,31 @@ def pooled(first: dict[str, float], second: dict[str, float]) -> dict[str, float
     }
 
 
-def bare_loop(source: bytes, target: bytes, jobs: int) -> dict[str, float]:
-    """``fuse_images`` in this process, warm: median ms and jobs/min."""
+def bare_loop(
+    source: bytes, target: bytes, jobs: int, *, as_job: tuple[JobWork, str, str] | None = None
+) -> dict[str, float]:
+    """``fuse_images`` in this process, warm: median ms and jobs/min. With ``as_job`` (the
+    work and the stored inputs' keys) each iteration does a run's whole work for a job
+    (``bench.job_work``: inputs read from storage, the result marked, result and sidecar
+    written), as the orchestrated modes' jobs do."""
     from tasks.pipeline import PipelineContext, warm_up
     from tasks.stages import fuse_images
 
-    ctx = PipelineContext.for_this_machine()
+    if as_job is None:
+        ctx = PipelineContext.for_this_machine()
+        one: Callable[[], object] = lambda: fuse_images(source, target, ctx=ctx)  # noqa: E731
+    else:
+        work, source_key, target_key = as_job
+        ctx = work.ctx
+        one = lambda: work.run(source_key, target_key)  # noqa: E731
     warm_up(ctx)
-    fuse_images(source, target, ctx=ctx)
+    one()
     times = []
     cpu = sum(os.times()[:2])
     start = time.perf_counter()
     for _ in range(jobs):
         t0 = time.perf_counter()
-        fuse_images(source, target, ctx=ctx)
+        one()
         times.append((time.perf_counter() - t0) * 1e3)
     wall = time.perf_counter() - start
     return {
@@ -330,10 +342,18 @@ def relay_modes(
         gpu_shaped.install(gpu_ms)  # the bare loop in this process too
     worker, ready_s = start_worker("warm", api, pool, env, home, extra)
     results: dict[str, dict[str, Any]] = {}
+    # A job's whole work (what the runs do per job), and fuse_images alone (the bare
+    # loop's definition before issue 24, which left marking and storage out).
+    work = JobWork.local(home / "faceflow", bench_settings(gpu_shaped=gpu_ms is not None))
+
+    def both_loops() -> tuple[dict[str, float], dict[str, float]]:
+        job = bare_loop(inputs[2], inputs[3], jobs, as_job=(work, inputs[0], inputs[1]))
+        return job, bare_loop(inputs[2], inputs[3], jobs)
+
     try:
         for mode in modes:
             quiet_s = wait_until_quiet(server_pid)  # the last mode's events are worked off
-            bare = bare_loop(inputs[2], inputs[3], jobs)
+            bare, fuse_only = both_loops()
             results[mode] = relay_bench.relay_mode(
                 mode,
                 batch_max_jobs=RELAY_MODES[mode] or batch_size,
@@ -349,11 +369,12 @@ def relay_modes(
                 server_log=home / "server.log",
             )
             wait_until_quiet(server_pid)
-            after = bare_loop(inputs[2], inputs[3], jobs)
+            after, fuse_only_after = both_loops()
             # The machine's speed drifts by minutes (±15 % between runs seen): the mode is
             # measured against the bare loop before and after it, pooled.
             results[mode]["bare"] = pooled(bare, after)
             results[mode]["bare_before_after"] = (bare["jobs_per_min"], after["jobs_per_min"])
+            results[mode]["bare_fuse_images_only"] = pooled(fuse_only, fuse_only_after)
             results[mode]["server_quiet_wait_s"] = round(quiet_s, 1)
             results[mode]["worker_ready_s"] = ready_s
     finally:
@@ -367,13 +388,15 @@ def print_relay_table(results: dict[str, dict[str, Any]], gpu_ms: float | None) 
     compute = f"GPU-shaped {gpu_ms:g} ms/job" if gpu_ms else "real pipeline"
     print(f"relay modes, compute: {compute}")
     rows = [
-        ("bare loop (jobs/min)", lambda r: r["bare"]["jobs_per_min"], "{:.1f}"),
+        ("bare loop, a job's work (jobs/min)", lambda r: r["bare"]["jobs_per_min"], "{:.1f}"),
         (
             "  before / after the mode",
             lambda r: "{:.0f} / {:.0f}".format(*r["bare_before_after"]),
             "{}",
         ),
-        ("bare median (ms)", lambda r: r["bare"]["median_ms"], "{:.0f}"),
+        ("bare median, a job's work (ms)", lambda r: r["bare"]["median_ms"], "{:.0f}"),
+        ("bare, fuse_images only (jobs/min)", lambda r: _fuse_only(r)["jobs_per_min"], "{:.1f}"),
+        ("bare median, fuse_images only (ms)", lambda r: _fuse_only(r)["median_ms"], "{:.0f}"),
         ("jobs per run, at most", lambda r: r["batch_max_jobs"], "{}"),
         ("dispatch median, one at a time (s)", lambda r: r["dispatch_median_s"] or 0, "{:.2f}"),
         ("dispatch p90 (s)", lambda r: r.get("dispatch_p90_s") or 0, "{:.2f}"),
@@ -384,8 +407,13 @@ def print_relay_table(results: dict[str, dict[str, Any]], gpu_ms: float | None) 
         ("server quiet wait before burst (s)", lambda r: r.get("burst_quiet_wait_s", 0), "{}"),
         ("burst throughput (jobs/min)", lambda r: r["burst_jobs_per_min"], "{:.1f}"),
         (
-            "burst / bare loop",
+            "burst / bare loop (a job's work)",
             lambda r: r["burst_jobs_per_min"] / r["bare"]["jobs_per_min"],
+            "{:.0%}",
+        ),
+        (
+            "burst / bare loop (fuse_images only)",
+            lambda r: r["burst_jobs_per_min"] / _fuse_only(r)["jobs_per_min"],
             "{:.0%}",
         ),
         ("burst: runs", lambda r: r["burst_runs"], "{}"),
@@ -421,6 +449,11 @@ def print_relay_table(results: dict[str, dict[str, Any]], gpu_ms: float | None) 
     for mode in modes:
         if results[mode]["failed"]:
             print(f"{mode}: jobs not succeeded: {results[mode]['failed']}")
+
+
+def _fuse_only(result: dict[str, Any]) -> dict[str, float]:
+    """The bare loop of ``fuse_images`` alone (the definition before issue 24)."""
+    return dict(result["bare_fuse_images_only"])
 
 
 def state_gaps(api: PrefectRest, runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -645,18 +678,24 @@ def main() -> None:
 def celery_figures(
     inputs: tuple[str, str, bytes, bytes], jobs: int, gpu_ms: float | None
 ) -> dict[str, Any]:
-    """The same jobs through Celery + Redis as a classic GPU queue (bench/celery_queue.py)."""
+    """The same jobs through Celery + Redis as a classic GPU queue (bench/celery_queue.py),
+    each task doing a FaceFlow job's whole work (``bench.job_work``); and, as before issue
+    24, ``fuse_images`` alone (``fuse_images_only``)."""
     from bench import celery_queue  # needs the bench extra (issue 12)
 
     # mode "gpu": the pipeline GPU-shaped in the Celery worker, as in the relay modes
-    figures = celery_queue.run_celery(
-        jobs,
-        inputs[2],
-        inputs[3],
-        mode="gpu" if gpu_ms is not None else "real",
-        sleep_ms=gpu_ms or 30.0,
-    )
-    return dict(figures)
+    figures = [
+        celery_queue.run_celery(
+            jobs,
+            inputs[2],
+            inputs[3],
+            mode="gpu" if gpu_ms is not None else "real",
+            sleep_ms=gpu_ms or 30.0,
+            job_work=job_work,
+        )
+        for job_work in (True, False)
+    ]
+    return {**figures[0], "fuse_images_only": dict(figures[1])}
 
 
 if __name__ == "__main__":
