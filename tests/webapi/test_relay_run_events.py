@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from faceflow.testing.jobs import make_user
 from faceflow.testing.prefect import PrefectServer
@@ -69,10 +70,11 @@ def _runner(settings: Settings, engine: Engine, timings: Any = SLOW_POLL) -> Rel
     return RelayRunner(build_relay(settings, engine=engine, store=store, timings=timings))
 
 
-def _dispatched(runner: RelayRunner, owner: crud.NewUser) -> tuple[Job, str]:
-    """Submit a job to ``runner``'s relay and wait until it is dispatched: (job, run id)."""
+def _dispatched(runner: RelayRunner, owner: crud.NewUser, **fields: Any) -> tuple[Job, str]:
+    """Submit a job (request ``fields``) to ``runner``'s relay and wait until it is
+    dispatched: (job, run id)."""
     relay = runner.relay
-    new = submit(relay.engine, relay.settings, relay.store, owner)
+    new = submit(relay.engine, relay.settings, relay.store, owner, **fields)
     runner.wake()
     run_id = _until(lambda: job(relay.engine, new.id).flow_run_id, 20)
     assert run_id is not None, "dispatched"
@@ -262,5 +264,76 @@ def test_a_crashed_runs_event_gets_its_job_reaped_long_before_the_safety_net(
         locked.rest.set_state(run_id, "CRASHED")
         assert _until(lambda: job(engine, new.id).attempts == 2, 10), "reaped, re-dispatched"
         assert str(job(engine, new.id).flow_run_id) != run_id
+    finally:
+        runner.stop()
+
+
+#: Reads of the runs 30 s apart while the stream is up; a cancel's grace outlasts the
+#: re-reads that the run's CANCELLING event asks for (up to REREAD_AFTER_S[-1] later).
+REAP_ON_STREAM = replace(SLOW_POLL, cancel_grace_s=REREAD_AFTER_S[-1] + 4.0)
+
+
+def _running_on_the_stream(
+    runner: RelayRunner, owner: crud.NewUser, locked: PrefectServer, **fields: Any
+) -> tuple[Job, str, float]:
+    """Start ``runner``, wait for its stream, then dispatch a job and set its run RUNNING
+    (the event marks the job running): (job, run id, monotonic time the stream was up).
+    The reaper read the runs on connecting; its next read as a poll is 30 s later."""
+    runner.start()
+    assert runner.events is not None and wait_connected(runner.events, 20)
+    connected = time.monotonic()
+    new, run_id = _dispatched(runner, owner, **fields)
+    locked.rest.set_state(run_id, "RUNNING")
+    assert _until(lambda: job(runner.relay.engine, new.id).status is JobStatus.running, 10)
+    return new, run_id, connected
+
+
+def test_an_overdue_running_job_is_reaped_between_the_safety_net_reads(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """The stream is up and the runs are read 30 s apart; a job whose run stays RUNNING
+    past its deadline and running grace is failed (deadline_exceeded) and its run
+    cancelled by the reaper within a few of its passes: the job store alone shows it due."""
+    runner = _runner(settings, engine, timings=REAP_ON_STREAM)
+    owner = make_user(engine, settings, quota=10)
+    try:
+        new, run_id, connected = _running_on_the_stream(runner, owner, locked, deadline_seconds=3)
+        overdue = new.deadline_at.timestamp() + REAP_ON_STREAM.running_grace_s
+        assert _until(lambda: job(engine, new.id).status.is_terminal, 15), "reaped"
+        ended = job(engine, new.id)
+        took = time.monotonic() - connected
+        assert (ended.status, ended.error_code) == (JobStatus.failed, "deadline_exceeded")
+        assert ended.finished_at is not None and ended.finished_at.timestamp() >= overdue
+        assert took < REAP_ON_STREAM.sync_safety_net_s, "before the safety net's next read"
+        assert _until(lambda: locked.rest.run(run_id)["state_type"] == "CANCELLING", 10)
+        print(f"\nstream up -> overdue job failed: {took:.1f} s (safety net every 30 s)")
+    finally:
+        runner.stop()
+
+
+def test_a_cancel_whose_run_never_stops_is_forced_between_the_safety_net_reads(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """The stream is up and the runs are read 30 s apart; a running job's cancel sets its
+    run CANCELLING, the run never stops, and once cancel_grace_s is past the reaper forces
+    the run CANCELLED and the job cancelled, long before the safety net's next read."""
+    runner = _runner(settings, engine, timings=REAP_ON_STREAM)
+    owner = make_user(engine, settings, quota=10)
+    try:
+        new, run_id, connected = _running_on_the_stream(runner, owner, locked)
+        with Session(engine) as session:
+            crud.cancel_job(session, owner=owner.user, job_id=new.id)
+        assert _until(lambda: locked.rest.run(run_id)["state_type"] == "CANCELLING", 10)
+        requested = job(engine, new.id).cancel_requested_at
+        assert requested is not None
+        assert _until(lambda: job(engine, new.id).status.is_terminal, 20), "forced"
+        took = time.monotonic() - connected
+        ended = job(engine, new.id)
+        assert ended.status is JobStatus.cancelled
+        assert ended.finished_at is not None
+        assert ended.finished_at - requested > timedelta(seconds=REAP_ON_STREAM.cancel_grace_s)
+        assert took < REAP_ON_STREAM.sync_safety_net_s, "before the safety net's next read"
+        assert locked.rest.run(run_id)["state_type"] == "CANCELLED"
+        print(f"\nstream up -> stuck cancel forced: {took:.1f} s (safety net every 30 s)")
     finally:
         runner.stop()
