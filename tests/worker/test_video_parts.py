@@ -282,11 +282,18 @@ def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
     killed: list[str] = []
 
     def kill_first_render(run: dict[str, Any]) -> bool:
-        """SIGKILL the worker child running chunk 1's part (found by its run id)."""
+        """SIGKILL the worker child running chunk 1's part (found by its run id), mid-run:
+        the child is stopped first and killed only if it still runs that part (what was
+        read may be stale: a child that just finished it would be killed idle)."""
         if not run["name"].endswith("chunk-0001") or run["state_type"] != "RUNNING":
             return False
         pid = running_child(workers, run["id"])
         if pid is None:
+            return False
+        os.kill(pid, signal.SIGSTOP)
+        current = prefect_api.call("GET", f"/flow_runs/{run['id']}")["state"]["type"]
+        if current != "RUNNING" or running_child(workers, run["id"]) != pid:
+            os.kill(pid, signal.SIGCONT)
             return False
         os.kill(pid, signal.SIGKILL)
         killed.append(str(pid))
