@@ -10,7 +10,8 @@ its fast interval again, and a cut stream reconnects and reads what it missed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -68,6 +69,18 @@ def _runner(settings: Settings, engine: Engine, timings: Any = SLOW_POLL) -> Rel
     store = LocalObjectStore(Path(settings.home) / "storage")
     SCRIPT.storage_dir = store.basepath
     return RelayRunner(build_relay(settings, engine=engine, store=store, timings=timings))
+
+
+@contextmanager
+def _connected(runner: RelayRunner, engine: Engine, settings: Settings) -> Iterator[crud.NewUser]:
+    """Start ``runner`` and wait for its event stream; a user to submit as; stop it after."""
+    owner = make_user(engine, settings, quota=10)
+    runner.start()
+    try:
+        assert runner.events is not None and wait_connected(runner.events, 20)
+        yield owner
+    finally:
+        runner.stop()
 
 
 def _dispatched(runner: RelayRunner, owner: crud.NewUser, **fields: Any) -> tuple[Job, str]:
@@ -128,10 +141,7 @@ def test_a_job_ends_on_its_runs_event_not_on_the_poll(
     engine: Engine, settings: Settings, locked: PrefectServer
 ) -> None:
     runner = _runner(settings, engine)
-    owner = make_user(engine, settings, quota=10)
-    runner.start()
-    try:
-        assert runner.events is not None and wait_connected(runner.events, 20)
+    with _connected(runner, engine, settings) as owner:
         new, run_id = _dispatched(runner, owner)
         assert execute_run(run_id) == "COMPLETED"
         ended = time.monotonic()
@@ -140,8 +150,6 @@ def test_a_job_ends_on_its_runs_event_not_on_the_poll(
         assert done and job(engine, new.id).status is JobStatus.succeeded
         assert took < 10, "within the wait above, far inside the 30 s poll"
         print(f"\nrun COMPLETED -> job succeeded: {took * 1000:.0f} ms (poll every 30 s)")
-    finally:
-        runner.stop()
 
 
 def test_without_the_stream_the_relay_polls_at_its_fast_interval(
@@ -201,10 +209,7 @@ def test_a_run_moves_its_job_from_events_alone_without_reading_it(
     SCRIPT.storage_dir = store.basepath
     relay = build_relay(settings, engine=engine, prefect=prefect, store=store, timings=SLOW_POLL)
     runner = RelayRunner(relay)
-    owner = make_user(engine, settings, quota=10)
-    runner.start()
-    try:
-        assert runner.events is not None and wait_connected(runner.events, 20)
+    with _connected(runner, engine, settings) as owner:
         time.sleep(1.0)  # the reaper's first read on the stream sets its 30 s period
         new, run_id = _dispatched(runner, owner)
         before = reads.reads
@@ -219,8 +224,6 @@ def test_a_run_moves_its_job_from_events_alone_without_reading_it(
         assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
         time.sleep(REREAD_AFTER_S[-1] + 0.2)
         assert reads.reads == before, "no REST read of the run"
-    finally:
-        runner.stop()
 
 
 def test_a_missed_running_event_still_starts_the_job_by_the_safety_net(
@@ -254,18 +257,13 @@ def test_a_crashed_runs_event_gets_its_job_reaped_long_before_the_safety_net(
     """Reads of the runs 30 s apart: a CRASHED event makes the reaper read the run, and the
     job goes back to the queue for its second attempt."""
     runner = _runner(settings, engine)
-    owner = make_user(engine, settings, quota=10)
-    runner.start()
-    try:
-        assert runner.events is not None and wait_connected(runner.events, 20)
+    with _connected(runner, engine, settings) as owner:
         new, run_id = _dispatched(runner, owner)
         locked.rest.set_state(run_id, "RUNNING")
         assert _until(lambda: job(engine, new.id).status is JobStatus.running, 10)
         locked.rest.set_state(run_id, "CRASHED")
         assert _until(lambda: job(engine, new.id).attempts == 2, 10), "reaped, re-dispatched"
         assert str(job(engine, new.id).flow_run_id) != run_id
-    finally:
-        runner.stop()
 
 
 #: Reads of the runs 30 s apart while the stream is up; a cancel's grace outlasts the
