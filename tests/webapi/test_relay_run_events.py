@@ -266,6 +266,22 @@ def test_a_crashed_runs_event_gets_its_job_reaped_long_before_the_safety_net(
         assert str(job(engine, new.id).flow_run_id) != run_id
 
 
+def test_a_run_lost_without_an_event_is_found_by_the_safety_net(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """The stream is up, the runs are read every second (the safety net), and a running
+    job's run is deleted from Prefect: no state event says so, yet the safety-net read
+    finds the run gone and the reaper re-dispatches the job (its second attempt)."""
+    runner = _runner(settings, engine, timings=replace(FAST, sync_safety_net_s=1.0))
+    with _connected(runner, engine, settings) as owner:
+        new, run_id = _dispatched(runner, owner)
+        locked.rest.set_state(run_id, "RUNNING")
+        assert _until(lambda: job(engine, new.id).status is JobStatus.running, 10)
+        locked.rest.call("DELETE", f"/flow_runs/{run_id}")
+        assert _until(lambda: job(engine, new.id).attempts == 2, 10), "lost, re-dispatched"
+        assert str(job(engine, new.id).flow_run_id) != run_id
+
+
 #: Reads of the runs 30 s apart while the stream is up; a cancel's grace outlasts the
 #: re-reads that the run's CANCELLING event asks for (up to REREAD_AFTER_S[-1] later).
 REAP_ON_STREAM = replace(SLOW_POLL, cancel_grace_s=REREAD_AFTER_S[-1] + 4.0)
