@@ -154,8 +154,7 @@ class WarmChild:
         self.conn = conn
         self.spec = spec
         self.flows: dict[FlowCacheKey, Any] = {}
-        self.unrenamed: dict[int, tuple[Any, Any]] = {}
-        self.stored: dict[int, tuple[Any, Any, Any]] = {}
+        self.variants: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
         self.default_storage: tuple[float, Any] | None = None
         self.runs_done = 0
 
@@ -199,12 +198,24 @@ class WarmChild:
             return flow
         if wanted != flow_run.name:
             return flow
-        unrenamed = self.unrenamed.get(id(flow))
-        if unrenamed is None or unrenamed[0] is not flow:
+        return self.variant(flow, flow_run_name=None)
+
+    def variant(self, flow: Any, **changes: Any) -> Any:
+        """A copy of ``flow`` with the attributes ``changes`` set, made once and kept while
+        ``flow`` and the values stay the same objects (one copy per flow and attributes:
+        a new value replaces the copy, so nothing accumulates)."""
+        key = (id(flow), tuple(sorted(changes)))
+        kept = self.variants.get(key)
+        if (
+            kept is None
+            or kept[0] is not flow
+            or any(getattr(kept[1], name) is not value for name, value in changes.items())
+        ):
             copied = copy.copy(flow)
-            copied.flow_run_name = None
-            unrenamed = self.unrenamed[id(flow)] = (flow, copied)
-        return unrenamed[1]
+            for name, value in changes.items():
+                setattr(copied, name, value)
+            kept = self.variants[key] = (flow, copied)
+        return kept[1]
 
     def resolve_default_storage(self) -> None:
         """Resolve Prefect's default result storage now, while the child is idle: the
@@ -232,12 +243,7 @@ class WarmChild:
         at, storage = self.default_storage
         if time.monotonic() - at > STORAGE_TTL_S:
             return flow
-        stored = self.stored.get(id(flow))
-        if stored is None or stored[0] is not flow or stored[1] is not storage:
-            copied = copy.copy(flow)
-            copied.result_storage = storage
-            stored = self.stored[id(flow)] = (flow, storage, copied)
-        return stored[2]
+        return self.variant(flow, result_storage=storage)
 
     def next_message(self) -> Any:
         """The worker's next message, with the default result storage kept resolved: every

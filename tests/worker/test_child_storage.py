@@ -29,7 +29,7 @@ def storage_probe() -> None:
 
 def bare_child() -> WarmChild:
     child = WarmChild.__new__(WarmChild)  # no connection or spec needed here
-    child.stored, child.default_storage = {}, None
+    child.variants, child.default_storage = {}, None
     return child
 
 

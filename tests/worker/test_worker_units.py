@@ -146,7 +146,7 @@ def test_a_child_skips_the_rename_only_when_the_run_has_the_name_already() -> No
     from flows.fuse import fuse_faces
 
     child = WarmChild.__new__(WarmChild)  # no connection or spec needed here
-    child.unrenamed = {}
+    child.variants = {}
     named = SimpleNamespace(parameters={"job_id": "job-1"}, name="job-1")
     unrenamed = child.named_already(fuse_faces, named)
     assert unrenamed is not fuse_faces and unrenamed.flow_run_name is None
