@@ -114,12 +114,12 @@ class RelayRunner:
             elif state in SETTLED_STATES:
                 relay.news.ended(run_id)
             else:  # CRASHED, CANCELLING: the run's state over REST decides
-                relay.news.read((0.0, *REREAD_AFTER_S), steps=("sync", "reap"))
-            self.wake("sync", "reap") if state == "CRASHED" else self.wake("sync")
+                relay.news.read((0.0, *REREAD_AFTER_S), steps=READ_STEPS)
+            self.wake(*READ_STEPS) if state == "CRASHED" else self.wake("sync")
 
         def connected() -> None:
-            relay.news.read(steps=("sync", "reap"))
-            self.wake("sync", "reap")
+            relay.news.read(steps=READ_STEPS)
+            self.wake(*READ_STEPS)
 
         return RunEvents(
             relay.settings.prefect_api_url,
