@@ -52,6 +52,7 @@ from webapi.prefect_api import PrefectAPI
 CHUNKS = 3  # the story clip in 2-s chunks, moved to its cuts (tests/test_video_job.py)
 RANGES = 3  # its analysis in ranges of about 2 s (tests/test_video_analysis.py)
 PART_ENTRYPOINT = "flows/video_parts.py:fuse_video_part"
+IN_FLIGHT_S = 1.0  # time for a request a stopped child already sent to reach the server
 
 
 @pytest.fixture(scope="module")
@@ -284,13 +285,16 @@ def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
     def kill_first_render(run: dict[str, Any]) -> bool:
         """SIGKILL the worker child running chunk 1's part (found by its run id), mid-run:
         the child is stopped first and killed only if it still runs that part (what was
-        read may be stale: a child that just finished it would be killed idle)."""
+        read may be stale: a child that just finished it would be killed idle). A request
+        the child sent just before it stopped (its ``Completed`` proposal) may still be on
+        its way to the server: the state is read again only after that had time to land."""
         if not run["name"].endswith("chunk-0001") or run["state_type"] != "RUNNING":
             return False
         pid = running_child(workers, run["id"])
         if pid is None:
             return False
         os.kill(pid, signal.SIGSTOP)
+        time.sleep(IN_FLIGHT_S)
         current = prefect_api.call("GET", f"/flow_runs/{run['id']}")["state"]["type"]
         if current != "RUNNING" or running_child(workers, run["id"]) != pid:
             os.kill(pid, signal.SIGCONT)
