@@ -282,6 +282,26 @@ def test_a_run_lost_without_an_event_is_found_by_the_safety_net(
         assert str(job(engine, new.id).flow_run_id) != run_id
 
 
+def test_a_run_stuck_pending_without_an_event_is_found_by_the_safety_net(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    """The stream is up, the runs are read every second (the safety net), and a job's run
+    goes Pending (a worker claimed it) and stays there: no later event comes, yet past
+    ``pending_timeout_s`` a safety-net read finds it stuck and the reaper re-dispatches the
+    job (its second attempt) on a new run."""
+    timings = replace(FAST, sync_safety_net_s=1.0)
+    runner = _runner(settings, engine, timings=timings)
+    with _connected(runner, engine, settings) as owner:
+        new, run_id = _dispatched(runner, owner)
+        locked.rest.set_state(run_id, "PENDING")
+        pending = time.monotonic()
+        assert _until(lambda: job(engine, new.id).attempts == 2, 15), "stuck, re-dispatched"
+        took = time.monotonic() - pending
+        assert took >= timings.pending_timeout_s, "not before its Pending timeout"
+        assert str(job(engine, new.id).flow_run_id) != run_id
+        print(f"\nPending -> re-dispatched: {took:.1f} s (timeout 2 s, safety net every 1 s)")
+
+
 #: Reads of the runs 30 s apart while the stream is up; a cancel's grace outlasts the
 #: re-reads that the run's CANCELLING event asks for (up to REREAD_AFTER_S[-1] later).
 REAP_ON_STREAM = replace(SLOW_POLL, cancel_grace_s=REREAD_AFTER_S[-1] + 4.0)
