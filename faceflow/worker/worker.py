@@ -8,8 +8,8 @@ starts a process (``Pending``, job configuration from the pool's template, worke
 then hands the run to an idle child, which runs it through ``prefect.flow_engine.run_flow``
 (states, logs and the UI as usual). It skips the per-run work that a warm child makes
 pointless: no ``Submitting`` state, the settings serialised into the run's environment once,
-the deployment and flow read beside the ``Pending`` proposal, not after it
-(``job.DefinitionCache``), the run's infrastructure pid and labels written once the run
+the deployment and flow read from a cache of a few seconds (``job.DefinitionCache``),
+beside the ``Pending`` proposal when stale, never after it, the run's infrastructure pid and labels written once the run
 is ``Running`` (``_after_start``), not beside the child's start of it, no rename when the run
 already has its job's name. A run announced by its pool's ``Scheduled`` event is claimed
 from that event (one read of the run); the polls stay as the fallback.
@@ -394,12 +394,18 @@ class FaceFlowGpuWorker(
 
     async def _deployment_gone(self, flow_run: FlowRun) -> bool:
         """Whether the run names a deployment that no longer exists (an API error: no).
-        The deployment read and the run's flow go to ``DEFINITIONS``, so that the run's
-        job configuration, made once ``Pending`` is accepted, needs no request."""
+        The deployment and the run's flow come from ``DEFINITIONS``: read beside
+        ``Pending`` when the cache holds none younger than its TTL (after idle time), so
+        that the run's job configuration, made once ``Pending`` is accepted, needs no
+        request; while runs of the deployment keep coming, no read at all. Deleting a
+        deployment deletes its ``Scheduled`` runs in the same transaction (Prefect's
+        ``delete_deployment``), so a run claimed from ``Scheduled`` had its deployment then;
+        only one that was out of ``Scheduled`` while it was deleted and is scheduled again
+        within the TTL gets past this check, and it runs as its deployment last said."""
         if flow_run.deployment_id is None:
             return False
         deployment, _flow = await asyncio.gather(
-            self.client.read_deployment(flow_run.deployment_id),
+            DEFINITIONS.deployment(self.client, flow_run.deployment_id),
             DEFINITIONS.flow(self.client, flow_run.flow_id),
             return_exceptions=True,
         )
@@ -407,8 +413,6 @@ class FaceFlowGpuWorker(
             return True
         if isinstance(deployment, BaseException):  # Prefect's own check would fail the
             self._logger.debug("could not read deployment: %s", deployment)  # submission
-            return False
-        DEFINITIONS.remember(deployment)
         return False
 
     async def _propose_pending_state(self, flow_run: FlowRun) -> bool:
