@@ -141,11 +141,11 @@ class DefinitionCache:
     """Deployments and flows as the worker last read them, for ``ttl_s`` seconds.
 
     Every run of a burst names the same deployment and flow; reading them once per
-    ``ttl_s`` instead of once per run saves two API requests per run. The worker still
-    reads a claimed run's deployment beside its ``Pending`` proposal (a deleted
-    deployment's runs are cancelled at once) and keeps that read here (``remember``), with
-    the run's flow read beside it: a run's configuration then needs no request after
-    ``Pending``, after idle time too. A flow changed on the server applies ``ttl_s``
+    ``ttl_s`` instead of once per run saves two API requests per run. The worker's check
+    of a claimed run's deployment (a deleted deployment's runs are cancelled) asks this
+    cache beside the ``Pending`` proposal, with the run's flow: what is older than
+    ``ttl_s`` is read there, so a run's configuration needs no request after ``Pending``,
+    after idle time too. A deployment or flow changed on the server applies ``ttl_s``
     later. Each caller gets its own deep copy: Prefect merges a run's job variables into
     the deployment's in place.
     """
@@ -159,10 +159,6 @@ class DefinitionCache:
         """The deployment, read at most once per ``ttl_s``."""
         read = await self._get("deployment", deployment_id, client.read_deployment)
         return cast("DeploymentResponse", read)
-
-    def remember(self, deployment: DeploymentResponse) -> None:
-        """Keep a deployment just read elsewhere (the worker's check beside ``Pending``)."""
-        self._entries[("deployment", deployment.id)] = (time.monotonic(), deployment)
 
     async def flow(self, client: PrefectClient, flow_id: UUID) -> APIFlow:
         """The flow, read at most once per ``ttl_s``."""

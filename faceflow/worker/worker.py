@@ -8,8 +8,8 @@ starts a process (``Pending``, job configuration from the pool's template, worke
 then hands the run to an idle child, which runs it through ``prefect.flow_engine.run_flow``
 (states, logs and the UI as usual). It skips the per-run work that a warm child makes
 pointless: no ``Submitting`` state, the settings serialised into the run's environment once,
-the deployment and flow read beside the ``Pending`` proposal, not after it
-(``job.DefinitionCache``), the run's infrastructure pid and labels written once the run
+the deployment and flow read from a cache of a few seconds (``job.DefinitionCache``),
+beside the ``Pending`` proposal when stale, never after it, the run's infrastructure pid and labels written once the run
 is ``Running`` (``_after_start``), not beside the child's start of it, no rename when the run
 already has its job's name. A run announced by its pool's ``Scheduled`` event is claimed
 from that event (one read of the run); the polls stay as the fallback.
@@ -120,8 +120,10 @@ class FaceFlowGpuWorker(
         self._background: set[asyncio.Task[None]] = set()
         self._announced: set[str] = set()  # runs being claimed from their Scheduled event
         self._events_live = False  # the event subscription is up
+        self._left_for_poll = False  # a run announced since the last poll was not claimed
         self._starts: dict[str, asyncio.Event] = {}  # handed-over runs not seen Running yet
         self.claims = {"event": 0, "poll": 0}  # runs claimed (Pending accepted), by source
+        self.polls = 0  # queries of the pool for scheduled runs
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -394,12 +396,18 @@ class FaceFlowGpuWorker(
 
     async def _deployment_gone(self, flow_run: FlowRun) -> bool:
         """Whether the run names a deployment that no longer exists (an API error: no).
-        The deployment read and the run's flow go to ``DEFINITIONS``, so that the run's
-        job configuration, made once ``Pending`` is accepted, needs no request."""
+        The deployment and the run's flow come from ``DEFINITIONS``: read beside
+        ``Pending`` when the cache holds none younger than its TTL (after idle time), so
+        that the run's job configuration, made once ``Pending`` is accepted, needs no
+        request; while runs of the deployment keep coming, no read at all. Deleting a
+        deployment deletes its ``Scheduled`` runs in the same transaction (Prefect's
+        ``delete_deployment``), so a run claimed from ``Scheduled`` had its deployment then;
+        only one that was out of ``Scheduled`` while it was deleted and is scheduled again
+        within the TTL gets past this check, and it runs as its deployment last said."""
         if flow_run.deployment_id is None:
             return False
         deployment, _flow = await asyncio.gather(
-            self.client.read_deployment(flow_run.deployment_id),
+            DEFINITIONS.deployment(self.client, flow_run.deployment_id),
             DEFINITIONS.flow(self.client, flow_run.flow_id),
             return_exceptions=True,
         )
@@ -407,8 +415,6 @@ class FaceFlowGpuWorker(
             return True
         if isinstance(deployment, BaseException):  # Prefect's own check would fail the
             self._logger.debug("could not read deployment: %s", deployment)  # submission
-            return False
-        DEFINITIONS.remember(deployment)
         return False
 
     async def _propose_pending_state(self, flow_run: FlowRun) -> bool:
@@ -529,6 +535,8 @@ class FaceFlowGpuWorker(
         if places <= 0:
             return []
         scheduled_before = datetime.now(UTC) + timedelta(seconds=int(self._prefetch_seconds))
+        self._left_for_poll = False  # this poll sees them; what it cannot take is left again
+        self.polls += 1
         try:
             runs = await self.client.get_scheduled_flow_runs_for_work_pool(
                 work_pool_name=self._work_pool_name,
@@ -537,7 +545,10 @@ class FaceFlowGpuWorker(
             )
         except ObjectNotFound:
             return []
-        return self._cut_to_open_places(runs)
+        taken = self._cut_to_open_places(runs)
+        if len(taken) < len(runs):
+            self._left_for_poll = True
+        return taken
 
     def _cut_to_open_places(self, runs: list[WorkerFlowRunResponse]) -> list[WorkerFlowRunResponse]:
         """``runs`` not claimed yet, cut to the places open now. Called with no await
@@ -560,7 +571,8 @@ class FaceFlowGpuWorker(
         queue, it is still ``Scheduled`` in this pool and due. Anything else is left to the
         polls (one is asked for when the read fails). Two claims of one run cannot both
         start it: Prefect's submission skips a run it holds, and its orchestration refuses
-        a second ``Pending``."""
+        a second ``Pending``. A run left for want of a place makes the next child that is
+        free poll (``_poll_if_runs_left``)."""
         from prefect.client.schemas.responses import WorkerFlowRunResponse
 
         queue = event.resource_in_role.get("work-queue")
@@ -568,6 +580,7 @@ class FaceFlowGpuWorker(
             return
         places, queues = self._open_places()
         if places <= 0 or (queues and queue.name not in queues):
+            self._left_for_poll = True
             return
         try:
             announced = uuid.UUID(event.resource.id.removeprefix("prefect.flow-run."))
@@ -589,17 +602,30 @@ class FaceFlowGpuWorker(
         )
         runs = self._cut_to_open_places([found])  # places may have been taken meanwhile
         if not runs:
+            self._left_for_poll = True
             return
         run_id = str(run.id)
         self._announced.add(run_id)
         submitted = await self._submit_scheduled_flow_runs(runs)
         if all(str(r.id) != run_id for r in submitted):
             self._announced.discard(run_id)
+            self._left_for_poll = True
 
     def _child_idle(self) -> None:
-        """A child is free: claim ahead again, and poll now."""
+        """A child is free: claim ahead again, and poll if runs may wait
+        (``_poll_if_runs_left``)."""
         self._prefetch_paused = False
-        self._poll_now.set()
+        self._poll_if_runs_left()
+
+    def _poll_if_runs_left(self) -> None:
+        """Poll now, as a place opens, where a scheduled run may wait unclaimed: without the
+        event subscription, or when a run announced since the last poll was left for want
+        of a place (or a poll found more runs than places). With every announced run
+        claimed from its event, a poll would find nothing: one pool query per run fewer,
+        on the server while the next job is dispatched. A run whose event was lost (a
+        subscriber's overflowing queue) waits for the periodic poll (``query_seconds``)."""
+        if self._left_for_poll or not self._events_live:
+            self._poll_now.set()
 
     async def _event_pickup_loop(self) -> None:
         """Claim the run of a ``Scheduled`` event of the pool at once (``_claim_announced``),
@@ -687,7 +713,7 @@ class FaceFlowGpuWorker(
             # Prefect frees this run's limiter place right after ``run`` returns, with no
             # await between: poll then, so a run scheduled while this one was finishing
             # (its Scheduled event found no place) starts now, not at the next 1 s poll.
-            asyncio.get_running_loop().call_soon(self._poll_now.set)
+            asyncio.get_running_loop().call_soon(self._poll_if_runs_left)
 
     async def _run(
         self,
@@ -931,6 +957,7 @@ class FaceFlowGpuWorker(
             "idle": self._pool.idle_count() if self._pool else 0,
             "prefetched": self._pool.waiting if self._pool else 0,
             "claims": dict(self.claims),
+            "polls": self.polls,
             "last_polled": self._last_polled_time.isoformat(),
             "children": children,
         }

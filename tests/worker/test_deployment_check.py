@@ -114,3 +114,47 @@ def test_the_check_leaves_the_run_configuration_nothing_to_read(prefect_api: Api
 
     assert not gone
     assert reads_after_pending == 0
+
+
+def test_runs_of_a_deployment_read_fresh_in_the_cache_read_nothing_beside_pending(
+    prefect_api: Api,
+) -> None:
+    """The check asks the definition cache: the first run of a deployment reads it (and
+    its flow) beside ``Pending``; the next one within the cache's TTL reads nothing, so
+    its ``Pending`` proposal is the only request of its claim."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import temporary_settings
+
+    from faceflow.worker.job import DEFINITIONS
+
+    pool, deployment = probe_pool(prefect_api, "cached")
+    first = prefect_api.create_run(deployment, {"fuse": False})
+    second = prefect_api.create_run(deployment, {"fuse": False})
+    deployment_reads: list[str] = []
+
+    async def scenario() -> tuple[list[bool], list[int]]:
+        async with get_client() as client:
+            real_read = client.read_deployment
+
+            async def read_deployment(deployment_id: uuid.UUID) -> Any:
+                deployment_reads.append(str(deployment_id))
+                return await real_read(deployment_id)
+
+            client.read_deployment = read_deployment  # type: ignore[method-assign]
+            worker = FaceFlowGpuWorker(work_pool_name=pool, name="gpu-host-0")
+            worker._client = client
+            gone, reads = [], []
+            for run_id in (first, second):
+                run = await client.read_flow_run(uuid.UUID(run_id))
+                before = DEFINITIONS.reads
+                gone.append(await worker._deployment_gone(run))
+                reads.append(DEFINITIONS.reads - before)
+            return gone, reads
+
+    with temporary_settings(updates=in_process_settings(prefect_api)):
+        gone, reads = asyncio.run(scenario())
+
+    assert gone == [False, False]
+    # the deployment (and the flow, unless an earlier test read it) for the first run only
+    assert reads[0] >= 1 and reads[1] == 0, reads
+    assert deployment_reads == [deployment]

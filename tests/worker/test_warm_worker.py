@@ -186,6 +186,38 @@ def test_a_scheduled_run_is_claimed_from_its_event_not_by_a_pool_poll(
         worker.service.stop(grace=15)
 
 
+def test_runs_claimed_from_their_events_need_no_poll_and_a_left_one_starts_on_time(
+    prefect_api: Api, tmp_path: Path
+) -> None:
+    """Issue 24: while every run is claimed from its ``Scheduled`` event, a run's end polls
+    the pool no more (the periodic poll is 60 s apart here, so the count says it all); a
+    run announced while no place was open (no prefetch place) still starts as soon as the
+    child is free, from the poll its end then makes, not at the next periodic poll."""
+    no_prefetch = {"FACEFLOW_WORKER_QUERY_SECONDS": "60", "FACEFLOW_WORKER_PREFETCH_RUNS": "0"}
+    pool = f"nopoll-{uuid.uuid4().hex[:6]}"
+    worker = start_warm_worker(prefect_api, tmp_path, pool, extra_env=no_prefetch)
+    try:
+        assert poll(lambda: worker.status()["polls"] >= 1, 30, step_s=0.1)  # at subscription
+        before = worker.status()
+        for _ in range(3):
+            run_id = worker.submit(fuse=False)
+            assert prefect_api.wait_final(run_id, timeout=60)["state_type"] == "COMPLETED"
+        worker.wait_idle()
+        after = worker.status()
+        assert after["claims"]["event"] == before["claims"]["event"] + 3, (before, after)
+        assert after["polls"] == before["polls"], (before["polls"], after["polls"])
+
+        busy = worker.submit(c_sleep_s=2, fuse=False)
+        worker.wait_started(busy)
+        left = worker.submit(fuse=False)  # its event finds the one child busy: left for a poll
+        assert prefect_api.wait_final(left, timeout=30)["state_type"] == "COMPLETED"
+        gap = worker.report(left)["first_line"] - worker.report(busy)["last_line"]
+        assert gap < 5.0, f"the left run started {gap:.2f} s after the child was free"
+        assert worker.status()["polls"] > after["polls"]
+    finally:
+        worker.service.stop(grace=15)
+
+
 def test_a_sigkilled_child_crashes_its_run_within_2_s(warm_worker: WarmWorker) -> None:
     warm_worker.wait_idle()
     run_id = warm_worker.submit(c_sleep_s=60)
