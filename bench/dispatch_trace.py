@@ -14,7 +14,11 @@ job's creation and end:
         /tmp/keep/jobs-per-job.db
 
 The table has the median of each step over the jobs run one after another (ms after the
-job's creation, and the step's own length).
+job's creation, and the step's own length). With ``--runs`` (a batched burst: ``--modes
+batched``) it has one row per run instead, in the order the child ran them: its jobs, its
+way from creation to the flow's first line, its body, and the hand-over from the previous
+run's body end to this one's first line, step by step (where a burst loses time between
+two batch runs).
 """
 
 from __future__ import annotations
@@ -224,14 +228,28 @@ def _epoch(text: str) -> float:
     return value.timestamp()
 
 
-def report(trace: str, jobs_db: str) -> list[tuple[str, float, float]]:
-    """Median ms after the job's creation and median step length, per step, over the jobs
-    that ran one after another (created after the previous job finished)."""
+def _read_marks(trace: str) -> dict[str, dict[str, float]]:
+    """Each run's marks (the first time of each) from the trace file."""
     marks: dict[str, dict[str, float]] = {}
     with open(trace) as fh:
         for line in fh:
             item = json.loads(line)
             marks.setdefault(item["run"], {}).setdefault(item["mark"], item["t"])
+    return marks
+
+
+def _run_id(flow_run_id: object) -> str:
+    """The job store's flow-run id as the trace writes it (a UUID with dashes)."""
+    run = str(flow_run_id)
+    if len(run) == 32:
+        run = f"{run[:8]}-{run[8:12]}-{run[12:16]}-{run[16:20]}-{run[20:]}"
+    return run
+
+
+def report(trace: str, jobs_db: str) -> list[tuple[str, float, float]]:
+    """Median ms after the job's creation and median step length, per step, over the jobs
+    that ran one after another (created after the previous job finished)."""
+    marks = _read_marks(trace)
     con = sqlite3.connect(jobs_db)
     rows = con.execute(
         "select flow_run_id, created_at, finished_at from jobs order by created_at"
@@ -242,9 +260,7 @@ def report(trace: str, jobs_db: str) -> list[tuple[str, float, float]]:
         if flow_run_id is None or finished is None:
             continue
         c, f = _epoch(created), _epoch(finished)
-        run = str(flow_run_id)
-        if len(run) == 32:
-            run = f"{run[:8]}-{run[8:12]}-{run[12:16]}-{run[16:20]}-{run[20:]}"
+        run = _run_id(flow_run_id)
         if c > previous_end and run in marks:
             steps = dict(marks[run], job_created=c, job_finished=f)
             runs.append(steps)
@@ -261,11 +277,57 @@ def report(trace: str, jobs_db: str) -> list[tuple[str, float, float]]:
     return table
 
 
+# A hand-over between two runs of a child: the previous run's steps, then this run's.
+HANDOVER_BEFORE = ["body_end", "completed_accepted", "hooks_done", "worker_finished"]
+HANDOVER_AFTER = ["sent_to_child", "engine_patch_done", "running_accepted", "flow_first_line"]
+
+
+def run_rows(trace: str, jobs_db: str) -> list[dict[str, Any]]:
+    """One row per traced run that a child ran, in the order it got them: its jobs, ms
+    from its creation to its first line, its body's ms, and each hand-over step's ms
+    (from the previous run's body end; none for the first run)."""
+    marks = _read_marks(trace)
+    con = sqlite3.connect(jobs_db)
+    jobs: dict[str, int] = {}
+    for (flow_run_id,) in con.execute("select flow_run_id from jobs where flow_run_id is not null"):
+        run = _run_id(flow_run_id)
+        jobs[run] = jobs.get(run, 0) + 1
+    ran = sorted(
+        (m for m in marks.items() if "sent_to_child" in m[1] and "body_end" in m[1]),
+        key=lambda item: item[1]["sent_to_child"],
+    )
+    rows: list[dict[str, Any]] = []
+    previous: dict[str, float] | None = None
+    for run, m in ran:
+        row: dict[str, Any] = {"run": run[:8], "jobs": jobs.get(run, 0)}
+        row["start_ms"] = (m["flow_first_line"] - m.get("run_created", m["sent_to_child"])) * 1e3
+        row["body_ms"] = (m["body_end"] - m["flow_first_line"]) * 1e3
+        if previous is not None:
+            steps = [previous.get(k) for k in HANDOVER_BEFORE] + [m.get(k) for k in HANDOVER_AFTER]
+            names = HANDOVER_BEFORE + HANDOVER_AFTER
+            for i in range(1, len(names)):
+                if steps[i - 1] is not None and steps[i] is not None:
+                    row[names[i]] = (steps[i] - steps[i - 1]) * 1e3  # type: ignore[operator]
+            row["handover_ms"] = (m["flow_first_line"] - previous["body_end"]) * 1e3
+        rows.append(row)
+        previous = m
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("trace")
     parser.add_argument("jobs_db")
+    parser.add_argument("--runs", action="store_true", help="one row per run (batched bursts)")
     args = parser.parse_args()
+    if args.runs:
+        names = ["jobs", "start_ms", "body_ms", *HANDOVER_BEFORE[1:], *HANDOVER_AFTER]
+        print("| run | " + " | ".join([*names, "handover_ms"]) + " |")
+        print("|---" * (len(names) + 2) + "|")
+        for row in run_rows(args.trace, args.jobs_db):
+            cells = [f"{row[n]:.0f}" if n in row else "" for n in [*names, "handover_ms"]]
+            print(f"| {row['run']} | " + " | ".join(cells) + " |")
+        return
     what = dict(STEPS)
     table = report(args.trace, args.jobs_db)
     print("| step | ms after job created | step ms |\n|---|---|---|")

@@ -65,12 +65,19 @@ LOST_CODE = JobErrorCode.worker_lost
 SCHEDULED_EVENT = "prefect.flow-run.Scheduled"
 CANCELLING_EVENT = "prefect.flow-run.Cancelling"
 RUNNING_EVENT = "prefect.flow-run.Running"
+# The events after which a claimed run may no longer be wanted (see ``_may_have_stopped``).
+STOP_EVENTS = frozenset(
+    {CANCELLING_EVENT, "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"}
+)
+# How many runs with a stop event the worker remembers until they reach a child.
+STOP_NEWS_KEPT = 1024
 # The run's bookkeeping (its infrastructure pid, the worker's labels) waits for the run's
 # Running event, at most this long (s): see ``_after_start``.
 START_WAIT_S = 2.0
 _KEEP_ON_KILL = frozenset({StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED})
 # A run that waited longer than this for a child is read again before one gets it (it may
-# have been cancelled meanwhile); one that got a child at once goes without the extra read.
+# have been cancelled meanwhile), unless the events say it was not (``_may_have_stopped``);
+# one that got a child at once goes without the extra read.
 ACQUIRE_RECHECK_S = 0.05
 
 
@@ -121,9 +128,13 @@ class FaceFlowGpuWorker(
         self._announced: set[str] = set()  # runs being claimed from their Scheduled event
         self._events_live = False  # the event subscription is up
         self._left_for_poll = False  # a run announced since the last poll was not claimed
+        self._events_since: float | None = None  # since when (monotonic), None while down
+        self._stop_news: dict[str, None] = {}  # runs with a stop event, oldest first
         self._starts: dict[str, asyncio.Event] = {}  # handed-over runs not seen Running yet
         self.claims = {"event": 0, "poll": 0}  # runs claimed (Pending accepted), by source
         self.polls = 0  # queries of the pool for scheduled runs
+        # prefetched runs handed to a child after a wait: read again first, or not (events)
+        self.handovers = {"read": 0, "unread": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -637,7 +648,7 @@ class FaceFlowGpuWorker(
         while self._work_pool is None:
             await asyncio.sleep(0.1)
         event_filter = EventFilter(
-            event=EventNameFilter(name=[SCHEDULED_EVENT, CANCELLING_EVENT, RUNNING_EVENT]),
+            event=EventNameFilter(name=[SCHEDULED_EVENT, RUNNING_EVENT, *sorted(STOP_EVENTS)]),
             any_resource=EventAnyResourceFilter(id=[f"prefect.work-pool.{self._work_pool.id}"]),
         )
         while True:
@@ -650,12 +661,15 @@ class FaceFlowGpuWorker(
                             slot.run_queue.put_nowait(CheckState(slot.flow_run_id))
                     self._poll_now.set()
                     self._events_live = True
+                    self._events_since = time.monotonic()
                     async for event in subscriber:
+                        if event.event in STOP_EVENTS:
+                            self._note_stop(event.resource.id)
                         if event.event == CANCELLING_EVENT:
                             self._check_state_now(event.resource.id)
                         elif event.event == RUNNING_EVENT:
                             self._run_started(event.resource.id.removeprefix("prefect.flow-run."))
-                        else:
+                        elif event.event == SCHEDULED_EVENT:
                             # beside the stream: a Cancelling event never waits for a claim
                             self._in_background(self._claim_announced(event))
             except asyncio.CancelledError:
@@ -663,6 +677,7 @@ class FaceFlowGpuWorker(
             except Exception as exc:
                 self._logger.debug("event pickup unavailable (%s); polling only", exc)
                 self._events_live = False
+                self._events_since = None
                 for run_id in list(self._starts):  # their Running events may never come
                     self._run_started(run_id)
                 await asyncio.sleep(5)
@@ -708,6 +723,7 @@ class FaceFlowGpuWorker(
             return await self._run(flow_run, configuration, task_status)
         finally:
             self._run_started(str(flow_run.id))  # over: its bookkeeping need not wait
+            self._stop_news.pop(str(flow_run.id), None)
             if self._journal is not None:
                 self._journal.remove(str(flow_run.id))
             # Prefect frees this run's limiter place right after ``run`` returns, with no
@@ -722,17 +738,24 @@ class FaceFlowGpuWorker(
         task_status: anyio.abc.TaskStatus[int] | None,
     ) -> FaceFlowWorkerResult:
         started = time.time()
+        claimed = time.monotonic()
         priority = flow_run.work_queue_name == self.settings.priority_queue
         try:
             slot = await self.pool.acquire(
                 str(flow_run.id), self.settings.acquire_timeout_s, priority=priority
             )
             if time.time() - started > ACQUIRE_RECHECK_S:
-                current = await self._still_wanted(flow_run)
-                if current is None:  # cancelled while it waited for a child
-                    await self.pool.release_unused(slot)
-                    return FaceFlowWorkerResult(identifier="", status_code=0, outcome="cancelled")
-                flow_run = current
+                if self._may_have_stopped(str(flow_run.id), claimed):
+                    self.handovers["read"] += 1
+                    current = await self._still_wanted(flow_run)
+                    if current is None:  # cancelled while it waited for a child
+                        await self.pool.release_unused(slot)
+                        return FaceFlowWorkerResult(
+                            identifier="", status_code=0, outcome="cancelled"
+                        )
+                    flow_run = current
+                else:
+                    self.handovers["unread"] += 1
         except NoChildReady as exc:  # claimed ahead, but no child came free: give it back
             self._prefetch_paused = True  # (and claim nothing ahead until a child is free)
             await self._reschedule(flow_run, f"no warm child became free ({exc})")
@@ -875,6 +898,26 @@ class FaceFlowGpuWorker(
         )
         return True
 
+    def _may_have_stopped(self, run_id: str, claimed: float) -> bool:
+        """Whether a run claimed at ``claimed`` (monotonic) may have been cancelled or ended
+        while it waited for a child, so that ``_still_wanted`` must read it before a child
+        gets it: a stop event (Cancelling, Cancelled, Crashed) of the run arrived, or the
+        pool's event subscription was not up all the while. Otherwise the read (one API
+        round trip between two runs of a child, ≈ 50 ms under a burst) is skipped. A stop
+        that happened so shortly before the hand-over that its event is still on its way is
+        still caught: Prefect refuses ``Running`` to a ``Cancelling`` run (the child reports
+        it and ``_finished`` makes it Cancelled), and the supervision reads the run's state
+        as its event arrives."""
+        since = self._events_since
+        return since is None or since > claimed or run_id in self._stop_news
+
+    def _note_stop(self, resource_id: str) -> None:
+        """Remember that flow run ``prefect.flow-run.<id>`` had a stop event (the oldest
+        notes go past ``STOP_NEWS_KEPT``: runs of other workers never reach this one)."""
+        self._stop_news[resource_id.removeprefix("prefect.flow-run.")] = None
+        while len(self._stop_news) > STOP_NEWS_KEPT:
+            del self._stop_news[next(iter(self._stop_news))]
+
     async def _still_wanted(self, flow_run: FlowRun) -> FlowRun | None:
         """The run as it is now if it may still start; ``None`` when it was cancelled (or
         otherwise ended) while no child held it.
@@ -958,6 +1001,7 @@ class FaceFlowGpuWorker(
             "prefetched": self._pool.waiting if self._pool else 0,
             "claims": dict(self.claims),
             "polls": self.polls,
+            "handovers": dict(self.handovers),
             "last_polled": self._last_polled_time.isoformat(),
             "children": children,
         }

@@ -242,6 +242,34 @@ def test_a_run_that_would_queue_behind_a_busy_slot_waits_for_more_jobs(
     assert sorted(j.job_id for j in batch.jobs) == sorted(str(j.id) for j in [early, *later])
 
 
+def test_a_run_ahead_is_created_once_the_lane_s_next_run_is_running(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """A run that would queue behind the lane's next one is not created while that one is
+    being handed to the worker slot (created, not running yet): its creation would go to
+    Prefect beside that run's start. It leaves once the run is running, not at the cap."""
+    relay.settings = relay.settings.model_copy(update={"batch_ahead_linger_ms": 3000.0})
+    first = _submit(relay, owner)
+    assert dispatch.run_once(relay) == 1  # idle lane: at once
+    burst = [_submit(relay, owner) for _ in range(8)]  # a full batch: no linger for more
+
+    def start_first() -> None:
+        time.sleep(0.3)
+        prefect_server.rest.set_state(str(job(relay.engine, first.id).flow_run_id), "RUNNING")
+        sync.run_once(relay)
+
+    starter = threading.Thread(target=start_first)
+    started = time.monotonic()
+    starter.start()
+    handled = dispatch.run_once(relay)
+    waited = time.monotonic() - started
+    starter.join()
+
+    assert handled == 8 and job(relay.engine, first.id).status is JobStatus.running
+    assert 0.25 <= waited < 2.5, waited  # until the first run ran, far below the 3 s cap
+    assert len({job(relay.engine, j.id).flow_run_id for j in burst}) == 1
+
+
 def test_each_job_of_a_mixed_batch_ends_on_its_own(
     relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
 ) -> None:

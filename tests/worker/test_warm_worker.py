@@ -237,6 +237,7 @@ def test_a_prefetched_run_waits_for_the_child_or_goes_back_to_the_queue(
     warm_worker: WarmWorker,
 ) -> None:
     warm_worker.wait_idle()
+    before = warm_worker.status()["handovers"]
     quick = warm_worker.submit(c_sleep_s=1, fuse=False)
     warm_worker.wait_started(quick)
     waiting = warm_worker.submit(fuse=False)  # claimed ahead: starts the moment it can
@@ -244,6 +245,10 @@ def test_a_prefetched_run_waits_for_the_child_or_goes_back_to_the_queue(
     assert warm_worker.api.wait_final(waiting, timeout=30)["state_type"] == "COMPLETED"
     gap = warm_worker.report(waiting)["first_line"] - warm_worker.report(quick)["last_line"]
     assert gap < 1.0, f"the claimed run started {gap:.2f} s after the child was free"
+    # no stop event came for it (events live): handed over without reading it again
+    poll(lambda: warm_worker.status()["handovers"] != before, 5)  # written once a second
+    after = warm_worker.status()["handovers"]
+    assert after == {"read": before["read"], "unread": before["unread"] + 1}, (before, after)
 
     slow = warm_worker.submit(c_sleep_s=12, fuse=False)  # longer than the acquire timeout (8 s)
     warm_worker.wait_started(slow)
@@ -279,6 +284,28 @@ def test_a_run_cancelled_while_it_waits_for_a_child_never_starts(
     ]
     assert types[types.index("CANCELLING") :] == ["CANCELLING", "CANCELLED"], types
     assert not (warm_worker.out_dir / f"{waiting}.started.json").exists()
+
+
+def test_a_run_forced_cancelled_while_it_waits_for_a_child_never_starts(
+    warm_worker: WarmWorker,
+) -> None:
+    """A claimed run forced Cancelled (what the reaper does to a cancel that timed out)
+    while it waits for a child: Prefect would let it go back to Running, so its Cancelled
+    event must make the worker read it before the hand-over, and it never starts."""
+    warm_worker.wait_idle()
+    busy = warm_worker.submit(c_sleep_s=3, fuse=False)
+    warm_worker.wait_started(busy)
+    waiting = warm_worker.submit(fuse=False)
+    claimed = poll(lambda: warm_worker.api.state(waiting) == "PENDING", 20)
+    assert claimed, warm_worker.api.run(waiting)["state"]
+    with PrefectAPI(warm_worker.api.url) as api:
+        api.set_state(waiting, StateType.CANCELLED, message="Cancel timed out", force=True)
+    assert warm_worker.api.wait_final(busy, timeout=60)["state_type"] == "COMPLETED"
+    time.sleep(2.0)  # the child is free: a hand-over would have happened by now
+    assert warm_worker.api.state(waiting) == "CANCELLED"
+    assert not (warm_worker.out_dir / f"{waiting}.started.json").exists()
+    next_id = warm_worker.submit(fuse=False)
+    assert warm_worker.api.wait_final(next_id, timeout=60)["state_type"] == "COMPLETED"
 
 
 def test_a_run_cancelled_as_it_ends_is_cancelled_not_left_cancelling(

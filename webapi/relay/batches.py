@@ -10,7 +10,9 @@ With ``batch_max_jobs`` > 1 (``webapi.config``) a dispatch pass
    fewer arrived than a batch holds and the oldest is younger than ``batch_linger_ms``,
    waits out the linger once for more — ``batch_ahead_linger_ms`` instead when every worker slot of their lane
    is busy (the run would only queue behind those: a burst then leaves in fewer, larger
-   runs, while a job on an idle lane still leaves at once);
+   runs, while a job on an idle lane still leaves at once). Such a run is not created
+   while the lane's next run is being handed to a worker slot (created, not yet running,
+   a slot without a running run: ``_await_handover``), at most ``batch_ahead_linger_ms``;
 3. groups the jobs by what a run must share (lane, detector and fuser as the client set
    them), earliest deadline first, into chunks of at most ``batch_max_jobs`` and of at most
    ``image_limits.max_batch_pixels`` decoded pixels (``jobs.input_pixels``: what the run
@@ -51,6 +53,7 @@ from webapi.relay.runs import COUNTER, Plan
 log = logging.getLogger(__name__)
 
 BATCH_KEY_PREFIX = "batch-"
+HANDOVER_POLL_S = 0.025  # how often ``_await_handover`` looks whether the run started
 
 
 @dataclass
@@ -78,6 +81,8 @@ def run_once(relay: Relay) -> int:
         limit = min(relay.timings.batch - handled, free[lane] * size)
         if limit <= 0:
             break
+        if _ahead(relay, free, lane):
+            _await_handover(relay, lane, relay.settings.batch_ahead_linger_ms / 1000.0)
         rows = claim(relay, [lane], limit)
         if rows and len(rows) < limit:
             rows += _linger(relay, rows, [lane], limit, _linger_s(relay, free, lane))
@@ -149,6 +154,36 @@ def _ahead(relay: Relay, free: dict[str, int], lane: str) -> bool:
     """Whether every worker slot of ``lane`` has a run: a new one would queue behind."""
     settings = relay.settings
     return free[lane] <= settings.max_runs_in_flight - settings.worker_slots
+
+
+def _handing_over(relay: Relay, lane: str) -> bool:
+    """Whether a run of ``lane`` is about to start: one was created whose jobs are not
+    running yet, and fewer of the lane's runs are running than it has worker slots."""
+    query = (
+        select(Job.status, sa.func.count(sa.distinct(col(Job.flow_run_id))))
+        .where(
+            col(Job.priority) == lane,
+            col(Job.status).in_([JobStatus.queued, JobStatus.running]),
+            col(Job.flow_run_id).is_not(None),
+        )
+        .group_by(col(Job.status))
+    )
+    with relay.session() as session:
+        runs_by_status = {JobStatus(status): int(n) for status, n in session.exec(query).all()}
+        session.commit()
+    running = runs_by_status.get(JobStatus.running, 0)
+    return runs_by_status.get(JobStatus.queued, 0) > 0 and running < relay.settings.worker_slots
+
+
+def _await_handover(relay: Relay, lane: str, at_most_s: float) -> None:
+    """Wait, at most ``at_most_s``, while a run of ``lane`` is being handed to a worker slot
+    (``_handing_over``; its jobs turn running on its Running event). A run created now would
+    only queue behind it, while its creation, and the worker's claim of it ahead, would go
+    to the Prefect server beside that run's start (its state changes), which waits for
+    them; after the start they overlap the run's compute instead (docs/batching.md)."""
+    until = time.monotonic() + at_most_s
+    while time.monotonic() < until and _handing_over(relay, lane):
+        time.sleep(HANDOVER_POLL_S)
 
 
 def _linger_s(relay: Relay, free: dict[str, int], lane: str) -> float:
