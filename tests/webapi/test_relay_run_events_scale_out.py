@@ -10,7 +10,11 @@ worker sets them. Each API process streams every event (its own ephemeral Redis
 subscription); a job goes queued -> running -> succeeded on events alone, without a read
 of its run; and when the API process that holds the relay's websocket is killed mid-run,
 the relay reconnects (to the other process) and the job still ends, long before the
-safety net's read. Skipped, saying why, when PostgreSQL or Redis is unreachable.
+safety net's read. A warm worker claims a run from its pool's event there too.
+Skipped, saying why, when PostgreSQL or Redis is unreachable.
+
+Run it with ``PYTHONPATH=$PWD`` from a git worktree: the worker is a subprocess, and
+without it the installed ``faceflow`` (the main checkout's) is what it imports.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +49,7 @@ from tests.webapi.test_relay_run_events import (
     _until,
     moves_on_events_alone,
 )
+from tests.worker.conftest import Api, start_warm_worker
 from webapi.config import Settings
 from webapi.models import JobStatus
 from webapi.relay.run_events import RunEvents, wait_connected
@@ -188,3 +194,28 @@ def test_the_api_process_of_the_relays_stream_killed_mid_run(
         assert _until(lambda: events.connects >= 2 and events.connected, 20), "reconnected"
         assert _serving(events, scale_out) != victim
         print(f"\nAPI process of the stream killed -> job succeeded: {took:.2f} s")
+
+
+def test_the_warm_worker_claims_a_run_from_its_event(
+    scale_out: PrefectServer, tmp_path: Path
+) -> None:
+    """A warm worker (``faceflow-gpu``) whose pool is polled 60 s apart claims a run from
+    its pool's ``Scheduled`` event, delivered by whichever API process serves the worker's
+    subscription (the worker's counts say how each run was claimed)."""
+    from blocks import init_default_blocks
+
+    init_default_blocks(scale_out.home)
+    api = Api(scale_out)
+    api.http.headers.update(scale_out.headers)
+    pool = f"scale-out-{uuid.uuid4().hex[:6]}"
+    worker = start_warm_worker(
+        api, tmp_path, pool, extra_env={"FACEFLOW_WORKER_QUERY_SECONDS": "60"}
+    )
+    try:
+        before = worker.status()["claims"]
+        run_id = worker.submit()
+        assert api.wait_final(run_id, timeout=120)["state_type"] == "COMPLETED"
+        after = worker.status()["claims"]
+        assert after == {"event": before["event"] + 1, "poll": before["poll"]}, (before, after)
+    finally:
+        worker.service.stop(grace=15)
