@@ -55,26 +55,44 @@ def _tcp_address(hex_address: str) -> tuple[str, int]:
     return ".".join(str(b) for b in reversed(bytes.fromhex(host))), int(port, 16)
 
 
+def _tcp_table() -> list[tuple[tuple[str, int], tuple[str, int], str]]:
+    """This machine's IPv4 TCP sockets: (local address, remote address, ``socket:[inode]``)."""
+    rows = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        rows.append((_tcp_address(fields[1]), _tcp_address(fields[2]), f"socket:[{fields[9]}]"))
+    return rows
+
+
+def _sockets(pid: int) -> set[str]:
+    """The ``socket:[inode]`` links of ``pid``'s open files (empty when it is gone)."""
+    found: set[str] = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            found.add(os.readlink(fd))
+        except OSError:
+            continue
+    return found
+
+
 def tcp_peer_pid(client: tuple[str, int], server: tuple[str, int], pids: Sequence[int]) -> int:
     """Which of ``pids`` holds the server's end of the loopback TCP connection from
     ``client`` to ``server`` (both ``(ip, port)``); ``LookupError`` when none does."""
-    inodes = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if (_tcp_address(fields[1]), _tcp_address(fields[2])) == (server, client):
-            inodes.add(f"socket:[{fields[9]}]")
+    ends = {inode for local, remote, inode in _tcp_table() if (local, remote) == (server, client)}
     for pid in pids:
-        try:
-            fds = list(Path(f"/proc/{pid}/fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(fd) in inodes:
-                    return pid
-            except OSError:
-                continue
+        if ends & _sockets(pid):
+            return pid
     raise LookupError(f"no process of {list(pids)} serves {client} -> {server}")
+
+
+def tcp_clients(pid: int, server: tuple[str, int]) -> list[tuple[str, int]]:
+    """The local addresses of ``pid``'s TCP connections to ``server`` (``(ip, port)``)."""
+    mine = _sockets(pid)
+    return [local for local, remote, inode in _tcp_table() if remote == server and inode in mine]
 
 
 def postgres_cpu_s() -> float:
