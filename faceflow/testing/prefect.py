@@ -192,7 +192,8 @@ class PrefectServer:
     server processes get it and ``server_env`` (its database, service settings...). ``services=False`` runs no background services (embedded layout only);
     ``layout="scale-out"`` needs a PostgreSQL database in ``server_env`` and Redis at
     ``redis_url`` (flushed at every start). With ``auth_string`` the API asks for it
-    (HTTP basic auth), and ``env``, ``headers`` and ``rest`` carry it."""
+    (HTTP basic auth), and ``env``, ``headers`` and ``rest`` carry it. ``api_workers``
+    (scale-out only) API processes share the port, as ``--prefect-api-workers`` does."""
 
     def __init__(
         self,
@@ -204,6 +205,7 @@ class PrefectServer:
         services: bool = True,
         auth_string: str | None = None,
         redis_url: str = BENCH_REDIS_URL,
+        api_workers: int = 1,
     ) -> None:
         self.root = root
         self.port = free_port()
@@ -226,7 +228,7 @@ class PrefectServer:
                 log=root / "services.log",
                 env=self.server_env,
             )
-        argv = prefect_server.api_argv(PREFECT, self.port, layout, api_workers=1)
+        argv = prefect_server.api_argv(PREFECT, self.port, layout, api_workers=api_workers)
         if not services and layout == "embedded":
             argv.append("--no-services")
         self.api = Service("prefect-server", argv, log=root / "server.log", env=self.server_env)

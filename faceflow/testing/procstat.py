@@ -21,22 +21,78 @@ def _cpu_s(fields: list[str]) -> float:
     return sum(int(v) for v in fields[11:15]) / TICKS
 
 
+def process_tree(pid: int | Sequence[int]) -> list[int]:
+    """``pid`` (or several) and all its living descendants."""
+    found, todo = [], [pid] if isinstance(pid, int) else list(pid)
+    while todo:
+        one = todo.pop()
+        try:
+            for task in Path(f"/proc/{one}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        found.append(one)
+    return found
+
+
 def process_tree_cpu_s(pid: int | Sequence[int] | None) -> float:
     """CPU seconds of ``pid`` (or of several) and all its descendants so far, including
     descendants that already exited (counted in their parents' ``cutime``/``cstime``)."""
     if pid is None:
         return 0.0
-    total, todo = 0.0, [pid] if isinstance(pid, int) else list(pid)
-    while todo:
-        one = todo.pop()
+    total = 0.0
+    for one in process_tree(pid):
         try:
-            _, fields = _stat(one)
-            for task in Path(f"/proc/{one}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
+            total += _cpu_s(_stat(one)[1])
         except OSError:
             continue
-        total += _cpu_s(fields)
     return total
+
+
+def _tcp_address(hex_address: str) -> tuple[str, int]:
+    """``(ip, port)`` of an IPv4 ``/proc/net/tcp`` address (``0100007F:1F90``)."""
+    host, port = hex_address.split(":")
+    return ".".join(str(b) for b in reversed(bytes.fromhex(host))), int(port, 16)
+
+
+def _tcp_table() -> list[tuple[tuple[str, int], tuple[str, int], str]]:
+    """This machine's IPv4 TCP sockets: (local address, remote address, ``socket:[inode]``)."""
+    rows = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        rows.append((_tcp_address(fields[1]), _tcp_address(fields[2]), f"socket:[{fields[9]}]"))
+    return rows
+
+
+def _sockets(pid: int) -> set[str]:
+    """The ``socket:[inode]`` links of ``pid``'s open files (empty when it is gone)."""
+    found: set[str] = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            found.add(os.readlink(fd))
+        except OSError:
+            continue
+    return found
+
+
+def tcp_peer_pid(client: tuple[str, int], server: tuple[str, int], pids: Sequence[int]) -> int:
+    """Which of ``pids`` holds the server's end of the loopback TCP connection from
+    ``client`` to ``server`` (both ``(ip, port)``); ``LookupError`` when none does."""
+    ends = {inode for local, remote, inode in _tcp_table() if (local, remote) == (server, client)}
+    for pid in pids:
+        if ends & _sockets(pid):
+            return pid
+    raise LookupError(f"no process of {list(pids)} serves {client} -> {server}")
+
+
+def tcp_clients(pid: int, server: tuple[str, int]) -> list[tuple[str, int]]:
+    """The local addresses of ``pid``'s TCP connections to ``server`` (``(ip, port)``)."""
+    mine = _sockets(pid)
+    return [local for local, remote, inode in _tcp_table() if remote == server and inode in mine]
 
 
 def postgres_cpu_s() -> float:

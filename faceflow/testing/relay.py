@@ -15,7 +15,7 @@ import select
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -215,9 +215,17 @@ def deploy_stand_ins() -> None:
 
 
 @contextmanager
-def stand_in_server(home: Path, auth_string: str | None = None) -> Iterator[PrefectServer]:
+def stand_in_server(
+    home: Path,
+    auth_string: str | None = None,
+    *,
+    scale_out: Mapping[str, Any] | None = None,
+) -> Iterator[PrefectServer]:
     """A started ``PrefectServer`` (asking for ``auth_string`` if given) with the stand-in
-    deployments; this process's Prefect client settings point at it inside the block."""
+    deployments; this process's Prefect client settings point at it inside the block.
+    Embedded without services, or with ``scale_out`` the scale-out layout: its keyword
+    arguments for ``PrefectServer`` (the PostgreSQL database in ``server_env``, ``redis_url``,
+    ``api_workers``)."""
     from prefect.settings import (
         PREFECT_API_AUTH_STRING,
         PREFECT_API_URL,
@@ -226,12 +234,15 @@ def stand_in_server(home: Path, auth_string: str | None = None) -> Iterator[Pref
         temporary_settings,
     )
 
-    server = PrefectServer(
-        home,
-        server_env={"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_UI_ENABLED": "false"},
-        services=False,
-        auth_string=auth_string,
-    )
+    quiet = {"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_UI_ENABLED": "false"}
+    if scale_out is None:
+        server = PrefectServer(home, server_env=quiet, services=False, auth_string=auth_string)
+    else:
+        options = dict(scale_out)
+        server_env = {**quiet, **options.pop("server_env", {})}
+        server = PrefectServer(
+            home, server_env=server_env, layout="scale-out", auth_string=auth_string, **options
+        )
     server.start()
     try:
         with temporary_settings(

@@ -196,13 +196,14 @@ def test_a_cut_stream_reconnects_and_reads_what_it_missed(
         runner.stop()
 
 
-def test_a_run_moves_its_job_from_events_alone_without_reading_it(
-    engine: Engine, settings: Settings, locked: PrefectServer
-) -> None:
+def moves_on_events_alone(
+    engine: Engine, settings: Settings, server: PrefectServer
+) -> tuple[float, float]:
     """A job's run goes RUNNING then COMPLETED while the poll is 30 s apart: the job is
     marked running at the RUNNING event's time and ends on the COMPLETED event, and the
     relay (sync and reap) reads neither the run nor its artifacts over REST, not even a
-    second later (the events were enough: nothing to re-read)."""
+    second later (the events were enough: nothing to re-read). The seconds from each
+    state's write to the job's (state set over REST, job store polled every 20 ms)."""
     reads = ReadCounter()
     prefect = PrefectAPI(settings.prefect_api_url, auth_string=AUTH, transport=reads)
     store = LocalObjectStore(Path(settings.home) / "storage")
@@ -212,18 +213,30 @@ def test_a_run_moves_its_job_from_events_alone_without_reading_it(
     with _connected(runner, engine, settings) as owner:
         time.sleep(1.0)  # the reaper's first read on the stream sets its 30 s period
         new, run_id = _dispatched(runner, owner)
+        assert job(engine, new.id).status is JobStatus.queued
         before = reads.reads
-        locked.rest.set_state(run_id, "RUNNING")
+        set_at = time.monotonic()
+        server.rest.set_state(run_id, "RUNNING")
         assert _until(lambda: job(engine, new.id).status is JobStatus.running, 10)
+        to_running = time.monotonic() - set_at
         started = job(engine, new.id)
-        run = locked.rest.call("GET", f"/flow_runs/{run_id}")
+        run = server.rest.call("GET", f"/flow_runs/{run_id}")
         assert started.stage == "started" and started.started_at is not None
         assert started.started_at == datetime.fromisoformat(run["state"]["timestamp"])
         write_result(store.basepath, str(new.id), 1)
-        locked.rest.set_state(run_id, "COMPLETED")
+        set_at = time.monotonic()
+        server.rest.set_state(run_id, "COMPLETED")
         assert _until(lambda: job(engine, new.id).status is JobStatus.succeeded, 10)
+        to_succeeded = time.monotonic() - set_at
         time.sleep(REREAD_AFTER_S[-1] + 0.2)
         assert reads.reads == before, "no REST read of the run"
+    return to_running, to_succeeded
+
+
+def test_a_run_moves_its_job_from_events_alone_without_reading_it(
+    engine: Engine, settings: Settings, locked: PrefectServer
+) -> None:
+    moves_on_events_alone(engine, settings, locked)
 
 
 def test_a_missed_running_event_still_starts_the_job_by_the_safety_net(
