@@ -629,12 +629,13 @@ class FaceFlowGpuWorker(
         self._poll_if_runs_left()
 
     def _poll_if_runs_left(self) -> None:
-        """Poll now, as a place opens, where a scheduled run may wait unclaimed: without the
-        event subscription, or when a run announced since the last poll was left for want
-        of a place (or a poll found more runs than places). With every announced run
-        claimed from its event, a poll would find nothing: one pool query per run fewer,
-        on the server while the next job is dispatched. A run whose event was lost (a
-        subscriber's overflowing queue) waits for the periodic poll (``query_seconds``)."""
+        """Poll now, as a child turns idle, where a scheduled run may wait unclaimed:
+        without the event subscription, or when a run announced since the last poll was
+        left for want of a place (or a poll found more runs than places). With every
+        announced run claimed from its event, a poll would find nothing: one pool query
+        per run fewer, on the server while the next job is dispatched. A run's end polls
+        always (``run``). A run whose event was lost (a subscriber's overflowing
+        queue) waits for the periodic poll (``query_seconds``)."""
         if self._left_for_poll or not self._events_live:
             self._poll_now.set()
 
@@ -729,7 +730,9 @@ class FaceFlowGpuWorker(
             # Prefect frees this run's limiter place right after ``run`` returns, with no
             # await between: poll then, so a run scheduled while this one was finishing
             # (its Scheduled event found no place) starts now, not at the next 1 s poll.
-            asyncio.get_running_loop().call_soon(self._poll_if_runs_left)
+            # Always: left to ``_poll_if_runs_left``, a per-run burst reached 18-19 % of
+            # the bare loop instead of 23-26 % (runs waited for the periodic poll).
+            asyncio.get_running_loop().call_soon(self._poll_now.set)
 
     async def _run(
         self,
