@@ -190,7 +190,8 @@ def test_runs_claimed_from_their_events_need_no_poll_and_a_left_one_starts_on_ti
     prefect_api: Api, tmp_path: Path
 ) -> None:
     """Issue 24: while every run is claimed from its ``Scheduled`` event, a run's end polls
-    the pool no more (the periodic poll is 60 s apart here, so the count says it all); a
+    the pool once and its child turning idle not at all (the periodic poll is 60 s apart
+    here, so the count says it all); a
     run announced while no place was open (no prefetch place) still starts as soon as the
     child is free, from the poll its end then makes, not at the next periodic poll."""
     no_prefetch = {"FACEFLOW_WORKER_QUERY_SECONDS": "60", "FACEFLOW_WORKER_PREFETCH_RUNS": "0"}
@@ -205,7 +206,7 @@ def test_runs_claimed_from_their_events_need_no_poll_and_a_left_one_starts_on_ti
         worker.wait_idle()
         after = worker.status()
         assert after["claims"]["event"] == before["claims"]["event"] + 3, (before, after)
-        assert after["polls"] == before["polls"], (before["polls"], after["polls"])
+        assert after["polls"] - before["polls"] <= 3, (before["polls"], after["polls"])
 
         busy = worker.submit(c_sleep_s=2, fuse=False)
         worker.wait_started(busy)
