@@ -52,7 +52,6 @@ from webapi.prefect_api import PrefectAPI
 CHUNKS = 3  # the story clip in 2-s chunks, moved to its cuts (tests/test_video_job.py)
 RANGES = 3  # its analysis in ranges of about 2 s (tests/test_video_analysis.py)
 PART_ENTRYPOINT = "flows/video_parts.py:fuse_video_part"
-IN_FLIGHT_S = 1.0  # time for a request a stopped child already sent to reach the server
 
 
 @pytest.fixture(scope="module")
@@ -274,49 +273,66 @@ def test_a_coordinator_run_again_for_the_same_attempt_reuses_its_parts(
     assert {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)} == first
 
 
-def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
-    prefect_api: Api, workers: list[WarmWorker], videos: Videos
-) -> None:
+def _kill_chunk_one(
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos, source: bytes
+) -> tuple[Any, str, str | None, set[str]]:
+    """Run a video job whose chunk 1's part is SIGKILLed while it runs: the job's final
+    state, its id, the killed run's id (None when its part was never caught running) and
+    the chunk files it added. The child is stopped first and killed only if it still runs
+    that part (what was read may be stale: a child that just finished it would be killed
+    idle)."""
     child_pids(workers)
-    params = new_job(prefect_api, videos, samples.astronaut_jpeg_bytes())
+    params = new_job(prefect_api, videos, source)
     job_id = params["job_id"]
     killed: list[str] = []
 
     def kill_first_render(run: dict[str, Any]) -> bool:
-        """SIGKILL the worker child running chunk 1's part (found by its run id), mid-run:
-        the child is stopped first and killed only if it still runs that part (what was
-        read may be stale: a child that just finished it would be killed idle). A request
-        the child sent just before it stopped (its ``Completed`` proposal) may still be on
-        its way to the server: the state is read again only after that had time to land."""
         if not run["name"].endswith("chunk-0001") or run["state_type"] != "RUNNING":
             return False
         pid = running_child(workers, run["id"])
         if pid is None:
             return False
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(IN_FLIGHT_S)
         current = prefect_api.call("GET", f"/flow_runs/{run['id']}")["state"]["type"]
         if current != "RUNNING" or running_child(workers, run["id"]) != pid:
             os.kill(pid, signal.SIGCONT)
             return False
         os.kill(pid, signal.SIGKILL)
-        killed.append(str(pid))
+        killed.append(str(run["id"]))
         return True
 
     before = chunk_files(prefect_api)
     watcher = watch_parts(prefect_api, job_id, kill_first_render)
     state = coordinate(prefect_api, params)
     watcher.join(timeout=5)
-    assert state.is_completed(), state.message
-    assert killed, "the chunk's part was never seen running"
+    for worker in workers:
+        worker.wait_idle()  # a fresh child for what comes next
+    new = set(chunk_files(prefect_api)) - set(before)
+    return state, job_id, (killed[0] if killed else None), new
+
+
+def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos
+) -> None:
+    """The part is caught running by polling its runs, so under load it may be caught only
+    as it ends: killed after its ``Completed`` proposal left (the run ends Completed, its
+    chunk stored), or not at all. Such a try proves nothing either way and the job is run
+    again with another source (its chunks not stored yet), at most three times; a part
+    that died Crashed must have been run again."""
+    for attempt in range(3):
+        source = samples.encode(samples.astronaut_rgb(), quality=90 - attempt)
+        state, job_id, killed, new = _kill_chunk_one(prefect_api, workers, videos, source)
+        assert state.is_completed(), state.message
+        if killed is not None and prefect_api.run(killed)["state_type"] != "COMPLETED":
+            break
+    else:
+        pytest.fail("chunk 1's part was not killed while it ran in three tries")
+    assert prefect_api.run(killed)["state_type"] == "CRASHED"
     ref = VideoResultRef.model_validate(state.result())
     runs = Counter(r["name"] for r in parts_of(prefect_api, job_id))
     assert runs[f"{job_id}-chunk-0001"] == 2  # crashed, then run again
     assert all(n == 1 for name, n in runs.items() if not name.endswith("chunk-0001"))
-    new = set(chunk_files(prefect_api)) - set(before)
     assert len(new) == CHUNKS and ref.chunks_rendered == CHUNKS  # each written once
-    for worker in workers:
-        worker.wait_idle()  # a fresh child for the next test
 
 
 def test_cancelling_the_parts_ends_the_attempt_cancelled_without_a_result(
