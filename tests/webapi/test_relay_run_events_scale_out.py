@@ -220,11 +220,7 @@ def test_the_warm_worker_claims_from_events_across_a_killed_api_process(
         api, tmp_path, pool, extra_env={"FACEFLOW_WORKER_QUERY_SECONDS": "60"}
     )
     try:
-        before = worker.status()["claims"]
-        run_id = worker.submit()
-        assert api.wait_final(run_id, timeout=120)["state_type"] == "COMPLETED"
-        after = worker.status()["claims"]
-        assert after == {"event": before["event"] + 1, "poll": before["poll"]}, (before, after)
+        worker.run_claimed_from_its_event(timeout=120)
 
         assert worker.service.pid is not None
         server = ("127.0.0.1", scale_out.port)
@@ -245,11 +241,7 @@ def test_the_warm_worker_claims_from_events_across_a_killed_api_process(
         # the worker saw its stream drop (Prefect's subscriber would reconnect silently)
         assert worker.status()["event_connects"] > connects
 
-        before = worker.status()["claims"]
-        run_id = worker.submit()
-        assert api.wait_final(run_id, timeout=120)["state_type"] == "COMPLETED"
-        after = worker.status()["claims"]
-        assert after == {"event": before["event"] + 1, "poll": before["poll"]}, (before, after)
+        worker.run_claimed_from_its_event(timeout=120)
         print(f"\nkilled {len(victims)} API process(es) -> next run COMPLETED: {took:.1f} s")
     finally:
         worker.service.stop(grace=15)

@@ -152,6 +152,16 @@ class WarmWorker:
         params = {"out_dir": str(self.out_dir), **parameters}
         return self.api.create_run(self.deployment_id, params, job_variables)
 
+    def run_claimed_from_its_event(self, timeout: float = 60) -> str:
+        """Submit a run, wait until it is ``Completed`` and check that the worker claimed it
+        from its ``Scheduled`` event, not by a poll of the pool: its id."""
+        before = self.status()["claims"]
+        run_id = self.submit()
+        assert self.api.wait_final(run_id, timeout=timeout)["state_type"] == "COMPLETED"
+        after = self.status()["claims"]
+        assert after == {"event": before["event"] + 1, "poll": before["poll"]}, (before, after)
+        return run_id
+
     def submit_fuse(self, source_key: str, target_key: str, **extra: Any) -> tuple[str, str]:
         """One ``fuse-faces`` job run; returns (flow run id, job id)."""
         params = fuse_params(source_key, target_key, **extra)
