@@ -1015,6 +1015,7 @@ class FaceFlowGpuWorker(
             "claims": dict(self.claims),
             "polls": self.polls,
             "event_connects": self.event_connects,
+            "events_live": self._events_live,
             "handovers": dict(self.handovers),
             "last_polled": self._last_polled_time.isoformat(),
             "children": children,

@@ -40,6 +40,7 @@ from faceflow.testing.relay import (
     stand_in_server,
     write_result,
 )
+from faceflow.testing.wait import poll
 from tests.webapi.conftest import PREFECT_AUTH as AUTH
 from tests.webapi.conftest import make_settings, stand_in_run
 from tests.webapi.test_relay_run_events import (
@@ -240,6 +241,10 @@ def test_the_warm_worker_claims_from_events_across_a_killed_api_process(
         assert took < 60 + 30, "within the worker's poll interval (60 s), with a margin"
         # the worker saw its stream drop (Prefect's subscriber would reconnect silently)
         assert worker.status()["event_connects"] > connects
+        # the stream may come back only after that run (the server restarting): wait for
+        # it, and for the poll made on connecting, before the next run is submitted
+        assert poll(lambda: worker.status()["events_live"], 60, step_s=0.2)
+        time.sleep(1.0)
 
         worker.run_claimed_from_its_event(timeout=120)
         print(f"\nkilled {len(victims)} API process(es) -> next run COMPLETED: {took:.1f} s")
