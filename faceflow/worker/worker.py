@@ -129,7 +129,6 @@ class FaceFlowGpuWorker(
         self._journal: ClaimJournal | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._announced: set[str] = set()  # runs being claimed from their Scheduled event
-        self._events_live = False  # the event subscription is up
         self._left_for_poll = False  # a run announced since the last poll was not claimed
         self._events_since: float | None = None  # since when (monotonic), None while down
         self._stop_news: dict[str, None] = {}  # runs with a stop event, oldest first
@@ -670,7 +669,6 @@ class FaceFlowGpuWorker(
                         if slot.flow_run_id is not None:
                             slot.run_queue.put_nowait(CheckState(slot.flow_run_id))
                     self._poll_now.set()
-                    self._events_live = True
                     self._events_since = time.monotonic()
                     async for event in subscriber:
                         if event.event in STOP_EVENTS:
@@ -687,7 +685,6 @@ class FaceFlowGpuWorker(
             except Exception as exc:
                 self._logger.debug("event pickup unavailable (%s); polling only", exc)
             # the stream ended (dropped, or closed cleanly): poll until it is back
-            self._events_live = False
             self._events_since = None
             for run_id in list(self._starts):  # their Running events may never come
                 self._run_started(run_id)
@@ -910,6 +907,11 @@ class FaceFlowGpuWorker(
             "Stopped child pid %s: the run is %s.", child.pid, state.type.value
         )
         return True
+
+    @property
+    def _events_live(self) -> bool:
+        """Whether the pool's event subscription is up (``_events_since`` is set)."""
+        return self._events_since is not None
 
     def _may_have_stopped(self, run_id: str, claimed: float) -> bool:
         """Whether a run claimed at ``claimed`` (monotonic) may have been cancelled or ended
