@@ -197,6 +197,9 @@ def test_runs_claimed_from_their_events_need_no_poll_and_a_left_one_starts_on_ti
         assert poll(lambda: worker.status()["polls"] >= 1, 30, step_s=0.1)  # at subscription
         before = worker.status()
         for _ in range(3):
+            # the run ends on the server before the worker frees its slot: a run submitted
+            # in between finds no place (no prefetch) and the run-end poll claims it
+            worker.wait_idle()
             run_id = worker.submit(fuse=False)
             assert prefect_api.wait_final(run_id, timeout=60)["state_type"] == "COMPLETED"
         worker.wait_idle()
