@@ -72,13 +72,7 @@ def write_failure(
 ) -> JobFailure:
     """Log a job attempt's failure (at ``stage``) and write its ``JobFailure`` record, which
     names this flow run; a failed write is logged (the relay then takes the run as lost)."""
-    failure = JobFailure(
-        code=error.code,
-        message=error.public_message,
-        retryable=not error.permanent,
-        stage=stage,
-        flow_run_id=flow_run.get_id(),
-    )
+    failure = JobFailure.of(error, stage=stage, flow_run_id=flow_run.get_id())
     get_run_logger().warning("Job %s attempt %d failed at %s: %s", job_id, attempt, stage, error)
     try:
         write_to(store, result_error_key(job_id, attempt), failure.model_dump_json().encode())

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from tasks.error_codes import JobErrorCode
+from tasks.errors import FaceFlowError
 from tasks.options import FusionOptions
 from tasks.report import QualityReport
 
@@ -140,6 +141,19 @@ class JobFailure(BaseModel):
         description="The flow run that wrote it: the relay takes it only from the run the "
         "job holds (a record without one is taken as from that run).",
     )
+
+    @classmethod
+    def of(
+        cls, error: FaceFlowError, *, stage: str | None = None, flow_run_id: str | None = None
+    ) -> JobFailure:
+        """The record of ``error``: its code and public message; retryable unless permanent."""
+        return cls(
+            code=error.code,
+            message=error.public_message,
+            retryable=not error.permanent,
+            stage=stage,
+            flow_run_id=flow_run_id,
+        )
 
 
 class ResultRef(BaseModel):

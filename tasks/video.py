@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -62,6 +63,8 @@ from tasks.video_records import Planned, Probed, Source, TrackReport, track_repo
 
 FRAME_GROUP = 8
 """Frames a render or analysis step takes at once (the detector's CPU batch)."""
+
+T = TypeVar("T")
 
 
 def sources_of(
@@ -112,6 +115,19 @@ def identities(
     return Identities(embed, similarity, list(refs))
 
 
+def frame_groups(frames: Iterable[T]) -> Iterator[list[T]]:
+    """``frames`` in lists of ``FRAME_GROUP`` (the last one shorter), read lazily: each list
+    is yielded as soon as it is full."""
+    group: list[T] = []
+    for frame in frames:
+        group.append(frame)
+        if len(group) == FRAME_GROUP:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
 def analyse(
     frames: Iterable[RGBImage],
     options: FusionOptions,
@@ -122,20 +138,10 @@ def analyse(
     """Detect the faces of every frame (``FRAME_GROUP`` at a time, the detection stage's
     own batched call) and take its signature, appending to ``analysis``;
     ``analysed(n)`` is called as each group of ``n`` frames is done (the progress)."""
-    group: list[RGBImage] = []
-
-    def flush() -> None:
+    for group in frame_groups(frames):
         analysis.faces += pipeline.detect_images(group, options.detector, ctx)
         analysis.signatures += [frame_signature(f) for f in group]
         analysed(len(group))
-        group.clear()
-
-    for frame in frames:
-        group.append(frame)
-        if len(group) == FRAME_GROUP:
-            flush()
-    if group:
-        flush()
     return analysis
 
 
@@ -186,9 +192,7 @@ def render(
 ) -> Iterator[tuple[int, RGBImage]]:
     """Each frame with the plan's faces fused (frames without a swap pass unchanged), in
     order, ``FRAME_GROUP`` frames through the table's frame stages at a time."""
-    group: list[tuple[int, RGBImage]] = []
-
-    def flush() -> Iterator[tuple[int, RGBImage]]:
+    for group in frame_groups(frames):
         works = {
             i: frame_work(f, plan.frames[i], sources, options) for i, f in group if plan.frames[i]
         }
@@ -198,14 +202,6 @@ def render(
             work = works.get(index)
             fused = work.image if work is not None and work.error is None else None
             yield index, (fused if fused is not None else frame)
-        group.clear()
-
-    for item in frames:
-        group.append(item)
-        if len(group) == FRAME_GROUP:
-            yield from flush()
-    if group:
-        yield from flush()
 
 
 def sample_frames(frames: Sequence[int], most: int = 6) -> list[int]:

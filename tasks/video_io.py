@@ -423,14 +423,7 @@ def read_frames(
     start, stop = max(start, 0), min(stop, len(pts))
     if start >= stop:
         return
-    with _open(path) as container:
-        video = _video_stream(container, path)
-        video.thread_type = "AUTO"
-        try:
-            wanted = {p: start + i for i, p in enumerate(pts[start:stop])}
-            yield from _decode_range(container, video, pts[0], wanted, path)
-        except av.error.FFmpegError as exc:
-            raise _invalid(path, exc) from exc
+    yield from _decode_wanted(path, pts[0], [{p: start + i for i, p in enumerate(pts[start:stop])}])
 
 
 def read_frames_at(
@@ -449,13 +442,22 @@ def read_frames_at(
     runs = decode_runs(indices, timestamps, keyframes)
     if not runs:
         return
+    yield from _decode_wanted(
+        path, timestamps[0], ({timestamps[i]: i for i in run} for run in runs)
+    )
+
+
+def _decode_wanted(
+    path: _Source, origin: int, runs: Iterable[dict[int, int]]
+) -> Iterator[VideoFrame]:
+    """Each run's frames (``_decode_range``: pts → index) in turn, the file opened once
+    and decoded on FFmpeg's threads; FFmpeg's refusals are ``InvalidVideo``."""
     with _open(path) as container:
         video = _video_stream(container, path)
         video.thread_type = "AUTO"
         try:
-            for run in runs:
-                wanted_pts = {timestamps[i]: i for i in run}
-                yield from _decode_range(container, video, timestamps[0], wanted_pts, path)
+            for wanted in runs:
+                yield from _decode_range(container, video, origin, wanted, path)
         except av.error.FFmpegError as exc:
             raise _invalid(path, exc) from exc
 

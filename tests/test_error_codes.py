@@ -73,6 +73,23 @@ def test_a_record_with_an_unknown_code_reads_as_the_fallback() -> None:
         JobFailure.model_validate({"code": 7, "message": "m"})
 
 
+def test_a_failure_record_carries_the_errors_code_public_message_and_retry() -> None:
+    """The flow's and the stand-in flow's records both come from ``JobFailure.of``."""
+    permanent = errors.NoFaceFound(detail="/tmp/inputs/source.jpg")
+    failure = JobFailure.of(permanent, stage="detect", flow_run_id="run-1")
+    assert failure.code is JobErrorCode.no_face_found
+    assert failure.message == permanent.public_message
+    assert "/tmp" not in failure.message
+    assert (failure.retryable, failure.stage, failure.flow_run_id) == (False, "detect", "run-1")
+    transient = JobFailure.of(errors.TransientError("storage hiccup"))
+    assert (transient.code, transient.retryable, transient.stage, transient.flow_run_id) == (
+        JobErrorCode.transient_error,
+        True,
+        None,
+        None,
+    )
+
+
 def test_an_error_reads_with_and_without_its_code() -> None:
     error = errors.NoFaceFound(detail="source")
     assert error.message == "No face was found in the image. (source)"

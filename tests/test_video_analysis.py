@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import itertools
+from collections.abc import Iterator
 from dataclasses import astuple
 
 import numpy as np
@@ -19,6 +20,7 @@ from tasks.video import (
     analyse_and_plan,
     analyse_range,
     chunk_name,
+    frame_groups,
     frame_ranges,
     plan_video,
     probe_and_moderate,
@@ -26,6 +28,21 @@ from tasks.video import (
 from tasks.video_analysis import Analysis, analysis_ranges, decode, encode, merged, range_name
 from tests import samples
 from tests.videos import Videos, scenes
+
+
+def test_frames_come_in_full_groups_each_as_soon_as_it_is_read() -> None:
+    read: list[int] = []
+
+    def frames(n: int) -> Iterator[int]:
+        for i in range(n):
+            read.append(i)
+            yield i
+
+    groups = frame_groups(frames(2 * FRAME_GROUP + 3))
+    assert next(groups) == list(range(FRAME_GROUP)) and len(read) == FRAME_GROUP
+    assert [len(g) for g in groups] == [FRAME_GROUP, 3]
+    assert list(frame_groups(frames(FRAME_GROUP))) == [list(range(FRAME_GROUP))]
+    assert list(frame_groups([])) == []
 
 
 def test_ranges_cover_the_video_in_order_at_multiples_of_the_batch() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -69,15 +69,11 @@ def job_store(kind: JobStoreKind, workdir: Path, *, prefix: str = "bench") -> It
     from webapi.db import dispose_engines
     from webapi.migrations import upgrade
 
-    if kind == "sqlite":
-        url = f"sqlite:///{workdir / f'{prefix}.db'}"
-        upgrade(url)
-        try:
-            yield url
-        finally:
-            dispose_engines()
-        return
-    with postgres_schema(prefix) as url:
+    with ExitStack() as schema:
+        if kind == "sqlite":
+            url = f"sqlite:///{workdir / f'{prefix}.db'}"
+        else:
+            url = schema.enter_context(postgres_schema(prefix))
         upgrade(url)
         try:
             yield url

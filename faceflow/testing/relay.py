@@ -171,12 +171,7 @@ def write_failure(
     flow_run_id: str | None,
 ) -> JobFailure:
     """What the real flow leaves in storage on failure: the attempt's ``JobFailure``."""
-    failure = JobFailure(
-        code=error.code,
-        message=error.public_message,
-        retryable=not error.permanent,
-        flow_run_id=flow_run_id,
-    )
+    failure = JobFailure.of(error, flow_run_id=flow_run_id)
     path = storage_dir / result_error_key(job_id, attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(failure.model_dump_json().encode())
