@@ -56,6 +56,19 @@ FAST = RelayTimings(
 )
 
 
+class CountingTransport(httpx.HTTPTransport):
+    """A real transport that records the path of every request the relay's Prefect client
+    sends (connection attempts included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request.url.path)
+        return super().handle_request(request)
+
+
 class ReadCounter(httpx.HTTPTransport):
     """A real transport that counts the relay's reads of flow runs and artifacts."""
 

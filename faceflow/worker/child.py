@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import logging
 import os
 import resource
@@ -328,6 +329,7 @@ class WarmChild:
                 install_shared_observer()
             self.preload()
             self.resolve_default_storage()
+            freeze_heap()
             self.conn.send(ready)
             while True:
                 try:
@@ -359,6 +361,16 @@ class WarmChild:
 
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             self.serve(ready)
+
+
+def freeze_heap() -> None:
+    """Collect the warm-up's garbage, then move every object left (modules, models, Prefect's
+    client) to the permanent generation: a full collection later scans only what the runs
+    allocated (26 ms in a burst's first batch run on a 2-core machine) instead of the whole
+    warm heap (100-190 ms). Frozen objects are left to reference counting alone: a model
+    dropped later whose objects form cycles keeps its memory until the child is recycled."""
+    gc.collect()
+    gc.freeze()
 
 
 def flush_and_exit(code: int = 0) -> None:

@@ -22,8 +22,13 @@ from sqlmodel import Session
 
 from faceflow.testing.jobs import make_user, new_job
 from faceflow.testing.prefect import PrefectServer
-from faceflow.testing.relay import job, submit, write_result
+from faceflow.testing.relay import CountingTransport, job, submit, write_result
+from faceflow.testing.wait import poll_value
 from flows.params import (
+    BATCH_DEPLOYMENT_NAME,
+    BATCH_FLOW_NAME,
+    DEPLOYMENT_NAME,
+    FLOW_NAME,
     FuseBatchParams,
     result_key,
     stop_marker_key,
@@ -34,8 +39,10 @@ from webapi import crud
 from webapi.config import Settings
 from webapi.inputs import store_image
 from webapi.models import Job, JobStatus
+from webapi.prefect_api import PrefectAPI
 from webapi.relay import batches, dispatch, reap, sync
 from webapi.relay.context import Relay
+from webapi.relay.runner import RelayRunner, build_relay
 from webapi.storage import LocalObjectStore
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
@@ -377,3 +384,28 @@ def test_a_batch_declared_crashed_mid_way_reruns_only_unfinished_jobs_and_its_zo
         after = job(relay.engine, j.id)
         assert after.status is JobStatus.succeeded and after.attempts == 2
         assert after.result_key == result_key(str(j.id), 2, "png")
+
+
+def test_the_relay_looks_up_both_job_deployments_when_it_starts(relay: Relay) -> None:
+    """Before any job: the first single run and the first batch after a start do not wait
+    for their deployment's lookup (a burst's first batch waited 40-170 ms for it)."""
+    recorder = CountingTransport()
+    counted = build_relay(
+        relay.settings,
+        engine=relay.engine,
+        store=relay.store,
+        timings=relay.timings,
+        prefect=PrefectAPI(relay.settings.prefect_api_url, transport=recorder),
+    )
+    runner = RelayRunner(counted)
+    wanted = {
+        f"/api/deployments/name/{FLOW_NAME}/{DEPLOYMENT_NAME}",
+        f"/api/deployments/name/{BATCH_FLOW_NAME}/{BATCH_DEPLOYMENT_NAME}",
+    }
+    runner.start()
+    try:
+        looked_up = poll_value(lambda: wanted <= set(recorder.sent) or None, 10, step_s=0.02)
+    finally:
+        runner.stop()
+    assert looked_up, recorder.sent
+    assert not any("create_flow_run" in path for path in recorder.sent)

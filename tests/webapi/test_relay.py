@@ -32,6 +32,7 @@ from faceflow.testing.relay import (
     FAST,
     QUALITY,
     SCRIPT,
+    CountingTransport,
     ReadCounter,
     body_json,
     execute_run,
@@ -194,18 +195,6 @@ def test_prefect_down_job_stays_queued_then_dispatched(
         prefect_server.start()
     wait_for(lambda: dispatch.run_once(relay) > 0 and job(relay.engine, new.id).attempts == 1)
     assert len(prefect_server.rest.runs_of_job(new.id)) == 1
-
-
-class CountingTransport(httpx.HTTPTransport):
-    """Counts the requests the relay's Prefect client sends (connection attempts)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent: list[str] = []
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        self.sent.append(request.url.path)
-        return super().handle_request(request)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ JSON report (pid, model loads, first-line time) under ``out_dir``, and can block
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -53,7 +54,12 @@ def warm_probe(
     run_id = str(flow_run.id)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"first_line": first_line, "pid": os.getpid(), "flow_run_id": run_id}
+    report = {
+        "first_line": first_line,
+        "pid": os.getpid(),
+        "flow_run_id": run_id,
+        "gc_frozen": gc.get_freeze_count(),
+    }
     (out / f"{run_id}.started.json").write_text(json.dumps(report))
     if block_sigterm:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})

@@ -56,6 +56,16 @@ def test_a_child_gives_the_memory_a_run_freed_back_to_the_os(warm_worker: WarmWo
     assert after < peak - 250, (peak, after)
 
 
+def test_a_run_finds_the_warm_heap_frozen(warm_worker: WarmWorker) -> None:
+    """The warm-up's objects (modules, models, Prefect's client) are in the permanent
+    generation before the first run (``faceflow.worker.child.freeze_heap``): a full
+    collection in a run then scans only what the runs allocated."""
+    run_id = warm_worker.submit(fuse=False)
+    run = warm_worker.api.wait_final(run_id, timeout=60)
+    assert run["state_type"] == "COMPLETED", run["state"]
+    assert warm_worker.report(run_id)["gc_frozen"] > 50_000
+
+
 @pytest.mark.slow
 def test_twenty_fuse_faces_runs_load_each_model_once(
     warm_worker: WarmWorker, inputs: tuple[str, str]
