@@ -297,37 +297,56 @@ def test_a_coordinator_run_again_for_the_same_attempt_reuses_its_parts(
     assert {r["name"]: r["id"] for r in parts_of(prefect_api, job_id)} == first
 
 
-def _kill_chunk_one(
-    prefect_api: Api, workers: list[WarmWorker], videos: Videos, source: bytes
+ENDED = ("COMPLETED", "CANCELLED", "CRASHED", "FAILED")
+
+
+def _run_holding_a_chunk(
+    prefect_api: Api,
+    workers: list[WarmWorker],
+    videos: Videos,
+    source: bytes,
+    *,
+    chunk: str,
+    act: Callable[[str, int], None],
 ) -> tuple[Any, str, str | None, set[str]]:
-    """Run a video job whose chunk 1's part is SIGKILLed while it runs: the job's final
-    state, its id, the killed run's id (None when its part was never caught running) and
-    the chunk files it added. The child is stopped first and killed only if it still runs
-    that part (what was read may be stale: a child that just finished it would be killed
-    idle)."""
+    """Run a video job whose first part caught running with ``chunk`` in its name has its
+    child held (SIGSTOP, ``stop_while_running``), then ``act(job_id, pid)``: the job's final
+    state, its id, the held run's id (None when no such part was caught running) and the
+    chunk files it added. The held child is let go (SIGCONT) only once every part has
+    ended, so it never writes its chunk after ``act`` (a child its worker killed is gone)."""
     child_pids(workers)
     params = new_job(prefect_api, videos, source)
     job_id = params["job_id"]
-    killed: list[str] = []
+    held: list[tuple[str, int]] = []
 
-    def kill_first_render(run: dict[str, Any]) -> bool:
-        if not run["name"].endswith("chunk-0001"):
+    def hold(run: dict[str, Any]) -> bool:
+        if chunk not in run["name"]:
             return False
         pid = stop_while_running(prefect_api, workers, run)
         if pid is None:
             return False
-        os.kill(pid, signal.SIGKILL)
-        killed.append(str(run["id"]))
+        held.append((str(run["id"]), pid))
+        act(job_id, pid)
         return True
 
     before = chunk_files(prefect_api)
-    watcher = watch_parts(prefect_api, job_id, kill_first_render)
-    state = coordinate(prefect_api, params)
-    watcher.join(timeout=5)
+    watcher = watch_parts(prefect_api, job_id, hold)
+    try:
+        state = coordinate(prefect_api, params)
+        watcher.join(timeout=5)
+        poll(
+            lambda: all(r["state_type"] in ENDED for r in parts_of(prefect_api, job_id)),
+            60,
+            step_s=0.2,
+        )
+    finally:
+        for _, pid in held:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     for worker in workers:
         worker.wait_idle()  # a fresh child for what comes next
     new = set(chunk_files(prefect_api)) - set(before)
-    return state, job_id, (killed[0] if killed else None), new
+    return state, job_id, (held[0][0] if held else None), new
 
 
 def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
@@ -340,7 +359,14 @@ def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
     that died Crashed must have been run again."""
     for attempt in range(3):
         source = samples.encode(samples.astronaut_rgb(), quality=90 - attempt)
-        state, job_id, killed, new = _kill_chunk_one(prefect_api, workers, videos, source)
+        state, job_id, killed, new = _run_holding_a_chunk(
+            prefect_api,
+            workers,
+            videos,
+            source,
+            chunk="-chunk-0001",
+            act=lambda _job_id, pid: os.kill(pid, signal.SIGKILL),
+        )
         assert state.is_completed(), state.message
         if killed is not None and prefect_api.run(killed)["state_type"] != "COMPLETED":
             break
@@ -354,49 +380,10 @@ def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
     assert len(new) == CHUNKS and ref.chunks_rendered == CHUNKS  # each written once
 
 
-def _cancel_a_held_chunk(
-    prefect_api: Api, workers: list[WarmWorker], videos: Videos, source: bytes
-) -> tuple[Any, str, str | None, set[str]]:
-    """Run a video job whose parts are cancelled (as the relay's cancel path does) while
-    the child rendering one chunk is held (SIGSTOP), so that chunk cannot be written
-    before the cancel reaches it: the job's final state, its id, the held run's id (None
-    when no chunk's part was caught running) and the chunk files it added."""
-    child_pids(workers)
-    params = new_job(prefect_api, videos, source)
-    job_id = params["job_id"]
-    held: list[tuple[str, int]] = []
-
-    def cancel_while_rendering(run: dict[str, Any]) -> bool:
-        if "-chunk-" not in run["name"]:
-            return False
-        pid = stop_while_running(prefect_api, workers, run)
-        if pid is None:
-            return False
-        held.append((str(run["id"]), pid))
-        with PrefectAPI(prefect_api.url) as api:
-            api.cancel_tagged(video_parts_tag(job_id, 1), message="Cancelled by FaceFlow")
-        return True
-
-    before = chunk_files(prefect_api)
-    watcher = watch_parts(prefect_api, job_id, cancel_while_rendering)
-    try:
-        state = coordinate(prefect_api, params)
-        watcher.join(timeout=5)
-        ended = ("CANCELLED", "COMPLETED")
-        settled = poll(
-            lambda: all(r["state_type"] in ended for r in parts_of(prefect_api, job_id)),
-            60,
-            step_s=0.2,
-        )
-        assert settled, parts_of(prefect_api, job_id)
-    finally:
-        for _, pid in held:  # killed by its worker on the cancel; never left stopped
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-    for worker in workers:
-        worker.wait_idle()
-    new = set(chunk_files(prefect_api)) - set(before)
-    return state, job_id, (held[0][0] if held else None), new
+def cancel_parts(prefect_api: Api, job_id: str) -> None:
+    """Cancel attempt 1's parts of job ``job_id``, as the relay's cancel path does."""
+    with PrefectAPI(prefect_api.url) as api:
+        api.cancel_tagged(video_parts_tag(job_id, 1), message="Cancelled by FaceFlow")
 
 
 def test_cancelling_the_parts_ends_the_attempt_cancelled_without_a_result(
@@ -409,12 +396,23 @@ def test_cancelling_the_parts_ends_the_attempt_cancelled_without_a_result(
     left behind."""
     for attempt in range(3):
         source = samples.encode(samples.astronaut_rgb(), quality=80 - attempt)
-        state, job_id, held, new = _cancel_a_held_chunk(prefect_api, workers, videos, source)
+        state, job_id, held, new = _run_holding_a_chunk(
+            prefect_api,
+            workers,
+            videos,
+            source,
+            chunk="-chunk-",
+            act=lambda job, _pid: cancel_parts(prefect_api, job),
+        )
         if held is not None and prefect_api.run(held)["state_type"] == "CANCELLED":
             break
     else:
         pytest.fail("no chunk's part was held and cancelled while it ran in three tries")
     assert state.is_cancelled(), state
+    settled = all(
+        r["state_type"] in ("CANCELLED", "COMPLETED") for r in parts_of(prefect_api, job_id)
+    )
+    assert settled, parts_of(prefect_api, job_id)
     storage = prefect_api.home.storage
     assert not (storage / result_key(job_id, 1, "mp4")).exists()
     assert not (storage / result_meta_key(job_id, 1)).exists()
