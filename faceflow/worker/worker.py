@@ -9,10 +9,13 @@ then hands the run to an idle child, which runs it through ``prefect.flow_engine
 (states, logs and the UI as usual). It skips the per-run work that a warm child makes
 pointless: no ``Submitting`` state, the settings serialised into the run's environment once,
 the deployment and flow read from a cache of a few seconds (``job.DefinitionCache``),
-beside the ``Pending`` proposal when stale, never after it, the run's infrastructure pid and labels written once the run
-is ``Running`` (``_after_start``), not beside the child's start of it, no rename when the run
-already has its job's name. A run announced by its pool's ``Scheduled`` event is claimed
-from that event (one read of the run); the polls stay as the fallback.
+beside the ``Pending`` proposal when stale, never after it, the run's infrastructure pid
+and labels written once the run is ``Running`` (``_after_start``), not beside the child's
+start of it, no rename when the run already has its job's name. A run announced by its
+pool's ``Scheduled`` event is claimed from that event (one read of the run); a run claimed
+ahead is handed to its child without a second read unless a stop event named it or the
+event stream was down meanwhile (``_may_have_stopped``); the polls stay as the fallback,
+and the worker reconnects its event stream itself so that it knows of every gap.
 
 From outside the child the worker enforces the run's ``deadline_at`` (+ grace) and
 cancellation by killing the child (SIGTERM, then SIGKILL), marks the run ``Crashed``
