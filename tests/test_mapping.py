@@ -15,16 +15,7 @@ from tasks.options import FaceMapping, FusionOptions
 from tasks.pipeline import Detections, PipelineContext, detect_stage
 from tasks.stages import fuse_images
 from tasks.types import Box, Face, RGBImage
-from tests.samples import (
-    astronaut_jpeg_bytes,
-    astronaut_rgb,
-    encode,
-    grace_hopper_jpeg_bytes,
-    grace_hopper_rgb,
-    no_face_rgb,
-    t1_jpeg_bytes,
-    t1_rgb,
-)
+from tests import samples
 
 LANDMARKS = np.zeros((5, 2), dtype=np.float32)
 
@@ -35,7 +26,11 @@ def _detect_astronaut(
     """``detect_stage`` of the astronaut (``images``: extra sources and references) onto
     ``target`` with ``mapping``."""
     return detect_stage(
-        astronaut_rgb(), target, FusionOptions(mapping=list(mapping)), PipelineContext(), **images
+        samples.astronaut_rgb(),
+        target,
+        FusionOptions(mapping=list(mapping)),
+        PipelineContext(),
+        **images,
     )
 
 
@@ -62,21 +57,21 @@ def test_mapping_entries_name_one_target_and_exclude_a_face_choice() -> None:
 
 def _reference_crop(reading_index: int) -> np.ndarray:
     """A crop around one of t1's faces, as a caller would send a reference photo."""
-    faces = detect_faces(t1_rgb())
+    faces = detect_faces(samples.t1_rgb())
     box = faces[reading_order(faces)[reading_index]].box
     y0, x0 = max(0, int(box.y1) - 40), max(0, int(box.x1) - 40)
-    return np.ascontiguousarray(t1_rgb()[y0 : int(box.y2) + 40, x0 : int(box.x2) + 40])
+    return np.ascontiguousarray(samples.t1_rgb()[y0 : int(box.y2) + 40, x0 : int(box.x2) + 40])
 
 
 def test_detect_resolves_indices_and_references_to_their_own_sources() -> None:
-    target = t1_rgb()
+    target = samples.t1_rgb()
     faces = detect_faces(target)
     order = reading_order(faces)
     found = _detect_astronaut(
         target,
         FaceMapping(source=1, target=5),
         FaceMapping(source=0, reference=0),
-        extra_sources=[grace_hopper_rgb()],
+        extra_sources=[samples.grace_hopper_rgb()],
         references=[_reference_crop(3)],
     )
     assert [order.index(i) for i in found.target_indices] == [5, 3]
@@ -96,7 +91,9 @@ def test_detect_resolves_indices_and_references_to_their_own_sources() -> None:
     with pytest.raises(InvalidInput, match="source 1"):
         _detect_astronaut(target, FaceMapping(source=1, target=0))
     with pytest.raises(NoFaceFound, match="source image 1"):
-        _detect_astronaut(target, FaceMapping(source=1, target=0), extra_sources=[no_face_rgb()])
+        _detect_astronaut(
+            target, FaceMapping(source=1, target=0), extra_sources=[samples.no_face_rgb()]
+        )
 
 
 def test_two_sources_fused_onto_their_faces_with_a_quality_report_per_source() -> None:
@@ -104,16 +101,16 @@ def test_two_sources_fused_onto_their_faces_with_a_quality_report_per_source() -
         mapping=[FaceMapping(source=0, target=0), FaceMapping(source=1, reference=0)]
     )
     result = fuse_images(
-        astronaut_jpeg_bytes(),
-        t1_jpeg_bytes(),
+        samples.astronaut_jpeg_bytes(),
+        samples.t1_jpeg_bytes(),
         options,
         PipelineContext(),
-        extra_sources=[grace_hopper_jpeg_bytes()],
-        references=[encode(_reference_crop(3))],
+        extra_sources=[samples.grace_hopper_jpeg_bytes()],
+        references=[samples.encode(_reference_crop(3))],
     )
     assert result.faces_replaced == 2
     assert result.quality is not None and result.quality.faces_lost == 0
-    faces = detect_faces(t1_rgb())
+    faces = detect_faces(samples.t1_rgb())
     order = reading_order(faces)
     assert [f.index for f in result.quality.faces] == [order[0], order[3]]
     # Each face is compared with its own source: swapping the sources' embeddings would
@@ -124,7 +121,7 @@ def test_two_sources_fused_onto_their_faces_with_a_quality_report_per_source() -
     from PIL import Image
 
     image = np.asarray(Image.open(io.BytesIO(result.data)).convert("RGB")).astype(int)
-    original = t1_rgb().astype(int)
+    original = samples.t1_rgb().astype(int)
     for i in range(len(faces)):
         box = faces[i].box
         region = np.s_[int(box.y1) : int(box.y2), int(box.x1) : int(box.x2)]

@@ -32,15 +32,7 @@ from tasks.provenance import (
     sign,
 )
 from tasks.stages import InMemory, InProcess, InputBytes, Work, run_stages
-from tests.samples import (
-    astronaut_jpeg_bytes,
-    astronaut_rgb,
-    encode,
-    grace_hopper_jpeg_bytes,
-    grace_hopper_rgb,
-    no_face_rgb,
-    t1_rgb,
-)
+from tests import samples
 
 
 @dataclass(frozen=True)
@@ -59,7 +51,7 @@ def marked() -> Marked:
     credentials, root_pem = make_chain("FaceFlow test")
     job_id = str(uuid.uuid4())
     ctx = PipelineContext(marker=Marker(credentials))
-    data = InputBytes(astronaut_jpeg_bytes(), grace_hopper_jpeg_bytes())
+    data = InputBytes(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
     work = Work(InMemory(data), FusionOptions(output_format="jpeg"), job_id=job_id)
     run_stages([work], ctx, InProcess(ctx))
     assert work.marks == ["c2pa", "watermark"]
@@ -83,8 +75,8 @@ def test_result_manifest_read_by_c2pa_reader(marked: Marked) -> None:
     assert actions["data"]["actions"][0]["digitalSourceType"] == DIGITAL_SOURCE_TYPE
     ingredients = {i["title"]: i["instance_id"] for i in manifest["ingredients"]}
     assert ingredients == {
-        "source": "sha256:" + hashlib.sha256(astronaut_jpeg_bytes()).hexdigest(),
-        "target": "sha256:" + hashlib.sha256(grace_hopper_jpeg_bytes()).hexdigest(),
+        "source": "sha256:" + hashlib.sha256(samples.astronaut_jpeg_bytes()).hexdigest(),
+        "target": "sha256:" + hashlib.sha256(samples.grace_hopper_jpeg_bytes()).hexdigest(),
     }
     assert "thumbnail" not in json.dumps(manifest)  # no picture of anyone's input or result
 
@@ -116,7 +108,7 @@ def test_formats_round_trip(marked: Marked, fmt: str) -> None:
 def test_watermark_survives_jpeg_q75_and_stripped_metadata(marked: Marked) -> None:
     assert marked.work.encoded is not None
     pixels = _pixels(marked.work.encoded)
-    stripped = encode(pixels, "PNG")  # the pixels alone: the manifest is gone
+    stripped = samples.encode(pixels, "PNG")  # the pixels alone: the manifest is gone
     found = inspect_file(stripped)
     assert not found.manifest.present
     assert found.watermark == watermark.payload_for(marked.job_id)
@@ -145,7 +137,7 @@ def test_tampered_file_fails_verification(marked: Marked) -> None:
 def test_signing_with_a_key_that_is_not_the_certificates_fails(marked: Marked) -> None:
     other = make_chain("other")[0]
     mismatched = Credentials(marked.credentials.cert_chain_pem, other.private_key_pem)
-    jpeg = encode(astronaut_rgb(), "JPEG")
+    jpeg = samples.encode(samples.astronaut_rgb(), "JPEG")
     with pytest.raises(MarkingFailed) as failed:
         sign(jpeg, "image/jpeg", mismatched, [])
     assert failed.value.code == "marking_failed" and failed.value.permanent
@@ -156,7 +148,12 @@ def test_signing_with_a_key_that_is_not_the_certificates_fails(marked: Marked) -
 def test_unmarked_photos_read_as_unmarked() -> None:
     """No sample photo, nor any crop, half or re-encoding of it, reads as marked."""
     reads = 0
-    for image in (astronaut_rgb(), grace_hopper_rgb(), t1_rgb(), no_face_rgb()):
+    for image in (
+        samples.astronaut_rgb(),
+        samples.grace_hopper_rgb(),
+        samples.t1_rgb(),
+        samples.no_face_rgb(),
+    ):
         h, w = image.shape[:2]
         variants = [
             image,
@@ -166,7 +163,7 @@ def test_unmarked_photos_read_as_unmarked() -> None:
         ]
         for variant in variants:
             for fmt in ("PNG", "JPEG"):
-                found = inspect_file(encode(np.ascontiguousarray(variant), fmt))
+                found = inspect_file(samples.encode(np.ascontiguousarray(variant), fmt))
                 assert not found.manifest.present and found.watermark is None
                 assert not found.made_here
                 reads += 1
@@ -200,7 +197,7 @@ def test_cli_verify(marked: Marked, tmp_path: Path) -> None:
     assert found["made_by_this_service"] and found["manifest"]["trusted"]
     assert found["watermark"]["job_tag"] == marked.job_id.replace("-", "")[:8]
     plain = tmp_path / "plain.png"
-    plain.write_bytes(encode(astronaut_rgb(), "PNG"))
+    plain.write_bytes(samples.encode(samples.astronaut_rgb(), "PNG"))
     run = CliRunner().invoke(app, ["verify", str(plain), "--home", str(tmp_path)])
     assert run.exit_code == 1 and not json.loads(run.output)["made_by_this_service"]
 
@@ -214,8 +211,8 @@ def test_cli_fuse_marks_its_result_unless_told_not_to(tmp_path: Path) -> None:
     from faceflow.cli import app
 
     source, target = tmp_path / "source.jpg", tmp_path / "target.jpg"
-    source.write_bytes(astronaut_jpeg_bytes())
-    target.write_bytes(grace_hopper_jpeg_bytes())
+    source.write_bytes(samples.astronaut_jpeg_bytes())
+    target.write_bytes(samples.grace_hopper_jpeg_bytes())
     home = tmp_path / "home"
     base = ["fuse", str(source), str(target), "--home", str(home), "--json", "-o"]
 

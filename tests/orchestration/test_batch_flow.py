@@ -23,6 +23,7 @@ from flows.params import (
     result_meta_key,
     stop_marker_key,
 )
+from tests import samples
 from tests.onnx_builders import build_tiny_gfpgan
 from tests.orchestration.conftest import Home
 from tests.orchestration.helpers import (
@@ -39,14 +40,6 @@ from tests.orchestration.helpers import (
     stored_result,
     table_rows,
     task_runs,
-)
-from tests.samples import (
-    astronaut_jpeg_bytes,
-    colorwheel_rgb,
-    encode,
-    grace_hopper_jpeg_bytes,
-    grace_hopper_rgb,
-    no_face_jpeg_bytes,
 )
 
 
@@ -75,10 +68,10 @@ def _exists(key: str) -> bool:
 def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     """Good jobs succeed beside a no-face job, a job whose deadline is about to pass, a job
     the relay stopped and one moderation blocks; one task run per stage for the batch."""
-    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
-    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
-    no_face = prefect_harness.put_input(no_face_jpeg_bytes())
-    wheel = prefect_harness.put_input(encode(colorwheel_rgb(), "PNG"), "png")
+    astronaut = prefect_harness.put_input(samples.astronaut_jpeg_bytes())
+    grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
+    no_face = prefect_harness.put_input(samples.no_face_jpeg_bytes())
+    wheel = prefect_harness.put_input(samples.encode(samples.colorwheel_rgb(), "PNG"), "png")
     good = job_params(astronaut, grace)
     blocked = job_params(astronaut, wheel)
     good_jpeg = job_params(grace, astronaut, options={"output_format": "jpeg"}, attempt=2)
@@ -103,7 +96,7 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     }
     ref = stored_result(good["job_id"])
     image = result_pixels(ref)
-    target = grace_hopper_rgb()
+    target = samples.grace_hopper_rgb()
     assert image.shape == target.shape and ref.faces_replaced == 1
     assert np.abs(image.astype(int) - target.astype(int)).mean() > 0.5
     assert set(ref.timings_ms) == TIMED_STAGES
@@ -142,8 +135,8 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
 
 @STAGE_MODES
 def test_a_batch_whose_every_job_fails_still_completes(prefect_harness: Home, inline: bool) -> None:
-    no_face = prefect_harness.put_input(no_face_jpeg_bytes())
-    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    no_face = prefect_harness.put_input(samples.no_face_jpeg_bytes())
+    grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     jobs = [job_params(no_face, grace), job_params(grace, "inputs/missing/nothing.jpg")]
     state = fuse_batch(**_batch(*jobs, settings_block=stage_settings(inline)), return_state=True)
     assert state.is_completed(), state.message
@@ -159,7 +152,7 @@ def test_a_batch_whose_every_job_fails_still_completes(prefect_harness: Home, in
 
 
 def test_a_batch_that_cannot_load_its_settings_fails_as_a_whole(prefect_harness: Home) -> None:
-    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     params = _batch(job_params(grace, grace), settings_block="fusion-settings/absent")
     state = fuse_batch(**params, return_state=True)
     assert state.is_failed()
@@ -168,7 +161,7 @@ def test_a_batch_that_cannot_load_its_settings_fails_as_a_whole(prefect_harness:
 
 @pytest.mark.parametrize("seconds", [-1.0])
 def test_a_batch_past_every_deadline_spends_nothing(prefect_harness: Home, seconds: float) -> None:
-    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     job = job_params(grace, grace, seconds=seconds)
     params = _batch(job)
     params["deadline_at"] = datetime.now(UTC) + timedelta(seconds=seconds)
@@ -188,8 +181,8 @@ def test_only_the_jobs_that_chose_an_enhancer_are_enhanced(
     FusionSettings(model_dir=str(tiny.path.parent), model_pins=tiny.pins, marking="off").save(
         "test-batch-enhancer", overwrite=True
     )
-    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
-    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    astronaut = prefect_harness.put_input(samples.astronaut_jpeg_bytes())
+    grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     plain = job_params(astronaut, grace)
     enhanced = job_params(astronaut, grace, options={"enhancer": "gfpgan", "enhancer_blend": 1.0})
     params = _batch(plain, enhanced, settings_block="fusion-settings/test-batch-enhancer")
@@ -222,8 +215,8 @@ def test_identity_references_moderation_and_encoding_run_beside_other_stages(
 ) -> None:
     """One thread beside the batch's stages: each job's identity reference starts while
     align runs, each result's moderation and encoding while the quality stage runs."""
-    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
-    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    astronaut = prefect_harness.put_input(samples.astronaut_jpeg_bytes())
+    grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     first, second = job_params(astronaut, grace), job_params(grace, astronaut)
     overlap = probe_overlap(monkeypatch)
 
@@ -258,8 +251,8 @@ def test_on_the_cpu_two_jobs_are_moderated_and_checked_at_once(
 
         return run
 
-    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
-    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    astronaut = prefect_harness.put_input(samples.astronaut_jpeg_bytes())
+    grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     real = {name: getattr(pipeline, name) for name in ("moderate_inputs_stage", "checked_stage")}
     for threads, wait_s in ((2, 20.0), (1, 0.5)):
         block = f"test-model-threads-{threads}"  # one block each: the flows cache settings

@@ -28,6 +28,7 @@ from tasks import pipeline, watermark
 from tasks.models import MODEL_CACHE
 from tasks.options import ModerationPolicy
 from tasks.provenance import Credentials, dev_root_path, inspect_file
+from tests import samples
 from tests.orchestration.conftest import Home
 from tests.orchestration.helpers import (
     STAGE_MODES,
@@ -44,22 +45,13 @@ from tests.orchestration.helpers import (
     table_rows,
     task_runs,
 )
-from tests.samples import (
-    astronaut_jpeg_bytes,
-    colorwheel_rgb,
-    encode,
-    grace_hopper_jpeg_bytes,
-    grace_hopper_rgb,
-    no_face_jpeg_bytes,
-    t1_jpeg_bytes,
-)
 
 
 @STAGE_MODES
 def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home, inline: bool) -> None:
     params = job_params(
-        prefect_harness.put_input(astronaut_jpeg_bytes()),
-        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+        prefect_harness.put_input(samples.astronaut_jpeg_bytes()),
+        prefect_harness.put_input(samples.grace_hopper_jpeg_bytes()),
         settings_block=stage_settings(inline),
     )
     FuseFacesParams.model_validate(params)  # what the test sends is what the webapi sends
@@ -68,7 +60,7 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home, inline: bool) 
     ref = ResultRef.model_validate(state.result())
 
     image = result_pixels(ref)
-    target = grace_hopper_rgb()
+    target = samples.grace_hopper_rgb()
     assert image.shape == target.shape
     assert (ref.width, ref.height, ref.content_type) == (
         target.shape[1],
@@ -133,9 +125,9 @@ def test_fuses_astronaut_into_grace_hopper(prefect_harness: Home, inline: bool) 
 def test_per_face_mapping_loads_every_source_and_moderates_it(prefect_harness: Home) -> None:
     """Two sources onto t1's first and last faces in reading order; a third source that
     moderation blocks fails the job before detection."""
-    astronaut = prefect_harness.put_input(astronaut_jpeg_bytes())
-    t1 = prefect_harness.put_input(t1_jpeg_bytes())
-    grace = prefect_harness.put_input(grace_hopper_jpeg_bytes())
+    astronaut = prefect_harness.put_input(samples.astronaut_jpeg_bytes())
+    t1 = prefect_harness.put_input(samples.t1_jpeg_bytes())
+    grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     mapping = [{"source": 0, "target": 0}, {"source": 1, "target": 5}]
     params = job_params(astronaut, t1, extra_source_keys=[grace], options={"mapping": mapping})
     FuseFacesParams.model_validate(params)
@@ -145,7 +137,7 @@ def test_per_face_mapping_loads_every_source_and_moderates_it(prefect_harness: H
     assert ref.faces_replaced == 2
     assert ref.quality is not None and len(ref.quality.faces) == 2
 
-    wheel = prefect_harness.put_input(encode(colorwheel_rgb(), "PNG"), "png")
+    wheel = prefect_harness.put_input(samples.encode(samples.colorwheel_rgb(), "PNG"), "png")
     blocked = job_params(
         astronaut, t1, extra_source_keys=[grace, wheel], options={"mapping": mapping}
     )
@@ -158,8 +150,8 @@ def test_per_face_mapping_loads_every_source_and_moderates_it(prefect_harness: H
 @STAGE_MODES
 def test_no_face_found_is_not_retried(prefect_harness: Home, inline: bool) -> None:
     params = job_params(
-        prefect_harness.put_input(no_face_jpeg_bytes()),
-        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+        prefect_harness.put_input(samples.no_face_jpeg_bytes()),
+        prefect_harness.put_input(samples.grace_hopper_jpeg_bytes()),
         settings_block=stage_settings(inline, "detect-retries", stage_retries={"detect": 3}),
     )
     state = fuse_faces(**params, return_state=True)
@@ -173,8 +165,8 @@ def test_content_blocked_is_not_retried_and_no_face_model_runs(
     prefect_harness: Home, inline: bool
 ) -> None:
     params = job_params(
-        prefect_harness.put_input(astronaut_jpeg_bytes()),
-        prefect_harness.put_input(encode(colorwheel_rgb(), "PNG"), "png"),
+        prefect_harness.put_input(samples.astronaut_jpeg_bytes()),
+        prefect_harness.put_input(samples.encode(samples.colorwheel_rgb(), "PNG"), "png"),
         settings_block=stage_settings(
             inline, "moderation-retries", stage_retries={"moderate_inputs": 3}
         ),
@@ -189,11 +181,13 @@ def test_content_blocked_is_not_retried_and_no_face_model_runs(
 
 
 def test_moderation_report_only_and_off(prefect_harness: Home) -> None:
-    target = grace_hopper_rgb().copy()
-    target[-300:, -300:] = cv2.resize(colorwheel_rgb(), (300, 300), interpolation=cv2.INTER_AREA)
+    target = samples.grace_hopper_rgb().copy()
+    target[-300:, -300:] = cv2.resize(
+        samples.colorwheel_rgb(), (300, 300), interpolation=cv2.INTER_AREA
+    )
     keys = (
-        prefect_harness.put_input(astronaut_jpeg_bytes()),
-        prefect_harness.put_input(encode(target, "PNG"), "png"),
+        prefect_harness.put_input(samples.astronaut_jpeg_bytes()),
+        prefect_harness.put_input(samples.encode(target, "PNG"), "png"),
     )
     FusionSettings(moderation=ModerationPolicy(mode="report")).save("test-report", overwrite=True)
     state = fuse_faces(**job_params(*keys, settings_block="fusion-settings/test-report"))
@@ -215,8 +209,8 @@ def test_moderation_report_only_and_off(prefect_harness: Home) -> None:
 
 def test_marking_failure_fails_the_job_unless_marking_is_off(prefect_harness: Home) -> None:
     keys = (
-        prefect_harness.put_input(astronaut_jpeg_bytes()),
-        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+        prefect_harness.put_input(samples.astronaut_jpeg_bytes()),
+        prefect_harness.put_input(samples.grace_hopper_jpeg_bytes()),
     )
     good = load_credentials(DEFAULT_SIGNING_BLOCK)
     stranger = make_chain("someone else")[0]
@@ -281,8 +275,8 @@ def test_slow_stage_ends_at_the_deadline(
     settings = stage_settings(inline, "no-moderation", moderation=ModerationPolicy(mode="off"))
     seconds = 8.0
     params = job_params(
-        prefect_harness.put_input(astronaut_jpeg_bytes()),
-        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+        prefect_harness.put_input(samples.astronaut_jpeg_bytes()),
+        prefect_harness.put_input(samples.grace_hopper_jpeg_bytes()),
         seconds=seconds,
         settings_block=settings,
     )
@@ -297,7 +291,7 @@ def test_slow_stage_ends_at_the_deadline(
 
 def test_missing_input_is_a_permanent_invalid_input(prefect_harness: Home) -> None:
     params = job_params(
-        "inputs/aa/absent.jpg", prefect_harness.put_input(grace_hopper_jpeg_bytes())
+        "inputs/aa/absent.jpg", prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     )
     state = fuse_faces(**params, return_state=True)
     assert state.message is not None and state.message.startswith("[invalid_input] ")
@@ -327,8 +321,8 @@ def test_a_running_stage_is_published_for_the_relay(
 
     monkeypatch.setattr(pipeline, "detect_stage_batch", slow_detect)
     params = job_params(
-        prefect_harness.put_input(astronaut_jpeg_bytes()),
-        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+        prefect_harness.put_input(samples.astronaut_jpeg_bytes()),
+        prefect_harness.put_input(samples.grace_hopper_jpeg_bytes()),
     )
     state = fuse_faces(**params, return_state=True)
     assert state.is_completed(), state.message
@@ -342,8 +336,8 @@ def test_identity_reference_moderation_and_encoding_run_beside_other_stages(
     while align runs, the result's moderation and encoding while the quality stage runs;
     the result and its report are those of the stages one after the other."""
     params = job_params(
-        prefect_harness.put_input(astronaut_jpeg_bytes()),
-        prefect_harness.put_input(grace_hopper_jpeg_bytes()),
+        prefect_harness.put_input(samples.astronaut_jpeg_bytes()),
+        prefect_harness.put_input(samples.grace_hopper_jpeg_bytes()),
     )
     overlap = probe_overlap(monkeypatch)
 

@@ -349,29 +349,49 @@ def _run_holding_a_chunk(
     return state, job_id, (held[0][0] if held else None), new
 
 
+def _hold_a_chunk_in_three_tries(
+    prefect_api: Api,
+    workers: list[WarmWorker],
+    videos: Videos,
+    *,
+    quality: int,
+    chunk: str,
+    act: Callable[[str, int], None],
+    caught: Callable[[str], bool],
+    missed: str,
+) -> tuple[Any, str, str, set[str]]:
+    """``_run_holding_a_chunk`` until the held run's final state type is ``caught``. Parts
+    are caught running by polling their runs, so under load one may be caught only as it
+    ends or not at all; such a try proves nothing and the job is run again with another
+    source (JPEG ``quality`` lowered by one: its chunks are not stored yet), at most three
+    times, then the test fails with ``missed``."""
+    for attempt in range(3):
+        source = samples.encode(samples.astronaut_rgb(), quality=quality - attempt)
+        state, job_id, held, new = _run_holding_a_chunk(
+            prefect_api, workers, videos, source, chunk=chunk, act=act
+        )
+        if held is not None and caught(prefect_api.run(held)["state_type"]):
+            return state, job_id, held, new
+    pytest.fail(f"{missed} in three tries")
+
+
 def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
     prefect_api: Api, workers: list[WarmWorker], videos: Videos
 ) -> None:
-    """The part is caught running by polling its runs, so under load it may be caught only
-    as it ends: killed after its ``Completed`` proposal left (the run ends Completed, its
-    chunk stored), or not at all. Such a try proves nothing either way and the job is run
-    again with another source (its chunks not stored yet), at most three times; a part
-    that died Crashed must have been run again."""
-    for attempt in range(3):
-        source = samples.encode(samples.astronaut_rgb(), quality=90 - attempt)
-        state, job_id, killed, new = _run_holding_a_chunk(
-            prefect_api,
-            workers,
-            videos,
-            source,
-            chunk="-chunk-0001",
-            act=lambda _job_id, pid: os.kill(pid, signal.SIGKILL),
-        )
-        assert state.is_completed(), state.message
-        if killed is not None and prefect_api.run(killed)["state_type"] != "COMPLETED":
-            break
-    else:
-        pytest.fail("chunk 1's part was not killed while it ran in three tries")
+    """A part killed while it runs (one caught only as it ends is killed after its
+    ``Completed`` proposal left: a try that proves nothing) ends Crashed and is run again;
+    every other chunk is rendered once."""
+    state, job_id, killed, new = _hold_a_chunk_in_three_tries(
+        prefect_api,
+        workers,
+        videos,
+        quality=90,
+        chunk="-chunk-0001",
+        act=lambda _job_id, pid: os.kill(pid, signal.SIGKILL),
+        caught=lambda ended: ended != "COMPLETED",
+        missed="chunk 1's part was not killed while it ran",
+    )
+    assert state.is_completed(), state.message
     assert prefect_api.run(killed)["state_type"] == "CRASHED"
     ref = VideoResultRef.model_validate(state.result())
     runs = Counter(r["name"] for r in parts_of(prefect_api, job_id))
@@ -389,25 +409,18 @@ def cancel_parts(prefect_api: Api, job_id: str) -> None:
 def test_cancelling_the_parts_ends_the_attempt_cancelled_without_a_result(
     prefect_api: Api, workers: list[WarmWorker], videos: Videos
 ) -> None:
-    """The parts are caught running by polling their runs, so under load the held part
-    may be caught only as it ends (its ``Completed`` proposal already sent) or not at all;
-    such a try proves nothing and the job is run again with another source, at most three
-    times. The held part's chunk is never written, no result is, and no partial file is
-    left behind."""
-    for attempt in range(3):
-        source = samples.encode(samples.astronaut_rgb(), quality=80 - attempt)
-        state, job_id, held, new = _run_holding_a_chunk(
-            prefect_api,
-            workers,
-            videos,
-            source,
-            chunk="-chunk-",
-            act=lambda job, _pid: cancel_parts(prefect_api, job),
-        )
-        if held is not None and prefect_api.run(held)["state_type"] == "CANCELLED":
-            break
-    else:
-        pytest.fail("no chunk's part was held and cancelled while it ran in three tries")
+    """The held part's chunk is never written, no result is, and no partial file is left
+    behind."""
+    state, job_id, held, new = _hold_a_chunk_in_three_tries(
+        prefect_api,
+        workers,
+        videos,
+        quality=80,
+        chunk="-chunk-",
+        act=lambda job, _pid: cancel_parts(prefect_api, job),
+        caught=lambda ended: ended == "CANCELLED",
+        missed="no chunk's part was held and cancelled while it ran",
+    )
     assert state.is_cancelled(), state
     settled = all(
         r["state_type"] in ("CANCELLED", "COMPLETED") for r in parts_of(prefect_api, job_id)
