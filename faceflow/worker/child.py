@@ -285,6 +285,15 @@ class WarmChild:
                 return flow_run
         return client.read_flow_run(UUID(request.flow_run_id))
 
+    def run_start(self, client: Any, flow_run: Any) -> contextlib.AbstractContextManager[Any]:
+        """The engine's PATCH and re-read of ``flow_run`` off its path (``run_start``),
+        unless the spec keeps Prefect's own."""
+        if not self.spec.lean_run_start:
+            return contextlib.nullcontext()
+        from faceflow.worker.run_start import RunStart
+
+        return RunStart(client, flow_run).installed()
+
     def run(self, request: RunRequest, client: Any) -> RunFinished:
         """Run one flow run through Prefect's engine; never raises."""
         from prefect.flow_engine import run_flow
@@ -297,7 +306,7 @@ class WarmChild:
             flow_run = self.flow_run_of(request, client)
             flow = self.with_default_storage(self.named_already(flow, flow_run))
             self.conn.send(RunStarted(request.flow_run_id, (time.perf_counter() - start) * 1e3))
-            with run_environment(request.env, working_dir):
+            with run_environment(request.env, working_dir), self.run_start(client, flow_run):
                 state = run_flow(flow, flow_run=flow_run, return_type="state")
             state_type = str(state.type.value)  # type: ignore[union-attr]
             state_message = state.message  # type: ignore[union-attr]

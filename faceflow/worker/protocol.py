@@ -20,6 +20,7 @@ class ChildSpec:
     working_dir: str | None = None
     flow_heartbeats: bool = False
     shared_suspension_observer: bool = True
+    lean_run_start: bool = True
     rich_console: bool = False
 
 

@@ -95,6 +95,11 @@ class WorkerSettings(BaseSettings):
         default=True,
         description="One suspension observer per child instead of one per run (-0.2 s/run).",
     )
+    lean_run_start: bool = Field(
+        default=True,
+        description="Take the engine's PATCH of a run and its re-read after Running off the "
+        "run's path (faceflow.worker.run_start); false: Prefect's own requests.",
+    )
     rich_console: bool = Field(
         default=False,
         description="Keep Prefect's rich console handler in children (colours on a terminal; "
@@ -152,6 +157,7 @@ class WorkerSettings(BaseSettings):
                     working_dir=self.working_dir,
                     flow_heartbeats=self.flow_heartbeats,
                     shared_suspension_observer=self.shared_suspension_observer,
+                    lean_run_start=self.lean_run_start,
                     rich_console=self.rich_console,
                 )
             )
