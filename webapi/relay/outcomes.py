@@ -3,7 +3,8 @@
 ``observe`` reads the non-terminal jobs holding a flow run together with their runs (one
 batched call); ``settle`` applies the outcome the flow stored for a job's current attempt
 (its ``ResultRef``: succeeded; its ``JobFailure``: failed, or re-dispatched when
-retryable); ``retry_or_fail`` fences off a job's run and re-dispatches the job or fails it
+retryable), ``settle_all`` the outcomes of many jobs (a batch run's) in one transaction;
+``retry_or_fail`` fences off a job's run and re-dispatches the job or fails it
 (``worker_lost``, ``deadline_exceeded``). Every write is conditional on the job's current
 ``flow_run_id`` (``jobstate.transition``): a stale run never writes. Counted in
 ``faceflow_relay_transitions_total`` and ``faceflow_relay_reaped_total``.
@@ -13,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 from pydantic import ValidationError
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
 
 from flows.params import (
     FINAL_STAGE,
@@ -128,45 +129,97 @@ PUBLIC_MESSAGES: dict[JobErrorCode, str] = {
 }
 
 
+@dataclass(frozen=True)
+class Ending:
+    """What the outcome a flow stored asks of its job: move it to ``to`` with ``fields``
+    (from the statuses ``ENDED_FROM``), or, with ``retry`` (a retryable failure's code and
+    message), re-dispatch it while attempts and time remain (``retry_or_fail``)."""
+
+    to: JobStatus
+    fields: dict[str, Any]
+    retry: tuple[JobErrorCode, str] | None = None
+
+
 def settle(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
     """Apply the outcome the flow stored for ``job``'s current attempt: its ``ResultRef``
     (succeeded) or its ``JobFailure`` (failed; a retryable failure is re-dispatched while
     attempts and time remain). Returns whether the job changed, or None when the attempt
     stored neither (False, to try again, when storage is down)."""
+    return settle_all(relay, [(job, run)])[0]
+
+
+def settle_all(relay: Relay, jobs: Sequence[tuple[Watched, FlowRun | None]]) -> list[bool | None]:
+    """``settle`` for each of ``jobs`` (a batch run's, say): every stored outcome is read
+    first, then written in one transaction, each write fenced on its job's run as alone;
+    a job whose guard fails (cancelled meanwhile, re-dispatched) is skipped, the others
+    settle. One result per job, as ``settle``'s."""
+    read = [stored_outcome(relay, job, run) for job, run in jobs]
+    due = sorted(
+        (
+            (job, run, ending)
+            for (job, run), ending in zip(jobs, read, strict=True)
+            if isinstance(ending, Ending)
+        ),
+        key=lambda due: due[0].job_id,  # one lock order for every writer
+    )
+    written: dict[uuid.UUID, str | None] = {}
+    if due:
+        cost_s = relay.expected_cost_s() if any(end.retry for _j, _r, end in due) else 0.0
+        now = utcnow()
+        with relay.session() as session:
+            written = {
+                job.job_id: _apply(session, job, run, ending, now=now, cost_s=cost_s)
+                for job, run, ending in due
+            }
+            session.commit()
+    for job, _run, ending in due:
+        _report(relay, job, ending, written[job.job_id])
+    return [
+        written[job.job_id] is not None if isinstance(outcome, Ending) else outcome
+        for (job, _run), outcome in zip(jobs, read, strict=True)
+    ]
+
+
+def stored_outcome(relay: Relay, job: Watched, run: FlowRun | None) -> Ending | bool | None:
+    """What the outcome the flow stored for ``job``'s current attempt asks (read from
+    storage, nothing written); None when the attempt stored neither, False when storage
+    is down (to try again)."""
     key = result_meta_key(str(job.job_id), job.attempts)
     try:
         raw = relay.store.get(key)
         ref = ResultRef.model_validate_json(raw)
         video = _video_fields(raw) if ref.content_type.startswith("video/") else {}
     except ObjectNotFound:
-        return _failed(relay, job, run)
+        return _failed(relay, job)
     except ValidationError:
-        return end(
-            relay,
-            job,
+        return Ending(
             JobStatus.failed,
-            error_code=JobErrorCode.result_invalid,
-            error_message="The job finished but its result could not be read.",
+            {
+                "error_code": JobErrorCode.result_invalid,
+                "error_message": "The job finished but its result could not be read.",
+            },
         )
     except StorageError as exc:  # storage unreachable: try again next pass
         log.warning("result not readable yet", extra={"job_id": str(job.job_id), "error": str(exc)})
         return False
     started = run.start_time if run is not None else None
-    return end(
-        relay,
-        job,
+    return Ending(
         JobStatus.succeeded,
-        started_at=sa.func.coalesce(Job.started_at, sa.literal(started or utcnow(), UTCDateTime)),
-        stage=FINAL_STAGE,
-        result_key=ref.key,
-        result_content_type=ref.content_type,
-        result_width=ref.width,
-        result_height=ref.height,
-        timings=ref.timings_ms,
-        quality=ref.quality.as_json() if ref.quality is not None else None,
-        error_code=None,
-        error_message=None,
-        **video,
+        {
+            "started_at": sa.func.coalesce(
+                Job.started_at, sa.literal(started or utcnow(), UTCDateTime)
+            ),
+            "stage": FINAL_STAGE,
+            "result_key": ref.key,
+            "result_content_type": ref.content_type,
+            "result_width": ref.width,
+            "result_height": ref.height,
+            "timings": ref.timings_ms,
+            "quality": ref.quality.as_json() if ref.quality is not None else None,
+            "error_code": None,
+            "error_message": None,
+            **video,
+        },
     )
 
 
@@ -200,7 +253,7 @@ def _video_fields(raw: bytes) -> dict[str, Any]:
     return {"video_report": report, "progress": progress}
 
 
-def _failed(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
+def _failed(relay: Relay, job: Watched) -> Ending | bool | None:
     key = result_error_key(str(job.job_id), job.attempts)
     try:
         failure = JobFailure.model_validate_json(relay.store.get(key))
@@ -216,20 +269,57 @@ def _failed(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
         return None
     code = failure.code
     message = PUBLIC_MESSAGES.get(code, pipeline_errors.FaceFlowError.default_message)
-    if failure.retryable:
-        return retry_or_fail(
-            relay, job, run, reason="failed", now=utcnow(), failure=(code, message)
+    fields = {"error_code": code, "error_message": message}
+    return Ending(JobStatus.failed, fields, retry=(code, message) if failure.retryable else None)
+
+
+def _apply(
+    session: Session,
+    job: Watched,
+    run: FlowRun | None,
+    ending: Ending,
+    *,
+    now: datetime,
+    cost_s: float,
+) -> str | None:
+    """Write ``ending`` for ``job`` in ``session`` (not committed): what it did (the status
+    ended in, or for a retry what ``_fence`` did), or None when the job's guard failed."""
+    if ending.retry is not None:
+        return _fence(
+            session, job, run, reason="failed", now=now, cost_s=cost_s, failure=ending.retry
         )
-    return end(relay, job, JobStatus.failed, error_code=code, error_message=message)
+    changed = transition(
+        session,
+        job_id=job.job_id,
+        to=ending.to,
+        expected=ENDED_FROM,
+        expected_flow_run_id=job.flow_run_id,
+        commit=False,
+        now=now,
+        **ending.fields,
+    )
+    return ending.to.value if changed else None
+
+
+def _report(relay: Relay, job: Watched, ending: Ending, done: str | None) -> None:
+    """Count and log a committed ``_apply`` that did ``done``."""
+    if done is not None and ending.retry is not None:
+        _reaped(relay, job, "failed", done)
+    elif done is not None:
+        _ended(relay, job, ending.to)
 
 
 def end(relay: Relay, job: Watched, to: JobStatus, **fields: Any) -> bool:
     changed = write(relay, job, to, ENDED_FROM, **fields)
     if changed:
-        relay.metrics.inc(TRANSITIONS, to.value)
-        log.info("job ended", extra={"job_id": str(job.job_id), "status": to.value})
-        relay.wake("dispatch")  # a run may have ended: batching dispatch may send more
+        _ended(relay, job, to)
     return changed
+
+
+def _ended(relay: Relay, job: Watched, to: JobStatus) -> None:
+    relay.metrics.inc(TRANSITIONS, to.value)
+    log.info("job ended", extra={"job_id": str(job.job_id), "status": to.value})
+    relay.wake("dispatch")  # a run may have ended: batching dispatch may send more
 
 
 def write(
@@ -262,8 +352,29 @@ def retry_or_fail(
     """Fence off ``job``'s current run (and cancel it, or stop the job in it when the run
     carries other jobs), then re-dispatch or fail the job. ``failure`` is the (code,
     message) a job fails with when it cannot run again (default ``worker_lost``)."""
+    cost_s = relay.expected_cost_s()
+    with relay.session() as session:
+        outcome = _fence(session, job, run, reason=reason, now=now, cost_s=cost_s, failure=failure)
+        session.commit()
+    if outcome is not None:
+        _reaped(relay, job, reason, outcome)
+    return outcome is not None
+
+
+def _fence(
+    session: Session,
+    job: Watched,
+    run: FlowRun | None,
+    *,
+    reason: str,
+    now: datetime,
+    cost_s: float,
+    failure: tuple[JobErrorCode, str] | None,
+) -> str | None:
+    """``retry_or_fail``'s writes in ``session`` (not committed), an attempt expected to
+    need ``cost_s``: "redispatched", "failed", or None when the job's guard failed."""
     time_left = (job.deadline_at - now).total_seconds()
-    enough_time = time_left > relay.expected_cost_s()
+    enough_time = time_left > cost_s
     can_retry = reason != "overdue" and job.attempts < job.max_attempts and enough_time
     fields: dict[str, Any]
     if can_retry:  # back to queued without a run: the old run is fenced off
@@ -274,39 +385,41 @@ def retry_or_fail(
         code = JobErrorCode.worker_lost if lost else JobErrorCode.deadline_exceeded
         code, message = failure if failure and lost else (code, MESSAGES[code])
         to, fields = JobStatus.failed, {"error_code": code, "error_message": message}
-    with relay.session() as session:
-        changed = transition(
-            session,
-            job_id=job.job_id,
-            to=to,
-            expected=job.status,
-            expected_flow_run_id=job.flow_run_id,
-            commit=False,
-            now=now,
-            **fields,
-        )
-        if changed and can_retry:
-            session.add(_outbox("dispatch", job.job_id, {"attempt": job.attempts + 1}, now))
-        # A video attempt's parts outlive its coordinator: they are cancelled even when the
-        # coordinator's run is over (crashed, lost), so no GPU renders for a fenced attempt.
-        live_id = run.id if run is not None and not run.state_type.is_final else None
-        if changed and (live_id is not None or job.media == "video"):
-            payload = {"flow_run_id": live_id, "attempt": job.attempts}
-            session.add(_outbox("cancel_run", job.job_id, payload, now))
-        session.commit()
-    if changed:
-        outcome = "redispatched" if can_retry else "failed"
-        relay.metrics.inc(REAPED, f"{reason}_{outcome}")
-        log.warning(
-            "flow run reaped",
-            extra={
-                "job_id": str(job.job_id),
-                "attempt": job.attempts,
-                "reason": reason,
-                "outcome": outcome,
-            },
-        )
-    return changed
+    changed = transition(
+        session,
+        job_id=job.job_id,
+        to=to,
+        expected=job.status,
+        expected_flow_run_id=job.flow_run_id,
+        commit=False,
+        now=now,
+        **fields,
+    )
+    if not changed:
+        return None
+    if can_retry:
+        session.add(_outbox("dispatch", job.job_id, {"attempt": job.attempts + 1}, now))
+    # A video attempt's parts outlive its coordinator: they are cancelled even when the
+    # coordinator's run is over (crashed, lost), so no GPU renders for a fenced attempt.
+    live_id = run.id if run is not None and not run.state_type.is_final else None
+    if live_id is not None or job.media == "video":
+        payload = {"flow_run_id": live_id, "attempt": job.attempts}
+        session.add(_outbox("cancel_run", job.job_id, payload, now))
+    return "redispatched" if can_retry else "failed"
+
+
+def _reaped(relay: Relay, job: Watched, reason: str, outcome: str) -> None:
+    """Count and log a committed ``_fence``."""
+    relay.metrics.inc(REAPED, f"{reason}_{outcome}")
+    log.warning(
+        "flow run reaped",
+        extra={
+            "job_id": str(job.job_id),
+            "attempt": job.attempts,
+            "reason": reason,
+            "outcome": outcome,
+        },
+    )
 
 
 def _outbox(kind: OutboxKind, job_id: uuid.UUID, payload: dict[str, Any], now: datetime) -> Outbox:

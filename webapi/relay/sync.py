@@ -48,6 +48,7 @@ from webapi.relay.outcomes import (
     observe,
     retry_or_fail,
     settle,
+    settle_all,
     watched_jobs,
     write,
 )
@@ -120,21 +121,25 @@ def settle_ended(relay: Relay) -> tuple[int, bool]:
     A job whose attempt stored nothing (cancelled or lost: the run's state decides), or
     not yet marked started (its RUNNING event was missed: its start time is the run's) is
     undecided: the pass reads the runs, and the run is taken up again ``REREAD_AFTER_S``
-    after its event, as its final state may not be visible over REST yet. Returns how many
-    jobs changed and whether one is undecided."""
+    after its event, as its final state may not be visible over REST yet. The jobs of the
+    runs are settled together (``settle_all``: one transaction). Returns how many jobs
+    changed and whether one is undecided."""
     noted = {run.run_id: run for run in relay.news.take_ended()}
     if not noted:
         return 0, False
+    jobs = watched_jobs(relay, runs=noted)
+    started = [job for job in jobs if job.started_at is not None]
+    outcomes = settle_all(relay, [(job, None) for job in started])
+    settled = {job.job_id: outcome for job, outcome in zip(started, outcomes, strict=True)}
     changed, undecided = 0, False
-    for job in watched_jobs(relay, runs=noted):
-        settled = settle(relay, job, None) if job.started_at is not None else None
-        if settled is None:
+    for job in jobs:
+        if settled.get(job.job_id) is None:
             undecided = True
             run = noted[str(job.flow_run_id)]
             after_s = _again_after_s(run)
             if after_s is not None:
                 relay.news.again(run, after_s, read=True)
-        changed += bool(settled)
+        changed += bool(settled.get(job.job_id))
     return changed, undecided
 
 
