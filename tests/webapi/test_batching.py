@@ -102,6 +102,17 @@ def _run(flow_run_id: uuid.UUID | str) -> str:
     return str(state.type.value)  # type: ignore[union-attr]
 
 
+def _dispatch_beside(relay: Relay, action: Callable[[], object]) -> tuple[int, float]:
+    """One dispatch pass while ``action`` runs on another thread: rows handled, seconds."""
+    beside = threading.Thread(target=action)
+    started = time.monotonic()
+    beside.start()
+    handled = dispatch.run_once(relay)
+    waited = time.monotonic() - started
+    beside.join()
+    return handled, waited
+
+
 def _batch_of(prefect_server: PrefectServer, flow_run_id: uuid.UUID | None) -> FuseBatchParams:
     assert flow_run_id is not None
     return FuseBatchParams.model_validate(prefect_server.rest.run(str(flow_run_id))["parameters"])
@@ -233,20 +244,60 @@ def test_a_run_that_would_queue_behind_a_busy_slot_waits_for_more_jobs(
 
     early = _submit(relay, owner)
     later: list[Job] = []
-    arrivals = threading.Thread(
-        target=lambda: [time.sleep(0.15), later.extend(_submit(relay, owner) for _ in range(3))]
+    handled, waited = _dispatch_beside(
+        relay, lambda: [time.sleep(0.15), later.extend(_submit(relay, owner) for _ in range(3))]
     )
-    started = time.monotonic()
-    arrivals.start()
-    handled = dispatch.run_once(relay)
-    waited = time.monotonic() - started
-    arrivals.join()
 
     assert handled == 4 and waited >= 0.4
     runs = {job(relay.engine, j.id).flow_run_id for j in [early, *later]}
     assert len(runs) == 1 and None not in runs
     batch = _batch_of(prefect_server, runs.pop())
     assert sorted(j.job_id for j in batch.jobs) == sorted(str(j.id) for j in [early, *later])
+
+
+def test_the_ahead_linger_ends_once_the_lane_s_run_ends(
+    relay: Relay, owner: crud.NewUser, prefect_server: PrefectServer
+) -> None:
+    """Jobs lingering behind the lane's running run (for more to join them) leave as soon
+    as that run ends, not at the linger's cap: the worker slot would idle meanwhile. A wake
+    while the run still runs (a submit's) does not end the linger, and the pass's wakes are
+    handed on to the next pass."""
+    relay.settings = relay.settings.model_copy(update={"batch_ahead_linger_ms": 3000.0})
+    woken = threading.Event()
+    wakes: list[tuple[str, bool]] = []  # each wake, and whether the dispatch pass sent it
+
+    def nap(step: str, seconds: float) -> bool:  # as RelayRunner.nap: the loop's wake
+        assert step == "dispatch"
+        if not woken.wait(seconds):
+            return False
+        woken.clear()
+        return True
+
+    def wake(step: str) -> None:
+        wakes.append((step, threading.current_thread() is threading.main_thread()))
+        if step == "dispatch":
+            woken.set()
+
+    relay.nap, relay.wake = nap, wake
+    first = _submit(relay, owner)
+    assert dispatch.run_once(relay) == 1  # idle lane: at once
+    prefect_server.rest.set_state(str(job(relay.engine, first.id).flow_run_id), "RUNNING")
+    sync.run_once(relay)
+    waiting = _submit(relay, owner)
+
+    def submit_then_end_first() -> None:
+        time.sleep(0.3)
+        woken.set()  # a submit wakes dispatch: the first run still runs, the linger goes on
+        time.sleep(0.3)
+        _end_run(relay, prefect_server, first)
+        sync.run_once(relay)  # settles the first job; its end wakes dispatch
+
+    handled, waited = _dispatch_beside(relay, submit_then_end_first)
+
+    assert job(relay.engine, first.id).status is JobStatus.succeeded
+    assert handled == 1 and job(relay.engine, waiting.id).flow_run_id is not None
+    assert 0.55 <= waited < 2.5, waited  # after the run's end, far below the 3 s cap
+    assert ("dispatch", True) in wakes  # the next pass looks at what woke this one
 
 
 def test_a_run_ahead_is_created_once_the_lane_s_next_run_is_running(
@@ -265,12 +316,7 @@ def test_a_run_ahead_is_created_once_the_lane_s_next_run_is_running(
         prefect_server.rest.set_state(str(job(relay.engine, first.id).flow_run_id), "RUNNING")
         sync.run_once(relay)
 
-    starter = threading.Thread(target=start_first)
-    started = time.monotonic()
-    starter.start()
-    handled = dispatch.run_once(relay)
-    waited = time.monotonic() - started
-    starter.join()
+    handled, waited = _dispatch_beside(relay, start_first)
 
     assert handled == 8 and job(relay.engine, first.id).status is JobStatus.running
     assert 0.25 <= waited < 2.5, waited  # until the first run ran, far below the 3 s cap

@@ -10,7 +10,8 @@ With ``batch_max_jobs`` > 1 (``webapi.config``) a dispatch pass
    fewer arrived than a batch holds and the oldest is younger than ``batch_linger_ms``,
    waits out the linger once for more — ``batch_ahead_linger_ms`` instead when every worker slot of their lane
    is busy (the run would only queue behind those: a burst then leaves in fewer, larger
-   runs, while a job on an idle lane still leaves at once). Such a run is not created
+   runs, while a job on an idle lane still leaves at once; the linger ends when a run of
+   the lane ends, as its slot would idle). Such a run is not created
    while the lane's next run is being handed to a worker slot (created, not yet running,
    a slot without a running run: ``_await_handover``), at most ``batch_ahead_linger_ms``;
 3. groups the jobs by what a run must share (lane, detector and fuser as the client set
@@ -85,7 +86,7 @@ def run_once(relay: Relay) -> int:
             _await_handover(relay, lane, relay.settings.batch_ahead_linger_ms / 1000.0)
         rows = claim(relay, [lane], limit)
         if rows and len(rows) < limit:
-            rows += _linger(relay, rows, [lane], limit, _linger_s(relay, free, lane))
+            rows += _linger(relay, rows, lane, limit, ahead=_ahead(relay, free, lane))
         handled += len(rows)
         if rows and not _dispatch(relay, rows, max_runs=free[lane]):
             break  # Prefect unreachable: the rest waits for the outage to end
@@ -186,28 +187,33 @@ def _await_handover(relay: Relay, lane: str, at_most_s: float) -> None:
         time.sleep(HANDOVER_POLL_S)
 
 
-def _linger_s(relay: Relay, free: dict[str, int], lane: str) -> float:
-    """How long (from the oldest row's arrival) a lane's rows may wait for more to join
-    them: ``batch_linger_ms``, or the longer ``batch_ahead_linger_ms`` when their run would
-    only queue behind the lane's running ones."""
-    settings = relay.settings
-    linger_ms = settings.batch_linger_ms
-    if _ahead(relay, free, lane):
-        linger_ms = max(linger_ms, settings.batch_ahead_linger_ms)
-    return linger_ms / 1000.0
-
-
 def _linger(
-    relay: Relay, rows: list[Outbox], lanes: list[str], limit: int, linger_s: float
+    relay: Relay, rows: list[Outbox], lane: str, limit: int, *, ahead: bool
 ) -> list[Outbox]:
-    """Wait once, up to ``linger_s`` after the oldest row's arrival, for more rows to join
-    a batch that is not full."""
+    """Wait once, up to the linger after the oldest row's arrival, for more rows to join a
+    batch that is not full: ``batch_linger_ms``, or the longer ``batch_ahead_linger_ms``
+    while the run would only queue behind the lane's running ones (``ahead``). The longer
+    linger ends as soon as the lane stops being ahead (a run of it ended: the run would
+    start at once, and the worker slot would idle while the rows wait); dispatch's wakes
+    (a submit, a run's end) are when to look."""
+    settings = relay.settings
     oldest = min(row.created_at for row in rows)
-    wait_s = linger_s - (utcnow() - oldest).total_seconds()
-    if wait_s <= 0:
+    waited_s = (utcnow() - oldest).total_seconds()
+    start = time.monotonic() - waited_s
+    plain_s = settings.batch_linger_ms / 1000.0
+    linger_s = max(plain_s, settings.batch_ahead_linger_ms / 1000.0) if ahead else plain_s
+    woken = False
+    while (left := start + linger_s - time.monotonic()) > 0:
+        if not relay.nap("dispatch", left):
+            break
+        woken = True
+        if ahead and not _ahead(relay, free_runs(relay), lane):
+            ahead, linger_s = False, plain_s
+    if woken:
+        relay.wake("dispatch")  # what woke the pass is looked at again once it ends
+    if waited_s >= linger_s and not woken:
         return []
-    time.sleep(wait_s)
-    return claim(relay, lanes, limit - len(rows))
+    return claim(relay, [lane], limit - len(rows))
 
 
 def group(

@@ -154,6 +154,12 @@ class RunNews:
         return max(0.0, min(asked) - time.monotonic()) if asked else None
 
 
+def _sleep(seconds: float) -> bool:
+    """``Relay.nap`` outside a runner: nothing can wake it."""
+    time.sleep(seconds)
+    return False
+
+
 @dataclass
 class Relay:
     """The relay's dependencies; ``owner`` names this replica in outbox leases."""
@@ -170,6 +176,9 @@ class Relay:
     http: httpx.Client = field(default_factory=lambda: httpx.Client(follow_redirects=False))
     wake: Callable[[str], None] = field(default=lambda _step: None)
     """Run a relay step's loop now (set by ``RelayRunner``; a no-op for single passes)."""
+    nap: Callable[[str, float], bool] = field(default=lambda _step, seconds: _sleep(seconds))
+    """Wait up to the seconds given inside a pass of a step, True as soon as that step's loop
+    is woken meanwhile (set by ``RelayRunner``; a plain sleep for single passes)."""
     news: RunNews = field(default_factory=RunNews)
     """What flow-run events said, for sync's next pass (``sync.start_from_events``,
     ``sync.settle_ended``)."""

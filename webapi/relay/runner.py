@@ -84,6 +84,7 @@ class RelayRunner:
     def __init__(self, relay: Relay) -> None:
         self.relay = relay
         relay.wake = self.wake
+        relay.nap = self.nap
         self._stop = threading.Event()
         self.fetches = fetch_lane.FetchLane(relay.settings.fetch_concurrency)
         t = relay.timings
@@ -198,6 +199,15 @@ class RelayRunner:
         """Run the named loops (default: fetch, dispatch and notify) without waiting."""
         for name in names or ("fetch", "dispatch", "notify"):
             self._loops[name].wake.set()
+
+    def nap(self, name: str, seconds: float) -> bool:
+        """Wait, inside a pass of loop ``name``, up to ``seconds`` for that loop to be woken;
+        True when it was (the wake is taken: the caller acts on it or calls ``wake``)."""
+        event = self._loops[name].wake
+        if self._stop.is_set() or not event.wait(seconds):
+            return False
+        event.clear()
+        return True
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stop the loops (each finishes its current pass), cut the input fetches in flight
