@@ -150,34 +150,44 @@ def settle(relay: Relay, job: Watched, run: FlowRun | None) -> bool | None:
 
 def settle_all(relay: Relay, jobs: Sequence[tuple[Watched, FlowRun | None]]) -> list[bool | None]:
     """``settle`` for each of ``jobs`` (a batch run's, say): every stored outcome is read
-    first, then written in one transaction, each write fenced on its job's run as alone;
-    a job whose guard fails (cancelled meanwhile, re-dispatched) is skipped, the others
-    settle. One result per job, as ``settle``'s."""
+    first, then written in one transaction (``_write_endings``); a job whose guard fails
+    (cancelled meanwhile, re-dispatched) is skipped, the others settle. One result per job,
+    as ``settle``'s."""
     read = [stored_outcome(relay, job, run) for job, run in jobs]
-    due = sorted(
-        (
+    written = _write_endings(
+        relay,
+        [
             (job, run, ending)
             for (job, run), ending in zip(jobs, read, strict=True)
             if isinstance(ending, Ending)
-        ),
-        key=lambda due: due[0].job_id,  # one lock order for every writer
+        ],
     )
-    written: dict[uuid.UUID, str | None] = {}
-    if due:
-        cost_s = relay.expected_cost_s() if any(end.retry for _j, _r, end in due) else 0.0
-        now = utcnow()
-        with relay.session() as session:
-            written = {
-                job.job_id: _apply(session, job, run, ending, now=now, cost_s=cost_s)
-                for job, run, ending in due
-            }
-            session.commit()
-    for job, _run, ending in due:
-        _report(relay, job, ending, written[job.job_id])
     return [
         written[job.job_id] is not None if isinstance(outcome, Ending) else outcome
         for (job, _run), outcome in zip(jobs, read, strict=True)
     ]
+
+
+def _write_endings(
+    relay: Relay, due: Sequence[tuple[Watched, FlowRun | None, Ending]]
+) -> dict[uuid.UUID, str | None]:
+    """Write each job's ``Ending`` in one transaction, each fenced on its job's run as
+    alone, in job-id order (one lock order for every writer); then count and log what was
+    written. Per job: what ``_apply`` did, None where its guard failed."""
+    if not due:
+        return {}
+    ordered = sorted(due, key=lambda one: one[0].job_id)
+    cost_s = relay.expected_cost_s() if any(end.retry for _j, _r, end in ordered) else 0.0
+    now = utcnow()
+    with relay.session() as session:
+        written = {
+            job.job_id: _apply(session, job, run, ending, now=now, cost_s=cost_s)
+            for job, run, ending in ordered
+        }
+        session.commit()
+    for job, _run, ending in ordered:
+        _report(relay, job, ending, written[job.job_id])
+    return written
 
 
 def stored_outcome(relay: Relay, job: Watched, run: FlowRun | None) -> Ending | bool | None:
@@ -310,10 +320,9 @@ def _report(relay: Relay, job: Watched, ending: Ending, done: str | None) -> Non
 
 
 def end(relay: Relay, job: Watched, to: JobStatus, **fields: Any) -> bool:
-    changed = write(relay, job, to, ENDED_FROM, **fields)
-    if changed:
-        _ended(relay, job, to)
-    return changed
+    """Move ``job`` to the final status ``to`` with ``fields`` (from ``ENDED_FROM``, fenced
+    on its run), as a stored outcome would; whether it moved."""
+    return _write_endings(relay, [(job, None, Ending(to, fields))])[job.job_id] is not None
 
 
 def _ended(relay: Relay, job: Watched, to: JobStatus) -> None:
