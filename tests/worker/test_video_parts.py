@@ -325,6 +325,10 @@ def _run_holding_a_chunk(
         pid = stop_while_running(prefect_api, workers, run)
         if pid is None:
             return False
+        stored = {chunk_index(f) for f in set(chunk_files(prefect_api)) - set(before)}
+        if chunk_index(run["name"]) in stored:  # stopped after its chunk was stored: a kill
+            os.kill(pid, signal.SIGCONT)  # or cancel now proves nothing
+            return False
         held.append((str(run["id"]), pid))
         act(job_id, pid)
         return True
