@@ -30,7 +30,8 @@ from webapi.models import ACTIVE_STATUSES, Job, JobStatus, Priority, User
 SERVICE_TIME_SAMPLE = 50
 SERVICE_TIME_TTL_S = 5.0
 VIDEO_SAMPLE = 20
-#: Finished photo jobs the batching model (``drain_estimate``) needs before it is used.
+#: Finished photo jobs the batching model (``drain_estimate``) needs before its wait is
+#: taken as it is (``batch_admission_safety``); from fewer it carries ``admission_safety``.
 MIN_DRAIN_JOBS = 5
 #: Seconds of video in one render chunk (the flow's default ``video_chunk_s``): a photo job
 #: waits for at most the rest of one chunk on a worker that renders a video.
@@ -128,6 +129,12 @@ class Drain:
     overhead_s: float
     compute_s: float
     batch_jobs: int
+    samples: int = MIN_DRAIN_JOBS  # the finished jobs it was measured on
+
+    @property
+    def settled(self) -> bool:
+        """Whether it was measured on enough jobs (``MIN_DRAIN_JOBS``) to be used as it is."""
+        return self.samples >= MIN_DRAIN_JOBS
 
 
 @dataclass(frozen=True)
@@ -290,8 +297,11 @@ def drain_estimate(session: Session, *, settings: Settings) -> Drain | None:
     """The batching queue's costs from the last succeeded photo jobs (cached like
     ``service_estimate``): a job's compute is the sum of its stage timings; a run's
     overhead is what it cost the queue (``run_costs``, times its jobs) less its jobs'
-    compute; each the median. None without enough history (then every job costs one
-    service time, as without batching)."""
+    compute; each the median. None before any photo job has succeeded (then every job
+    costs one service time, as without batching). Measured on fewer than
+    ``MIN_DRAIN_JOBS`` jobs (``Drain.settled`` false) it is used with the headroom of
+    ``admission_safety``: one slow warm-up job then costs the queue one slow run, not one
+    slow run per queued job (fault suite, scenario 1 refused good jobs so)."""
     return _DRAIN.get(_store(session), lambda: _measure_drain(session, settings))
 
 
@@ -307,7 +317,7 @@ def _measure_drain(session: Session, settings: Settings) -> Drain | None:
         for created, end, run, timings in rows
         if end is not None and end >= created
     ]
-    if len(jobs) < MIN_DRAIN_JOBS:
+    if not jobs:
         return None
     overheads = [
         max(0.0, cost * len(run) - sum(job[3] for job in run))
@@ -317,6 +327,7 @@ def _measure_drain(session: Session, settings: Settings) -> Drain | None:
         overhead_s=statistics.median(overheads),
         compute_s=max(0.001, statistics.median(job[3] for job in jobs)),
         batch_jobs=settings.batch_max_jobs,
+        samples=len(jobs),
     )
 
 
@@ -415,8 +426,8 @@ def check_capacity(
     # (a host shared with the API and the relay, a busier Prefect server): keep headroom.
     # The configured default (no history yet) is a deliberate guess and used as it is.
     safety = settings.admission_safety if load.measured else 1.0
-    if load.drain is not None:  # measured per run and per job: it already carries the load
-        safety = settings.batch_admission_safety
+    if load.drain is not None and load.drain.settled:  # measured per run and per job on
+        safety = settings.batch_admission_safety  # enough jobs: it carries the load
     expected_wait_s = (load.video_wait_s() if video else load.wait_s(lane)) * safety
     if over_cap or expected_wait_s > queue_timeout_s:
         what = "video work and photo jobs are" if video else f"{ahead} jobs are"

@@ -21,6 +21,7 @@ from sqlmodel import Session
 from faceflow.testing.jobs import finished_job, make_user
 from tests.webapi.conftest import make_settings
 from webapi import capacity
+from webapi.errors import Overloaded
 from webapi.models import utcnow
 
 
@@ -113,7 +114,7 @@ def test_with_batching_a_queue_drains_by_runs_and_compute_not_by_latencies(
         assert burst.wait_s("normal") == pytest.approx(64 * 1.1)
         return
     assert load.drain == capacity.Drain(overhead_s=pytest.approx(1.0), compute_s=0.1,
-                                        batch_jobs=32)  # fmt: skip
+                                        batch_jobs=32, samples=6)  # fmt: skip
     assert burst.wait_s("normal") == pytest.approx(2 * 1.0 + 64 * 0.1)
     capacity.check_capacity(active=0, owner=user.user, load=burst, lane="normal",
                             queue_timeout_s=60, settings=settings)  # fmt: skip
@@ -121,3 +122,36 @@ def test_with_batching_a_queue_drains_by_runs_and_compute_not_by_latencies(
     assert replace(burst, queued_by_lane={"normal": 65}).wait_s("normal") == pytest.approx(
         3 * 1.0 + 65 * 0.1
     )
+
+
+def test_one_slow_warm_up_job_costs_a_burst_one_slow_run_not_one_per_job(
+    database_url: str, tmp_path: Path, engine: Engine
+) -> None:
+    """Fault suite, scenario 1: the only job finished so far waited 8.1 s for the worker's
+    warm-up and computed 0.3 s. Eight jobs then queued under batching leave in one run:
+    about 7.8 s of overhead (the warm-up, counted again: headroom) + 8 x 0.3 s, with
+    ``admission_safety`` on top until the model has ``MIN_DRAIN_JOBS`` jobs behind it;
+    8 x 8.1 s as if each were a run of its own refused them against a 60 s timeout."""
+    settings = make_settings(database_url, tmp_path, batch_max_jobs=32, worker_slots=1)
+    user = make_user(engine, settings, quota=1000)
+    created = utcnow() - timedelta(minutes=1)
+    finished_job(engine, settings, user, created=created, started=created + timedelta(seconds=7.8),
+                 finished=created + timedelta(seconds=8.1), timings={"fuse": 300.0})  # fmt: skip
+    with Session(engine) as session:
+        load = capacity.backlog(session, settings=settings)
+    assert load.drain is not None and not load.drain.settled
+    assert load.drain.overhead_s == pytest.approx(7.8)
+    burst = replace(load, queued_by_lane={"normal": 8, "high": 0}, running=1)
+    expected = 7.8 + 8 * 0.3 + (7.8 + 0.3) / 2  # one run queued, half of the running one
+    assert burst.wait_s("normal") == pytest.approx(expected)
+    assert expected * settings.admission_safety < 60 < 8.5 * 8.1 * settings.admission_safety
+    capacity.check_capacity(active=0, owner=user.user, load=burst, lane="normal",
+                            queue_timeout_s=60, settings=settings)  # fmt: skip
+    # unsettled, the estimate keeps admission_safety's headroom: past it, 503
+    with pytest.raises(Overloaded):
+        capacity.check_capacity(active=0, owner=user.user, load=burst, lane="normal",
+                                queue_timeout_s=int(expected * 1.5), settings=settings)  # fmt: skip
+    # settled on MIN_DRAIN_JOBS jobs, the same wait is taken as it is
+    settled = replace(burst, drain=replace(load.drain, samples=capacity.MIN_DRAIN_JOBS))
+    capacity.check_capacity(active=0, owner=user.user, load=settled, lane="normal",
+                            queue_timeout_s=int(expected * 1.5), settings=settings)  # fmt: skip
