@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -146,18 +147,23 @@ def scale_out_env(database_url: str, redis_url: str) -> dict[str, str]:
     }
 
 
-def api_argv(prefect: str, port: int, mode: PrefectMode, api_workers: int) -> list[str]:
+#: ``prefect`` as the stack runs its server processes: this interpreter's Prefect with the
+#: server's schema checks cached (``faceflow.prefect_main``, ``faceflow.prefect_schema_cache``).
+SERVER_PREFECT = (sys.executable, "-m", "faceflow.prefect_main")
+
+
+def api_argv(port: int, mode: PrefectMode, api_workers: int) -> list[str]:
     """``prefect server start`` for the mode: embedded runs the services in the API process;
-    scale-out runs ``api_workers`` API processes without them."""
-    argv = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    scale-out runs ``api_workers`` API processes without them (``SERVER_PREFECT``)."""
+    argv = [*SERVER_PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     if mode == "scale-out":
         argv += ["--no-services", "--workers", str(api_workers)]
     return argv
 
 
-def services_argv(prefect: str) -> list[str]:
+def services_argv() -> list[str]:
     """The background services in one process of their own (scale-out only)."""
-    return [prefect, "server", "services", "start"]
+    return [*SERVER_PREFECT, "server", "services", "start"]
 
 
 def migrate_argv(prefect: str) -> list[str]:

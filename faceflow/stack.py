@@ -376,13 +376,11 @@ class Stack:
                 raise ServiceFailed("prefect-database", f"is not reachable: {exc}", log) from exc
             self._run_step("prefect-migrate", prefect_server.migrate_argv(prefect), server_env)
             self.supervisor.start(
-                self._service("prefect-services", prefect_server.services_argv(prefect), server_env)
+                self._service("prefect-services", prefect_server.services_argv(), server_env)
             )
         else:
             self.progress(f"prefect: starting server on 127.0.0.1:{cfg.prefect_port}")
-        argv = prefect_server.api_argv(
-            prefect, cfg.prefect_port, cfg.prefect_mode, cfg.prefect_api_workers
-        )
+        argv = prefect_server.api_argv(cfg.prefect_port, cfg.prefect_mode, cfg.prefect_api_workers)
         server = self.supervisor.start(self._service("prefect-server", argv, server_env))
         server.wait_ready(_http_ok(f"{cfg.prefect_api_url}/health"), cfg.ready_timeout)
 

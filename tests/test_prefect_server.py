@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import uuid
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from faceflow.testing.databases import postgres_unavailable
 
 
 def test_embedded_is_one_process_with_its_services() -> None:
-    argv = prefect_server.api_argv("prefect", 4200, "embedded", 4)
-    assert argv == ["prefect", "server", "start", "--host", "127.0.0.1", "--port", "4200"]
+    argv = prefect_server.api_argv(4200, "embedded", 4)
+    launcher = [sys.executable, "-m", "faceflow.prefect_main"]  # Prefect, schema checks cached
+    assert argv == [*launcher, "server", "start", "--host", "127.0.0.1", "--port", "4200"]
+    assert prefect_server.services_argv() == [*launcher, "server", "services", "start"]
     env = StackConfig(prefect_mode="embedded", prefect_auth_string=None).server_env()
     assert env == prefect_server.SERVICE_WRITE_BATCHING  # its services write in batches
 
@@ -43,7 +46,7 @@ def test_the_services_write_in_batches_unless_the_operator_says_otherwise(
 
 
 def test_scale_out_moves_every_in_memory_part_to_redis_and_state_to_postgres() -> None:
-    argv = prefect_server.api_argv("prefect", 4200, "scale-out", 3)
+    argv = prefect_server.api_argv(4200, "scale-out", 3)
     assert argv[-3:] == ["--no-services", "--workers", "3"]
     assert "127.0.0.1" in argv  # loopback only, like every service of the local stack
     env = StackConfig(

@@ -224,11 +224,11 @@ class PrefectServer:
             self.server_env.update(prefect_server.scale_out_env(database_url, redis_url))
             self.services = Service(
                 "prefect-services",
-                prefect_server.services_argv(PREFECT),
+                prefect_server.services_argv(),
                 log=root / "services.log",
                 env=self.server_env,
             )
-        argv = prefect_server.api_argv(PREFECT, self.port, layout, api_workers=api_workers)
+        argv = prefect_server.api_argv(self.port, layout, api_workers=api_workers)
         if not services and layout == "embedded":
             argv.append("--no-services")
         self.api = Service("prefect-server", argv, log=root / "server.log", env=self.server_env)

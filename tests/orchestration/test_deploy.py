@@ -206,6 +206,23 @@ def test_the_relay_s_runs_skip_the_server_s_schema_check_the_deployment_keeps_it
     assert api(prefect_server, "DELETE", f"/flow_runs/{run.id}").status_code == 204
 
 
+def test_the_stack_s_server_caches_its_schema_checks_and_refuses_as_before(
+    prefect_server: PrefectServer, deployed: dict[str, dict[str, Any]]
+) -> None:
+    """The server runs through ``faceflow.prefect_main`` (each schema checked against the
+    meta-schema once: ``faceflow.prefect_schema_cache``); bad job variables and parameters
+    are refused on every run, the first and the ones after."""
+    (api_pid,) = prefect_server.pids
+    assert b"faceflow.prefect_main" in Path(f"/proc/{api_pid}/cmdline").read_bytes().split(b"\0")
+    fuse = deployed[f"{FLOW_NAME}/{DEPLOYMENT_NAME}"]
+    sent = webapi_parameters(str(uuid.uuid4()), "inputs/aa/a.jpg", "inputs/bb/b.jpg")
+    for _ in range(2):
+        bad_variables = {"parameters": sent, "job_variables": {"stream_output": "maybe"}}
+        assert create_run(prefect_server, fuse, bad_variables).status_code == 422
+        bad_parameters = {"parameters": {**sent, "attempt": "first"}}
+        assert create_run(prefect_server, fuse, bad_parameters).status_code == 409
+
+
 def test_retention_is_scheduled_and_priority_runs_go_to_the_priority_queue(
     prefect_server: PrefectServer, deployed: dict[str, dict[str, Any]]
 ) -> None:
