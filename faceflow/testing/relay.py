@@ -203,23 +203,35 @@ def stand_in_flow(name: str = "fuse-faces") -> Any:
     return _FLOWS[name]
 
 
-def strict_flow() -> Any:
-    """A ``fuse-faces-strict`` flow whose ``attempt`` must be a string: the relay's
-    parameters fail its schema (Prefect answers 409)."""
-    if "strict" not in _FLOWS:
-        from prefect import flow
-
-        def strict(job_id: str, attempt: str) -> None:
-            return None
-
-        _FLOWS["strict"] = flow(name="fuse-faces-strict", persist_result=False)(strict)
-    return _FLOWS["strict"]
+STRICT_POOL = "strict"
+#: A work pool whose job template needs a variable that the relay never sends: Prefect
+#: refuses every run of its deployments (422), as it would after an operator's template
+#: change that the relay's job variables no longer meet.
+STRICT_TEMPLATE = {
+    "job_configuration": {"command": "{{ command }}", "gpu_index": "{{ gpu_index }}"},
+    "variables": {
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "default": "python -m prefect.engine"},
+            "gpu_index": {"type": "integer", "description": "No default: every run sets it."},
+        },
+        "required": ["gpu_index"],
+    },
+}
 
 
 def deploy_stand_ins() -> None:
-    """Register deployments ``fuse-faces/fuse-faces`` and ``fuse-faces-strict/fuse-faces``."""
+    """Register deployments ``fuse-faces/fuse-faces`` and ``fuse-faces-strict/fuse-faces``
+    (in ``STRICT_POOL``, created here)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
     stand_in_flow().to_deployment(name="fuse-faces").apply()
-    strict_flow().to_deployment(name="fuse-faces").apply()
+    pool = WorkPoolCreate(name=STRICT_POOL, type="process", base_job_template=STRICT_TEMPLATE)
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(pool, overwrite=True)
+    strict = stand_in_flow("fuse-faces-strict")
+    strict.to_deployment(name="fuse-faces", work_pool_name=STRICT_POOL).apply()
 
 
 @contextmanager

@@ -321,15 +321,17 @@ def test_cancels_wait_out_a_prefect_outage_with_one_try_and_go_at_recovery(
     assert [r.outcome for r in done] == ["done"] * 4
 
 
-def test_dispatch_rejected_by_the_parameter_schema_fails_the_job(
-    relay: Relay, owner: crud.NewUser
-) -> None:
+def test_dispatch_rejected_by_prefect_fails_the_job(relay: Relay, owner: crud.NewUser) -> None:
+    """Prefect refuses the run (422: its pool's job template needs a variable the relay does
+    not send): the job fails with ``dispatch_rejected``, with no run."""
     strict = PrefectAPI(relay.settings.prefect_api_url, flow_name="fuse-faces-strict")
     strict_relay = replace(relay, prefect=strict)
     new = submit(relay.engine, relay.settings, relay.store, owner)
     dispatch.run_once(strict_relay)
     stored = job(relay.engine, new.id)
     assert stored.status is JobStatus.failed and stored.error_code == "dispatch_rejected"
+    [row] = [r for r in outbox_of(relay.engine, new.id) if r.kind == "dispatch"]
+    assert "422" in (row.last_error or "") and "gpu_index" in (row.last_error or "")
     assert stored.flow_run_id is None
     strict.close()
 
