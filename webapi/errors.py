@@ -11,6 +11,7 @@ import logging
 import math
 from typing import Any, ClassVar, NamedTuple
 
+import sqlalchemy as sa
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -136,6 +137,19 @@ class InputsPurged(ApiError):
     when that keeps happening."""
 
 
+STORE_RETRY_AFTER_S = 2.0
+"""The ``Retry-After`` of a ``StoreUnavailable``: a database restart takes a few seconds."""
+
+
+class StoreUnavailable(ApiError):
+    """The job store cannot be reached right now (a database restart or failover: a
+    connection-level error, ``store_unreachable``); the client retries after
+    ``Retry-After``."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message, retry_after=STORE_RETRY_AFTER_S)
+
+
 class HttpAnswer(NamedTuple):
     """How the API answers an error: the status, the body's code and its default message.
 
@@ -191,6 +205,9 @@ API_ERRORS: dict[type[ApiError], HttpAnswer] = {
         503,
         "inputs_purged",
         "An input was removed by retention while the job was being admitted.",
+    ),
+    StoreUnavailable: HttpAnswer(
+        503, "store_unavailable", "The job store is unreachable for a moment; retry shortly."
     ),
 }
 
@@ -264,6 +281,29 @@ async def _client_gone(request: Request, exc: Exception) -> JSONResponse:
     return _response(400, "client_disconnected", "The client disconnected.")
 
 
+def store_unreachable(exc: BaseException) -> bool:
+    """Is ``exc`` the job store's connection failing (transient), not a bug in a statement?
+    SQLAlchemy's ``OperationalError`` and ``InterfaceError``, or any DBAPI error that
+    invalidated its connection; an ``IntegrityError`` or ``ProgrammingError`` is not."""
+    return isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError) or (
+        isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated
+    )
+
+
+async def _store_error(request: Request, exc: Exception) -> JSONResponse:
+    """A job store that cannot be reached: 503 ``store_unavailable`` and one warning line
+    (no traceback); any other database error goes on to ``_unexpected`` (500)."""
+    if not store_unreachable(exc):
+        raise exc
+    log.warning(
+        "job store unreachable during %s %s: %s",
+        request.method,
+        request.url.path,
+        type(getattr(exc, "orig", None) or exc).__name__,
+    )
+    return await _api_error(request, StoreUnavailable())
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return _response(500, JobErrorCode.internal_error, "An unexpected error occurred.")
@@ -285,4 +325,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_gone)
+    app.add_exception_handler(sa.exc.DBAPIError, _store_error)
     app.add_exception_handler(Exception, _unexpected)
