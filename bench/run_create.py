@@ -30,7 +30,7 @@ from bench.fuse_jobs import pool_template  # noqa: E402
 from faceflow.testing.prefect import server_database, start_server  # noqa: E402
 from faceflow.testing.procstat import process_tree_cpu_s, wait_until_quiet  # noqa: E402
 from flows.params import DEPLOYMENT_NAME, FLOW_NAME, FuseFacesParams  # noqa: E402
-from webapi.prefect_api import PrefectAPI, idempotency_key, run_tags, sent_parameters  # noqa: E402
+from webapi.prefect_api import PrefectAPI, flow_run_body  # noqa: E402
 
 
 def _params() -> FuseFacesParams:
@@ -81,15 +81,8 @@ def main() -> None:
                 _deploy(client)
                 deployment = client.deployment_id()
 
-                def checked() -> None:
-                    params = _params()
-                    body = {
-                        "name": params.job_id,
-                        "parameters": sent_parameters(params),
-                        "idempotency_key": idempotency_key(params.job_id, params.attempt),
-                        "tags": run_tags(params.job_id, params.owner_id),
-                        "job_variables": {},
-                    }
+                def checked() -> None:  # the relay's body, without its per-run override
+                    body = flow_run_body(_params())
                     client._request("POST", f"deployments/{deployment}/create_flow_run", json=body)
 
                 def relay() -> None:

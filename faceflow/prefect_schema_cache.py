@@ -5,9 +5,10 @@ run's job variables against its work pool's base job template (always) and its p
 against the deployment's parameter schema (when enforced). Each check first validates the
 *schema* against JSON Schema's 2020-12 meta-schema (``jsonschema.validate`` calls
 ``check_schema``; the pool check also calls ``is_valid_schema``), although the schema is the
-same on every run. That meta-check is the largest part of a run's creation: on this
-machine's stack (PostgreSQL, a ``faceflow-gpu`` pool) ≈ 55-65 ms of the server's CPU per
-run, against ≈ 45 ms for everything else (``bench/run_create.py``).
+same on every run. That meta-check was the largest part of a run's creation: on this
+machine's stack (PostgreSQL, a ``faceflow-gpu`` pool) a run the relay creates cost the
+server 90 ms of CPU with it and 51 ms without; one whose parameters are checked too, 132
+and 55 ms (``bench/run_create.py``).
 
 ``install`` memoizes Prefect's meta-check: a schema that passed once is not checked again
 (keyed by its canonical JSON, with the validator's own format checker or none); a schema

@@ -129,7 +129,7 @@ class Drain:
     overhead_s: float
     compute_s: float
     batch_jobs: int
-    samples: int = MIN_DRAIN_JOBS  # the finished jobs it was measured on
+    samples: int  # the finished jobs it was measured on
 
     @property
     def settled(self) -> bool:
