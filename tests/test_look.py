@@ -351,6 +351,7 @@ def test_the_docs_contact_sheet_is_the_scripts_and_small() -> None:
     data = path.read_bytes()
     assert len(data) < contact_sheet.MAX_BYTES, len(data)
     image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
+    assert image is not None
     rows = contact_sheet.HEADER + contact_sheet.TILE * len(contact_sheet.PAIRS)
     assert image.shape == (rows, contact_sheet.TILE * len(contact_sheet.COLUMNS), 3)
     noise = np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8)

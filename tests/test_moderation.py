@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from functools import cache
+from typing import Any, cast
 
 import cv2
 import numpy as np
@@ -65,6 +66,14 @@ def hopper_with_colorwheel() -> np.ndarray:
     return image
 
 
+def _session_keys() -> list[tuple[str, str, tuple[Any, ...]]]:
+    """The detector's keys in the model cache: an ONNX session's third part is
+    ``(providers, sha256, intra-op threads)`` (``tasks.onnx_runtime.load_onnx_model``)."""
+    loaded = MODEL_CACHE.keys()  # a copy, taken under the cache's lock
+    keys = [k for k in loaded if k[0] == MODEL]
+    return cast(list[tuple[str, str, tuple[Any, ...]]], keys)
+
+
 def _iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
@@ -99,7 +108,9 @@ def test_sample_photos_pass_and_their_faces_are_what_it_sees() -> None:
 
 def test_colorwheel_is_flagged_at_any_size_with_boxes_in_image_pixels() -> None:
     for side in (128, 371, 1200):
-        image = cv2.resize(colorwheel(), (side, side), interpolation=cv2.INTER_AREA)
+        image = np.asarray(
+            cv2.resize(colorwheel(), (side, side), interpolation=cv2.INTER_AREA), dtype=np.uint8
+        )
         verdict = moderate_image(image, "target", ENFORCE)
         assert [d.label for d in verdict.flagged] == ["BUTTOCKS_EXPOSED"], verdict
         hit = verdict.flagged[0]
@@ -186,8 +197,7 @@ def test_one_batch_finds_what_each_image_gives_alone() -> None:
 
 def test_the_session_runs_on_the_cpu_and_loads_once() -> None:
     warm_up(PipelineContext())
-    loaded = MODEL_CACHE.keys()
-    keys = [k for k in loaded if k[0] == MODEL]
+    keys = _session_keys()
     assert keys and all(k[1] == "cpu" and k[2][0] == (CPU_PROVIDER,) for k in keys)
     before = MODEL_CACHE.total_loads(MODEL)
     for _ in range(3):
@@ -229,8 +239,7 @@ def test_a_jobs_inputs_are_moderated_in_two_calls_at_once_on_one_thread_each(
             [d.score for d in batched.detections], abs=1e-4
         )
     assert verdicts[1].flagged and not verdicts[0].flagged
-    loaded = MODEL_CACHE.keys()
-    assert any(k[0] == MODEL and k[2][2] == 1 for k in loaded)  # type: ignore[index]
+    assert any(k[2][2] == 1 for k in _session_keys())
     assert moderate_images({}, REPORT, calls=2) == ()
 
 

@@ -81,6 +81,7 @@ def test_missing_model_names_file_and_expected_hash(
     tmp_path: Path, name: str, filename: str
 ) -> None:
     expected = registry.REGISTRY[name].sha256  # type: ignore[index]
+    assert expected is not None  # each of these models is pinned
     calls = {
         "scrfd-10g": lambda: detect_with_scrfd(np.zeros((64, 64, 3), np.uint8), model_dir=tmp_path),
         "arcface-w600k-r50": lambda: embed_with_arcface(
@@ -102,7 +103,8 @@ def test_hash_mismatch_names_file_and_expected_hash(tmp_path: Path) -> None:
     with pytest.raises(ModelUnavailable) as info:  # the registry pins the real det_10g.onnx
         detect_with_scrfd(image, model_dir=tmp_path)
     message = str(info.value)
-    assert "det_10g.onnx" in message and registry.REGISTRY["scrfd-10g"].sha256 in message
+    pinned = registry.REGISTRY["scrfd-10g"].sha256
+    assert pinned is not None and "det_10g.onnx" in message and pinned in message
     assert tiny.sha256 in message  # the actual hash, so an operator can see what is there
     wrong = "0" * 64
     with pytest.raises(ModelUnavailable) as info:

@@ -39,7 +39,9 @@ def test_identity_models_resolve_from_their_wheel_by_sha256() -> None:
 
 def test_identity_similarity_tells_people_apart() -> None:
     astronaut, grace = samples.astronaut_rgb(), samples.grace_hopper_rgb()
-    small = np.asarray(cv2.resize(astronaut, (256, 256), interpolation=cv2.INTER_AREA))
+    small = np.asarray(
+        cv2.resize(astronaut, (256, 256), interpolation=cv2.INTER_AREA), dtype=np.uint8
+    )
     small_face = astronaut_face().scaled(0.5)
     vectors = embed_with_dlib(
         [(astronaut, astronaut_face()), (small, small_face), (grace, grace_hopper_face())]

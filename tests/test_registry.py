@@ -37,7 +37,8 @@ def test_missing_operator_model_names_file_and_hash(tmp_path: Path) -> None:
         registry.resolve("inswapper-128", directory=tmp_path)
     message = str(info.value)
     assert "inswapper_128.onnx" in message
-    assert registry.REGISTRY["inswapper-128"].sha256 in message
+    pinned = registry.REGISTRY["inswapper-128"].sha256
+    assert pinned is not None and pinned in message
     assert info.value.code == "model_unavailable" and info.value.permanent
 
 
@@ -48,7 +49,8 @@ def test_hash_mismatch_is_refused_and_pin_override_accepted(tmp_path: Path) -> N
     with pytest.raises(ModelUnavailable) as info:
         registry.resolve("scrfd-10g", directory=tmp_path)
     assert "det_10g.onnx" in str(info.value)
-    assert registry.REGISTRY["scrfd-10g"].sha256 in str(info.value)
+    pinned = registry.REGISTRY["scrfd-10g"].sha256
+    assert pinned is not None and pinned in str(info.value)
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     assert registry.resolve("scrfd-10g", directory=tmp_path, pins={"scrfd-10g": digest}) == target
     # A file changed after verification is verified again (cache keyed by size and mtime).

@@ -62,7 +62,8 @@ def test_every_job_failed_reads_as_the_first_error_and_is_permanent_only_if_all_
     with pytest.raises(EveryJobFailedPermanently) as permanent:
         every_job_failed([Each(None, gone, 1.0), Each(None, NoFaceFound("other"), 2.0)])
     assert str(permanent.value) == str(gone) and permanent.value.permanent
-    assert [o.error for o in permanent.value.outcomes][1].public_message == "other"
+    second = [o.error for o in permanent.value.outcomes][1]
+    assert second is not None and second.public_message == "other"
     with pytest.raises(EveryJobFailed) as transient:
         every_job_failed([Each(None, gone, 1.0), Each(None, busy, 2.0)])
     assert not transient.value.permanent

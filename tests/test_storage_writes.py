@@ -7,13 +7,12 @@ import json
 import threading
 from pathlib import Path
 
-from prefect.filesystems import LocalFileSystem
-
 from blocks.storage import read_from, write_to
+from tests.stores import local_store
 
 
 def test_a_reader_never_sees_half_an_object(tmp_path: Path) -> None:
-    store = LocalFileSystem(basepath=str(tmp_path))
+    store = local_store(tmp_path)
     key = "results/job/attempt-1.progress.json"
     write_to(store, key, json.dumps({"n": 0, "pad": "x" * 200_000}).encode())
     stop = threading.Event()

@@ -57,7 +57,7 @@ def test_ranges_cover_the_video_in_order_at_multiples_of_the_batch() -> None:
 
 
 def a_face(shift: float) -> Face:
-    marks = (np.arange(10, dtype=np.float32).reshape(5, 2) + np.float32(shift)) / 3
+    marks = (np.arange(10, dtype=np.float32).reshape(5, 2) + np.float32(shift)) / np.float32(3)
     return Face(Box(1.25 + shift, 2.5, 40.1, 60.7), 0.9871234567, marks)
 
 

@@ -28,8 +28,8 @@ def face(x: float, y: float, size: float, noise: float = 0.0, seed: int = 0) -> 
     marks = np.array(
         [[0.3, 0.35], [0.7, 0.35], [0.5, 0.55], [0.35, 0.75], [0.65, 0.75]], dtype=np.float32
     )
-    marks = marks * size + [x, y] + rng.normal(0, noise, (5, 2))
-    return Face(Box(x, y, x + size, y + size), 0.99, marks.astype(np.float32))
+    placed = marks * size + [x, y] + rng.normal(0, noise, (5, 2))
+    return Face(Box(x, y, x + size, y + size), 0.99, placed.astype(np.float32))
 
 
 def test_cuts_are_found_where_the_picture_changes() -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prefect.filesystems import LocalFileSystem
 
 from blocks.settings import FusionSettings
 from blocks.storage import read_from, write_to
@@ -24,6 +23,7 @@ from tasks.types import Box, Face
 from tasks.video import Planned, Probed, Source, track_reports
 from tasks.video_io import probe_video
 from tasks.video_plan import Chunk, FacePlan, Swap, Track
+from tests.stores import local_store
 from tests.videos import Videos
 
 KEY = "results/job-1/attempt-1.plan.pkl"
@@ -39,17 +39,17 @@ def a_plan(videos: Videos) -> StoredPlan:
 
 
 def test_a_plan_comes_back_as_it_was_stored(videos: Videos, tmp_path: Path) -> None:
-    store = LocalFileSystem(basepath=str(tmp_path))
+    store = local_store(tmp_path)
     stored = a_plan(videos)
     save_plan(store, KEY, stored)
     back = load_plan(store, KEY)
     assert back.digest == "digest" and back.probed.info == stored.probed.info
     assert np.array_equal(back.probed.images[0], stored.probed.images[0])
-    assert back.planned.chunks == [Chunk(0, 0, 2)]
+    assert back.planned is not None and back.planned.chunks == [Chunk(0, 0, 2)]
 
 
 def test_a_plan_written_without_the_key_is_refused(videos: Videos, tmp_path: Path) -> None:
-    store = LocalFileSystem(basepath=str(tmp_path))
+    store = local_store(tmp_path)
     body = pickle.dumps(a_plan(videos))
     write_to(store, KEY, body)  # a bare pickle
     with pytest.raises(InvalidInput):
@@ -69,7 +69,7 @@ def test_a_signed_plan_naming_a_function_is_not_unpickled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Defence in depth: a leaked key still does not run code through the plan."""
-    store = LocalFileSystem(basepath=str(tmp_path))
+    store = local_store(tmp_path)
     marker = tmp_path / "ran"
 
     class Evil:
@@ -91,7 +91,7 @@ def test_a_signed_plan_from_another_version_is_a_transient_failure(
     """A plan stored before a deploy that moved or renamed its classes is ours (signed) but
     cannot be read: the attempt fails transiently, so the relay runs a new attempt that
     plans again, rather than failing the job for good or as an internal error."""
-    store = LocalFileSystem(basepath=str(tmp_path))
+    store = local_store(tmp_path)
     key = "the-key"
     monkeypatch.setenv(SIGNING_KEY_ENV, key)
     body = pickle.dumps(Chunk(0, 0, 2)).replace(b"tasks.video_plan", b"tasks.video_gone")
@@ -107,7 +107,7 @@ def test_no_plan_is_stored_without_a_run_signing_key(
     monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
     monkeypatch.delenv(PREVIOUS_KEYS_ENV, raising=False)
     with pytest.raises(RunBindingInvalid):
-        save_plan(LocalFileSystem(basepath=str(tmp_path)), KEY, a_plan(videos))
+        save_plan(local_store(tmp_path), KEY, a_plan(videos))
 
 
 MODELS = (
@@ -132,7 +132,7 @@ def test_the_coordinator_imports_and_reads_its_plan_without_a_model(
     """``fuse-video`` runs on the control pool (no GPU, no model): importing it, reading
     saved settings and the plan its parts stored (unpickling a face plan with a track, a
     swap and the sources' faces) and making the report per track import no model."""
-    store = LocalFileSystem(basepath=str(tmp_path))
+    store = local_store(tmp_path)
     face = Face(Box(1, 1, 3, 3), 0.9, np.zeros((5, 2), np.float32))
     track = Track(1, detected={0: face}, faces={0: face, 1: face}, filled={1})
     plan = FacePlan(frames=[[Swap(1, face)], [Swap(1, face)]], tracks=[track], cuts=[0])

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect.filesystems import LocalFileSystem
-
+from blocks.storage import ByteStore
 from flows.params import (
     JobProgress,
     analysis_part,
@@ -17,6 +16,7 @@ from flows.params import (
 )
 from flows.video_parts import PartFrames
 from flows.video_progress import STEPS, PartsProgress, VideoProgress
+from tests.stores import local_store
 
 
 class Clock:
@@ -41,12 +41,12 @@ class Shown:
         self.closed = (value, description)
 
 
-def _stored(store: LocalFileSystem, job: str = "job-1", attempt: int = 2) -> JobProgress:
+def _stored(store: ByteStore, job: str = "job-1", attempt: int = 2) -> JobProgress:
     return JobProgress.model_validate_json(store.read_path(progress_key(job, attempt)))
 
 
 def test_progress_counts_frames_chunks_speed_and_eta(tmp_path: Path) -> None:
-    store, clock, shown = LocalFileSystem(basepath=str(tmp_path)), Clock(), Shown()
+    store, clock, shown = local_store(tmp_path), Clock(), Shown()
     progress = VideoProgress(store, "job-1", 2, clock=clock, artifact=shown)  # type: ignore[arg-type]
     progress.start("probe")
     assert _stored(store).stage == "probe" and _stored(store).frames_total == 0
@@ -77,7 +77,7 @@ def test_the_analysis_advances_the_record_and_its_eta_covers_both_passes(
     """While range parts analyse, ``frames_analysed`` moves, ``fps`` is the analysis's
     rate and the ETA counts the frames left to analyse and all the frames to render at
     that rate; once the render begins, its own rate."""
-    store, clock, shown = LocalFileSystem(basepath=str(tmp_path)), Clock(), Shown()
+    store, clock, shown = local_store(tmp_path), Clock(), Shown()
     progress = VideoProgress(store, "job-1", 2, clock=clock, artifact=shown)  # type: ignore[arg-type]
     progress.start("probe")
     progress.probed(600)
@@ -112,7 +112,7 @@ def test_the_analysis_advances_the_record_and_its_eta_covers_both_passes(
 
 
 def test_frames_are_written_at_most_once_per_interval(tmp_path: Path) -> None:
-    store, clock = LocalFileSystem(basepath=str(tmp_path)), Clock()
+    store, clock = local_store(tmp_path), Clock()
     progress = VideoProgress(store, "job-1", 2, clock=clock, min_interval_s=1.0)
     progress.probed(300)
     progress.begin(progress.analysis)
@@ -128,7 +128,7 @@ def test_frames_are_written_at_most_once_per_interval(tmp_path: Path) -> None:
 def test_a_store_that_fails_never_fails_the_job(tmp_path: Path) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
-    progress = VideoProgress(LocalFileSystem(basepath=str(blocked)), "job-1", 1)
+    progress = VideoProgress(local_store(blocked), "job-1", 1)
     progress.planned(frames=10, chunks=1)
     progress.stored(progress.render, 10, worked=True)
     assert progress.writes == 0 and progress.render.done == 10
@@ -138,14 +138,14 @@ def test_the_coordinator_adds_its_running_parts_frames_once(tmp_path: Path) -> N
     """Range and render parts write their frame counts (``PartFrames``); the coordinator's
     record adds those of parts still running, and a stored range's or chunk's frames
     only once."""
-    store, clock = LocalFileSystem(basepath=str(tmp_path)), Clock()
+    store, clock = local_store(tmp_path), Clock()
     progress = VideoProgress(store, "job-1", 2, clock=clock)
     progress.probed(60)
     ranges = {analysis_part(0, 32): 32, analysis_part(32, 60): 28}
     progress.begin(progress.analysis)
     progress.start("analyse")
     analysing = PartsProgress(progress, "job-1", 2, ranges, progress.analysis)
-    range_counter = PartFrames(store, part_progress_key("job-1", 2, analysis_part(0, 32)))  # type: ignore[arg-type]
+    range_counter = PartFrames(store, part_progress_key("job-1", 2, analysis_part(0, 32)))
     range_counter.add(8)  # one detector batch: written at once
     clock.now += 2.0
     analysing.tick(set(ranges))
@@ -164,7 +164,7 @@ def test_the_coordinator_adds_its_running_parts_frames_once(tmp_path: Path) -> N
     counters = {}
     for part, n in ((chunk_part(0), 12), (chunk_part(1), 30)):
         key = part_progress_key("job-1", 2, part)
-        counters[part] = PartFrames(store, key, clock=clock)  # type: ignore[arg-type]
+        counters[part] = PartFrames(store, key, clock=clock)
         for _ in range(n):
             counters[part].add()
     clock.now += 2.0  # 42 frames in 2 s

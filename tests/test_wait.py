@@ -41,8 +41,9 @@ def test_an_ignored_error_counts_as_not_yet_and_any_other_one_propagates() -> No
         return answer
 
     assert poll_value(get, 5, step_s=0.001, ignore=(ConnectionError,)) == "up"
+    empty: dict[str, bool] = {}
     with pytest.raises(KeyError):
-        poll(lambda: {}["missing"], 5, ignore=(ConnectionError,))
+        poll(lambda: empty["missing"], 5, ignore=(ConnectionError,))
 
 
 def test_wait_for_names_what_it_waited_for() -> None:

@@ -30,7 +30,7 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
-from prefect.client.schemas.objects import Artifact, TaskRun
+from prefect.client.schemas.objects import Artifact, State, TaskRun
 
 from blocks.storage import read_bytes
 from faceflow.testing.prefect import PrefectServer
@@ -118,6 +118,12 @@ STAGE_MODES = pytest.mark.parametrize("inline", [False, True], ids=["task-runs",
 """Run a flow test with each stage as a task run and inline (``stage_task_runs``)."""
 
 
+def batch_outcomes(state: State[Any]) -> dict[str, str]:
+    """A completed ``fuse-batch`` run's ``{job id: outcome}`` (the flow returns a ``State``
+    of its own only when it fails)."""
+    return cast(dict[str, str], state.result())
+
+
 def stage_settings(inline: bool, name: str = "", **fields: Any) -> str:
     """A saved ``FusionSettings`` block with ``fields`` whose runs call their stages inline
     (``stage_task_runs="never"``) or as task runs (``"always"``); its block name."""
@@ -135,7 +141,7 @@ def stages_seen(flow_run_id: UUID | None, inline: bool) -> dict[str, tuple[int, 
     then has no task run)."""
     runs = task_runs(flow_run_id)
     if not inline:
-        return {n: (r.run_count, r.state.name if r.state else "") for n, r in runs.items()}
+        return {n: (r.run_count, (r.state and r.state.name) or "") for n, r in runs.items()}
     assert runs == {}, set(runs)
     from prefect.logging.handlers import APILogWorker
 

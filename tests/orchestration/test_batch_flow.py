@@ -30,6 +30,7 @@ from tests.orchestration.helpers import (
     STAGE_MODES,
     STAGE_RUNS,
     TIMED_STAGES,
+    batch_outcomes,
     job_params,
     probe_overlap,
     result_pixels,
@@ -199,7 +200,7 @@ def test_only_the_jobs_that_chose_an_enhancer_are_enhanced(
         **_batch(job_params(astronaut, grace), settings_block=params["settings_block"]),
         return_state=True,
     )
-    (alone_id,) = alone.result()
+    (alone_id,) = batch_outcomes(alone)
     alone_pixels = result_pixels(stored_result(alone_id))
 
     def diff(a: np.ndarray, b: np.ndarray) -> float:

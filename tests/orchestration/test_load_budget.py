@@ -4,6 +4,8 @@ from the headers before any pixel is decoded. Real storage block, real images.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prefect.logging import disable_run_logger
 
 from blocks.storage import load_storage
@@ -16,7 +18,7 @@ from tasks.options import FusionOptions, ImageLimits
 from tasks.pipeline import PipelineContext
 from tasks.stages import Work, load_step
 from tests.orchestration.conftest import Home
-from tests.orchestration.helpers import job_params, stages_seen, stored_failure
+from tests.orchestration.helpers import batch_outcomes, job_params, stages_seen, stored_failure
 from tests.samples import flat_png
 
 MP = 1_000_000
@@ -33,7 +35,9 @@ def _work(*keys: str) -> Work:
     return Work(StoredJob(load_storage(DEFAULT_STORAGE_BLOCK), spec, "cpu"), FusionOptions())
 
 
-def _load(jobs: list[tuple[str, ...]], ctx: PipelineContext) -> tuple[list[Work], list[Each[None]]]:
+def _load(
+    jobs: Sequence[tuple[str, ...]], ctx: PipelineContext
+) -> tuple[list[Work], list[Each[None]]]:
     """The table's load step over ``jobs``: each job's work and outcome."""
     works = [_work(*keys) for keys in jobs]
     with disable_run_logger():
@@ -134,7 +138,7 @@ def test_a_job_past_the_batch_budget_is_retryable_in_its_failure_record(
         return_state=True,
     )
     assert state.is_completed(), state.message
-    outcomes = state.result()
+    outcomes = batch_outcomes(state)
     assert outcomes[specs[1].job_id] == "over_batch_budget"
     assert outcomes[specs[0].job_id] != "over_batch_budget"  # decoded: the pipeline went on
     failure = stored_failure(specs[1].job_id)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prefect.filesystems import LocalFileSystem
 
 from blocks.ranged import RangedSource
 from blocks.storage import ByteStore, fetch_to, put_from, read_from, read_in_place, s3_storage
@@ -23,6 +22,7 @@ from tasks.video import analyse_range
 from tasks.video_io import VideoFrame, probe_frames, read_frames
 from tasks.video_records import Probed
 from tests.orchestration.conftest import S3_BUCKET
+from tests.stores import local_store
 from tests.videos import Videos
 
 FOLDER = "ranged"
@@ -122,7 +122,7 @@ def test_a_chunk_decoded_in_place_is_the_downloaded_files_chunk(
 
 
 def test_a_local_store_still_links_the_stored_file(videos: Videos, tmp_path: Path) -> None:
-    store = LocalFileSystem(basepath=str(tmp_path / "storage"))
+    store = local_store(tmp_path / "storage")
     put_from(store, KEY, videos.silent)
     linked = read_in_place(store, KEY, tmp_path / "input")
     assert isinstance(linked, Path) and linked.is_symlink()

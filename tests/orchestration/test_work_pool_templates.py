@@ -123,7 +123,10 @@ def test_the_prefect_credential_comes_from_the_worker_never_the_template(
     template = load(name)
     assert "AUTH_STRING=" not in json.dumps(template)
     assert not any("AUTH" in key for key in defaults(template).get("env", {}))
-    config = asyncio.run(BaseJobConfiguration.from_template_and_values(template, {}))
+    config = cast(
+        BaseJobConfiguration,
+        asyncio.run(BaseJobConfiguration.from_template_and_values(template, {})),
+    )
     with temporary_settings({PREFECT_API_AUTH_STRING: "faceflow:from-the-worker"}):
         config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="job"))
     assert config.env["PREFECT_API_AUTH_STRING"] == "faceflow:from-the-worker"

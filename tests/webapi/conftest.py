@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -206,13 +206,16 @@ def batch_blocks(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPat
     """The default blocks on the test server (storage under a session home) and the real
     ``fuse-batch`` deployment; the storage directory the flows run in-process and the relay
     share (one per session: the storage block is saved once)."""
+    from prefect.deployments.runner import RunnerDeployment
+
     from blocks import init_default_blocks
     from flows.batch import fuse_batch
     from flows.params import BATCH_DEPLOYMENT_NAME
 
     home = tmp_path_factory.mktemp("batch-home")
     saved = init_default_blocks(home)
-    fuse_batch.to_deployment(name=BATCH_DEPLOYMENT_NAME).apply()
+    deployment = cast(RunnerDeployment, fuse_batch.to_deployment(name=BATCH_DEPLOYMENT_NAME))
+    deployment.apply()  # sync in a sync fixture
     return saved.storage_path
 
 

@@ -129,6 +129,7 @@ def test_jobs_due_together_leave_in_one_batch_run(
     assert all(j.status is JobStatus.queued and j.attempts == 1 for j in stored)
     assert len({j.dispatch_key for j in stored}) == 1
     (run_id,) = run_ids
+    assert run_id is not None
     run = prefect_server.rest.run(str(run_id))
     assert {f"job:{j.id}" for j in jobs} <= set(run["tags"])
     assert run["name"].endswith("+2")
@@ -244,9 +245,12 @@ def test_a_run_that_would_queue_behind_a_busy_slot_waits_for_more_jobs(
 
     early = _submit(relay, owner)
     later: list[Job] = []
-    handled, waited = _dispatch_beside(
-        relay, lambda: [time.sleep(0.15), later.extend(_submit(relay, owner) for _ in range(3))]
-    )
+
+    def submit_later() -> None:
+        time.sleep(0.15)
+        later.extend(_submit(relay, owner) for _ in range(3))
+
+    handled, waited = _dispatch_beside(relay, submit_later)
 
     assert handled == 4 and waited >= 0.4
     runs = {job(relay.engine, j.id).flow_run_id for j in [early, *later]}
@@ -335,6 +339,7 @@ def test_each_job_of_a_mixed_batch_ends_on_its_own(
     finished_late = _submit(relay, owner)
     assert dispatch.run_once(relay) == 5
     run_id = job(relay.engine, good.id).flow_run_id
+    assert run_id is not None
     assert all(job(relay.engine, j.id).flow_run_id == run_id for j in (faceless, late))
 
     with Session(relay.engine) as session:  # cancelled before the run starts

@@ -189,7 +189,11 @@ def test_the_queue_deadline_expires_a_job_whose_fetch_keeps_failing(
         held = url_job(relay, user_a, f"{slow.url}/held.jpg", queue_timeout_seconds=2)
         runner.wake()
         for job_id in (refused, held):
-            wait_for(lambda j=job_id: job(relay.engine, j).status is JobStatus.expired, 5)
+
+            def expired(j: uuid.UUID = job_id) -> bool:
+                return job(relay.engine, j).status is JobStatus.expired
+
+            wait_for(expired, 5)
         open_after(slow, 0, timeout_s=2)
     for job_id in (refused, held):
         ended = job(relay.engine, job_id)

@@ -15,6 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
+from sqlmodel import col
 
 from faceflow.testing.jobs import (
     auth,
@@ -126,11 +127,14 @@ def test_the_planner_closes_a_batch_before_its_pixel_budget(
         name: store_image(data, name=name, limits=limits, store=store)
         for name, data in (("source", source_jpeg()), ("target", target_jpeg()))
     }
-    jobs = [new_job(engine, settings, user, **refs) for _ in range(5)]
+    jobs = [
+        new_job(engine, settings, user, source=refs["source"], target=refs["target"])
+        for _ in range(5)
+    ]
     assert {job.input_pixels for job in jobs} == {512 * 600 + 512 * 512}
     legacy = jobs[2].id
     with engine.begin() as connection:
-        connection.execute(sa.update(Job).where(Job.id == legacy).values(input_pixels=None))
+        connection.execute(sa.update(Job).where(col(Job.id) == legacy).values(input_pixels=None))
     planned = [
         (Outbox(kind="dispatch", job_id=j.id), runs.plan_of(stored(engine, j.id), 1)) for j in jobs
     ]

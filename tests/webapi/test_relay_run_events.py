@@ -249,7 +249,12 @@ def test_a_missed_running_event_still_starts_the_job_by_the_safety_net(
     events = runner.events
     assert events is not None
     on_change = events._on_change
-    events._on_change = lambda run, state, at: state != "RUNNING" and on_change(run, state, at)
+
+    def on_change_but_running(run: str, state: str, at: datetime) -> None:
+        if state != "RUNNING":
+            on_change(run, state, at)
+
+    events._on_change = on_change_but_running
     owner = make_user(engine, settings, quota=10)
     runner.start()
     try:

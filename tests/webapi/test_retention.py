@@ -229,7 +229,9 @@ def test_a_retention_pass_over_many_jobs_touches_only_what_is_due(
 ) -> None:
     """60 ended jobs with results and inputs of their own, 10 not yet due, 5 queued."""
     user = make_user(engine, settings, quota=1000)
-    due, fresh, queued = [], [], []
+    due: list[uuid.UUID] = []
+    fresh: list[uuid.UUID] = []
+    queued: list[uuid.UUID] = []
     for index in range(75):
         source = _stored(store, image_bytes(120, 100 + index, "PNG"), "source", settings)
         target = _stored(store, image_bytes(100 + index, 120, "PNG"), "target", settings)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
@@ -25,7 +26,7 @@ from webapi.relay.sync import video_progress
 from webapi.storage import LocalObjectStore
 
 
-def _video_job(engine: Engine, settings: Settings, **create: object) -> tuple[Job, uuid.UUID]:
+def _video_job(engine: Engine, settings: Settings, **create: Any) -> tuple[Job, uuid.UUID]:
     user = make_user(engine, settings)
     target = InputRef(
         name="target", digest="ab" * 32, key=f"inputs/ab/{'ab' * 32}.mp4", media="video"
@@ -116,7 +117,7 @@ def test_job_progress_webhooks_are_opt_in_and_at_most_one_per_five_seconds(
                 now=start + timedelta(seconds=after_s),
             )
 
-    def progress_hooks() -> list[dict[str, object]]:
+    def progress_hooks() -> list[dict[str, Any]]:  # JSON bodies
         rows = [r for r in outbox_of(engine, job.id) if r.kind == "webhook"]
         return [r.payload["body"] for r in rows if r.payload["event"] == "job.progress"]
 
@@ -125,16 +126,16 @@ def test_job_progress_webhooks_are_opt_in_and_at_most_one_per_five_seconds(
         assert record_progress(
             session, job_id=job.id, flow_run_id=run, progress=analysing, now=start
         )
-    first = progress_hooks()[0]["data"]["progress"]  # type: ignore[index]
-    assert (first["frames_analysed"], first["frames_done"], first["stage"]) == (16, 0, "analyse")  # type: ignore[index]
+    first = progress_hooks()[0]["data"]["progress"]
+    assert (first["frames_analysed"], first["frames_done"], first["stage"]) == (16, 0, "analyse")
     start += timedelta(seconds=5)
     assert write(10, 0.0) and len(progress_hooks()) == 2
     assert write(20, 2.0) and len(progress_hooks()) == 2  # within 5 s: stored, not sent
     assert write(30, 4.9) and len(progress_hooks()) == 2
     assert write(40, 5.1) and len(progress_hooks()) == 3
     bodies = progress_hooks()
-    assert [b["data"]["progress"]["frames_done"] for b in bodies] == [0, 10, 40]  # type: ignore[index]
-    assert all("notified_at" not in b["data"]["progress"] for b in bodies)  # type: ignore[operator]
+    assert [b["data"]["progress"]["frames_done"] for b in bodies] == [0, 10, 40]
+    assert all("notified_at" not in b["data"]["progress"] for b in bodies)
     # a stale run never writes
     with Session(engine) as session:
         assert not record_progress(

@@ -84,14 +84,14 @@ def _one_round(worker: WarmWorker) -> dict[str, float]:
     assert api.run(urgent)["work_queue_name"] == PRIORITY_QUEUE
     finals = [api.wait_final(run_id, timeout=300) for run_id in [urgent, *normal]]
     assert [run["state_type"] for run in finals] == ["COMPLETED"] * (BURST + 1)
-    started = {run_id: _started(worker, run_id) for run_id in normal}
+    started_at = {run_id: _started(worker, run_id) for run_id in normal}
     urgent_start = _started(worker, urgent)
     # Normal runs that started after the priority run arrived but before it: the one
     # claimed ahead of it waits for it (pool.acquire), so none — one at most when the run
     # in progress ended just as it arrived.
-    overtook = [at for at in started.values() if submitted < at < urgent_start]
+    overtook = [at for at in started_at.values() if submitted < at < urgent_start]
     assert len(overtook) <= 1, f"{len(overtook)} normal runs started before the priority run"
-    ordered = sorted(started.values())
+    ordered = sorted(started_at.values())
     run_s = statistics.median(b - a for a, b in itertools.pairwise(ordered))
     return {"wait_s": urgent_start - submitted, "run_s": run_s, "ahead": float(len(overtook))}
 
