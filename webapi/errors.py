@@ -283,11 +283,13 @@ async def _client_gone(request: Request, exc: Exception) -> JSONResponse:
 
 def store_unreachable(exc: BaseException) -> bool:
     """Is ``exc`` the job store's connection failing (transient), not a bug in a statement?
-    SQLAlchemy's ``OperationalError`` and ``InterfaceError``, or any DBAPI error that
-    invalidated its connection; an ``IntegrityError`` or ``ProgrammingError`` is not."""
-    return isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError) or (
-        isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated
-    )
+    SQLAlchemy's ``OperationalError`` and ``InterfaceError``, any DBAPI error that
+    invalidated its connection, or the connection pool's ``TimeoutError`` (every pooled
+    connection busy for ``pool_timeout``: an overloaded store); an ``IntegrityError`` or
+    ``ProgrammingError`` is not."""
+    return isinstance(
+        exc, sa.exc.OperationalError | sa.exc.InterfaceError | sa.exc.TimeoutError
+    ) or (isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated)
 
 
 async def _store_error(request: Request, exc: Exception) -> JSONResponse:
@@ -326,4 +328,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(sa.exc.DBAPIError, _store_error)
+    app.add_exception_handler(sa.exc.TimeoutError, _store_error)
     app.add_exception_handler(Exception, _unexpected)

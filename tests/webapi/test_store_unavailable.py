@@ -114,3 +114,29 @@ def test_only_connection_failures_of_the_store_are_503(
         response = client.get("/boom")
     assert (response.status_code, response.json()["error"]["code"]) == (status, code)
     assert ("Retry-After" in response.headers) == (status == 503)
+
+
+def test_a_job_store_whose_pool_is_exhausted_is_503(tmp_path: Path) -> None:
+    """Every pooled connection busy for the pool's timeout (an overloaded store): the real
+    pool's ``TimeoutError`` answers 503 ``store_unavailable`` with ``Retry-After``, as a
+    store that cannot be reached does, not 500 and a traceback."""
+    engine = sa.create_engine(
+        f"sqlite:///{tmp_path / 'busy.db'}", pool_size=1, max_overflow=0, pool_timeout=0.2
+    )
+    app = FastAPI()
+    errors.install(app)
+
+    @app.get("/read")
+    def read() -> int:
+        with engine.connect() as connection:
+            return int(connection.execute(sa.text("SELECT 1")).scalar_one())
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.get("/read").json() == 1
+        with engine.connect():  # the pool's one connection, held
+            response = client.get("/read")
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "store_unavailable"
+        assert response.headers["Retry-After"] == "2"
+        assert client.get("/read").json() == 1
+    engine.dispose()
