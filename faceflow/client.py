@@ -7,7 +7,9 @@ with FaceFlowClient("http://127.0.0.1:8000", api_key="ff_...") as ff:
     job = ff.wait(job["id"], timeout=120)
     Path("out.png").write_bytes(ff.result(job["id"]))
 ```
-Both clients share the request builders below; only the transport differs.
+Both clients share the request builders and the retry rule below; only the transport
+differs. A 503 or 429 that says "retry shortly" (``Retry-After``) and a connection that
+failed are retried where that is safe (``RetryPolicy``); ``retries=0`` turns that off.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import asyncio
 import base64
 import json
 import mimetypes
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, TypedDict, Unpack
+from typing import IO, Any, Generic, TypedDict, TypeVar, Unpack
 
 import httpx
 
@@ -34,13 +37,87 @@ ImageInput = str | bytes | Path
 
 
 class FaceFlowAPIError(Exception):
-    """An error answer of the API: HTTP status, error code, message and Retry-After."""
+    """An error answer of the API: HTTP status, error code, message and Retry-After.
+    ``retried``: the request was sent again before this answer (an earlier try may have
+    been served, its answer lost)."""
 
     def __init__(
         self, status: int, code: str, message: str, retry_after: float | None = None
     ) -> None:
         self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+        self.retried = False
         super().__init__(f"{status} {code}: {message}")
+
+
+#: Answers that say "not now, retry shortly" (with ``Retry-After`` where the API knows when).
+RETRIED_STATUSES = frozenset({429, 503})
+#: Refusals of a submit made before anything of it was stored: ``crud._admit`` raises them
+#: (``_check_inputs``, ``capacity.check_capacity``) before ``_admit_one`` adds the job's
+#: row, so a submit without an ``Idempotency-Key`` can be sent again without a duplicate.
+SUBMIT_REFUSALS = frozenset({"overloaded", "quota_exceeded", "inputs_purged"})
+#: The first wait of a retry the API gave no ``Retry-After`` for; doubled at each retry.
+BACKOFF_S = 0.5
+#: Retry-After is waited at least, plus up to this share more, so that clients refused
+#: together do not all come back in the same instant.
+JITTER = 0.1
+TRANSIENT = (FaceFlowAPIError, httpx.NetworkError, httpx.RemoteProtocolError)
+"""What a retry may cure: an error answer, or a connection that could not be opened
+(``ConnectError``), was reset (``ReadError``, ``WriteError``) or closed before the answer
+(``RemoteProtocolError``). Not a timeout: a slow answer sent again only adds load."""
+Transient = FaceFlowAPIError | httpx.NetworkError | httpx.RemoteProtocolError
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a client sends a request again (the same rule for both clients).
+
+    ``retries``: at most this many more tries per request (0: never). ``max_retry_wait``:
+    the seconds one request may spend waiting between its tries, all together; each wait
+    is ``Retry-After`` (else ``BACKOFF_S``, doubled at each retry) plus a little jitter,
+    cut to what is left. When either runs out the last error is raised, as without
+    retries."""
+
+    retries: int = 3
+    max_retry_wait: float = 30.0
+
+    def start(self, *, idempotent: bool) -> _Retrying:
+        """The retry state of one request."""
+        return _Retrying(self, idempotent)
+
+
+def retry_is_safe(exc: Transient, *, idempotent: bool) -> bool:
+    """Whether sending the request again after ``exc`` may help and cannot do harm.
+
+    An idempotent request (a read, a cancel, a submit with an ``Idempotency-Key``) is
+    retried after a 429 or 503 and a dropped connection. A submit without a key only
+    after a refusal that stored nothing (``SUBMIT_REFUSALS``) or a connection that never
+    opened: after ``store_unavailable`` or a connection dropped mid-answer its job may
+    have been committed (``GroupCommit._commit`` commits before it reads callbacks)."""
+    if isinstance(exc, FaceFlowAPIError):
+        return exc.status in RETRIED_STATUSES and (idempotent or exc.code in SUBMIT_REFUSALS)
+    return idempotent or isinstance(exc, httpx.ConnectError)  # nothing was sent
+
+
+class _Retrying:
+    """One request's tries left and wait budget."""
+
+    def __init__(self, policy: RetryPolicy, idempotent: bool) -> None:
+        self.idempotent = idempotent
+        self.tries = 0
+        self.retries, self.budget = policy.retries, policy.max_retry_wait
+
+    def delay(self, exc: Transient) -> float | None:
+        """Seconds to wait before the next try after ``exc``; None: give up (raise it)."""
+        if isinstance(exc, FaceFlowAPIError):
+            exc.retried = self.tries > 0
+        if self.tries >= self.retries or self.budget <= 0:
+            return None
+        if not retry_is_safe(exc, idempotent=self.idempotent):
+            return None
+        hint = getattr(exc, "retry_after", None) or BACKOFF_S * 2**self.tries
+        delay = min(hint * (1 + random.uniform(0, JITTER)), self.budget)
+        self.tries, self.budget = self.tries + 1, self.budget - delay
+        return delay
 
 
 @dataclass(frozen=True)
@@ -51,10 +128,27 @@ class _Request:
     headers: Mapping[str, str] | None = None
     files: list[tuple[str, tuple[str, bytes | IO[bytes], str]]] | None = None
     data: Mapping[str, str] | None = None
+    body: bytes | None = None
+    idempotent: bool = False
+    """Safe to send twice: a read, a cancel, a submit with an ``Idempotency-Key``."""
 
     def content(self) -> dict[str, Any]:
-        """httpx's keyword arguments for the request's body and headers."""
-        return {"json": self.json, "headers": self.headers, "files": self.files, "data": self.data}
+        """httpx's keyword arguments for the request's body and headers; a file part is
+        read from its start (again, on a retry)."""
+        for _name, (_filename, content, _mime) in self.files or []:
+            if not isinstance(content, bytes):
+                content.seek(0)
+        return {
+            "json": self.json,
+            "headers": self.headers,
+            "files": self.files,
+            "data": self.data,
+            "content": self.body,
+        }
+
+
+def _get(path: str) -> _Request:
+    return _Request("GET", path, idempotent=True)
 
 
 def _is_ref(image: ImageInput) -> bool:
@@ -131,10 +225,20 @@ class WaitOptions(TypedDict, total=False):
 class _Waiting:
     """One ``wait``'s polling rule, the same for both clients."""
 
-    def __init__(self, options: WaitOptions) -> None:
+    def __init__(self, options: WaitOptions, policy: RetryPolicy) -> None:
         self.deadline = time.monotonic() + options.get("timeout", 300.0)
         self.interval = options.get("interval", 0.5)
         self.on_update = options.get("on_update")
+        self.retries = policy.retries
+
+    def rides_out(self, exc: Transient) -> bool:
+        """Whether a poll that failed with ``exc`` (after its own retries) is polled again:
+        when retries are on, a retry may help and ``timeout`` has not passed."""
+        return (
+            self.retries > 0
+            and retry_is_safe(exc, idempotent=True)
+            and time.monotonic() < self.deadline
+        )
 
     def over(self, job: Job) -> bool:
         """Whether polling ends with ``job``: it is terminal or the time is up."""
@@ -161,7 +265,7 @@ def _submit_request(source: ImageInput, target: ImageInput, kw: SubmitOptions) -
         **{k: kw.get(k) for k in _PARAMS},
     }
     params = {k: v for k, v in optional.items() if v is not None}
-    headers = {}
+    headers, keyed = {}, bool(idempotency_key)
     if idempotency_key:
         headers["Idempotency-Key"] = idempotency_key
     if wait:
@@ -173,7 +277,7 @@ def _submit_request(source: ImageInput, target: ImageInput, kw: SubmitOptions) -
         parts += [("reference", image) for image in references]
         files = [(name, (name, *_part(image))) for name, image in parts]
         form = {"params": json.dumps(params)}
-        return _Request("POST", "/v1/jobs", None, headers, files=files, data=form)
+        return _Request("POST", "/v1/jobs", None, headers, files, form, idempotent=keyed)
     body: dict[str, Any] = {"target": as_image_ref(target), **params}
     if extra_sources:  # a per-face mapping (options["mapping"]) says which face gets which
         body["sources"] = [as_image_ref(image) for image in sources]
@@ -181,7 +285,33 @@ def _submit_request(source: ImageInput, target: ImageInput, kw: SubmitOptions) -
         body["source"] = as_image_ref(source)
     if references:
         body["references"] = [as_image_ref(image) for image in references]
-    return _Request("POST", "/v1/jobs", body, headers)
+    return _Request("POST", "/v1/jobs", body, headers, idempotent=keyed)
+
+
+def _cancel_request(job_id: str) -> _Request:
+    """A cancel: idempotent (a job cancelled, or cancel_requested, stays so; a repeat of a
+    cancel that went through answers 409 ``job_not_cancellable`` at worst, which the
+    clients' ``cancel`` turns back into the cancelled job: ``_lost_cancel``)."""
+    return _Request("POST", f"/v1/jobs/{job_id}/cancel", idempotent=True)
+
+
+def _verify_request(data: bytes) -> _Request:
+    """A verify: a POST only to carry the file; it reads and stores nothing (idempotent)."""
+    headers = {"Content-Type": "application/octet-stream"}
+    return _Request("POST", "/v1/verify", headers=headers, body=data, idempotent=True)
+
+
+def _lost_cancel(exc: FaceFlowAPIError) -> bool:
+    """Whether a cancel's 409 ``job_not_cancellable`` may answer its own earlier try: one
+    that was served but whose answer was lost (the job is cancelled by it then)."""
+    return exc.code == "job_not_cancellable" and exc.retried
+
+
+def _cancelled(job: Job, exc: FaceFlowAPIError) -> Job:
+    """``job`` when a cancel's lost answer left it cancelled; else ``exc`` stands."""
+    if job.get("status") != "cancelled":
+        raise exc
+    return job
 
 
 def _close_files(req: _Request) -> None:
@@ -202,24 +332,65 @@ def _raise_for(response: httpx.Response) -> None:
     raise FaceFlowAPIError(response.status_code, code, message, float(retry) if retry else None)
 
 
-class FaceFlowClient(Closing):
-    """Synchronous client."""
+Transport = TypeVar("Transport", httpx.Client, httpx.AsyncClient)
+Sent = TypeVar("Sent")
 
-    def __init__(self, base_url: str, api_key: str, *, timeout: float = 70.0) -> None:
-        self._http = httpx.Client(
+
+class _Connected(Generic[Transport]):
+    """What both clients hold: an httpx client that sends the API key, and the retry rule
+    (their options: ``FaceFlowClient``)."""
+
+    _transport: type[Transport]
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        timeout: float = 70.0,
+        retries: int = 3,
+        max_retry_wait: float = 30.0,
+    ) -> None:
+        self._http: Transport = self._transport(
             base_url=base_url, timeout=timeout, headers={"Authorization": f"Bearer {api_key}"}
         )
+        self._retry = RetryPolicy(retries, max_retry_wait)
+
+
+class FaceFlowClient(_Connected[httpx.Client], Closing):
+    """Synchronous client.
+
+    ``retries`` and ``max_retry_wait`` (s, all waits of one request together) say how a
+    request that the API answers 503 or 429, or whose connection fails, is sent again
+    where that is safe (``RetryPolicy``, ``retry_is_safe``); ``retries=0``: never.
+    ``timeout``: of each try, in seconds."""
+
+    _transport = httpx.Client
 
     def close(self) -> None:
         self._http.close()
 
+    def _with_retries(self, attempt: Callable[[], Sent], *, idempotent: bool) -> Sent:
+        """``attempt()``, made again after a transient error while ``RetryPolicy`` allows."""
+        retrying = self._retry.start(idempotent=idempotent)
+        while True:
+            try:
+                return attempt()
+            except TRANSIENT as exc:
+                if (delay := retrying.delay(exc)) is None:
+                    raise
+            time.sleep(delay)
+
     def _send(self, req: _Request) -> httpx.Response:
-        try:
+        def attempt() -> httpx.Response:
             response = self._http.request(req.method, req.path, **req.content())
+            _raise_for(response)
+            return response
+
+        try:
+            return self._with_retries(attempt, idempotent=req.idempotent)
         finally:
             _close_files(req)
-        _raise_for(response)
-        return response
 
     def submit(
         self, source: ImageInput, target: ImageInput, **kwargs: Unpack[SubmitOptions]
@@ -227,57 +398,67 @@ class FaceFlowClient(Closing):
         """Submit a job; returns the job object (202, or 200 for an idempotent repeat).
 
         ``extra_sources`` (sources after ``source``) and ``references`` go with a per-face
-        mapping in ``options["mapping"]``, e.g. ``[{"source": 1, "target": 2}]``."""
+        mapping in ``options["mapping"]``, e.g. ``[{"source": 1, "target": 2}]``. Without
+        an ``idempotency_key`` only a refusal that stored nothing is retried."""
         req = _submit_request(source, target, kwargs)
         return self._send(req).json()  # type: ignore[no-any-return]
 
     def status(self, job_id: str) -> Job:
         """The job object."""
-        return self._send(_Request("GET", f"/v1/jobs/{job_id}")).json()  # type: ignore[no-any-return]
+        return self._send(_get(f"/v1/jobs/{job_id}")).json()  # type: ignore[no-any-return]
 
     def cancel(self, job_id: str) -> Job:
-        """Cancel a queued or running job."""
-        return self._send(_Request("POST", f"/v1/jobs/{job_id}/cancel")).json()  # type: ignore[no-any-return]
+        """Cancel a queued or running job (retried: a cancel sent twice changes nothing more;
+        a try whose answer was lost and that cancelled the job gives the job, not the 409
+        its repeat gets)."""
+        try:
+            return self._send(_cancel_request(job_id)).json()  # type: ignore[no-any-return]
+        except FaceFlowAPIError as exc:
+            if not _lost_cancel(exc):
+                raise
+            return _cancelled(self.status(job_id), exc)
 
     def verify(self, data: bytes) -> dict[str, Any]:
         """What ``POST /v1/verify`` finds in a file's bytes (its marks; the job id when the
         caller owns the job)."""
-        headers = {"Content-Type": "application/octet-stream"}
-        response = self._http.post("/v1/verify", content=data, headers=headers)
-        _raise_for(response)
-        return response.json()  # type: ignore[no-any-return]
+        return self._send(_verify_request(data)).json()  # type: ignore[no-any-return]
 
     def result(self, job_id: str) -> bytes:
         """The result image's bytes (after success)."""
-        return self._send(_Request("GET", f"/v1/jobs/{job_id}/result")).content
+        return self._send(_get(f"/v1/jobs/{job_id}/result")).content
 
     def download(self, job_id: str, path: Path) -> int:
-        """Stream the result (an image or a video) into ``path``; its size in bytes."""
-        with self._http.stream("GET", f"/v1/jobs/{job_id}/result") as response:
-            if not response.is_success:
-                response.read()
-                _raise_for(response)
-            size = 0
-            with path.open("wb") as out:
-                for piece in response.iter_bytes(1 << 20):
-                    size += out.write(piece)
-        return size
+        """Stream the result (an image or a video) into ``path``; its size in bytes. A
+        retry writes the file again from its start."""
+
+        def attempt() -> int:
+            with self._http.stream("GET", f"/v1/jobs/{job_id}/result") as response:
+                if not response.is_success:
+                    response.read()
+                    _raise_for(response)
+                with path.open("wb") as out:
+                    return sum(out.write(piece) for piece in response.iter_bytes(1 << 20))
+
+        return self._with_retries(attempt, idempotent=True)
 
     def wait(self, job_id: str, **options: Unpack[WaitOptions]) -> Job:
-        """Poll until the job is terminal or ``timeout`` passes; returns the last job object."""
-        waiting = _Waiting(options)
-        while not waiting.over(job := self.status(job_id)):
+        """Poll until the job is terminal or ``timeout`` passes; returns the last job object.
+        A poll that fails after its retries is polled again while time is left."""
+        waiting = _Waiting(options, self._retry)
+        while True:
+            try:
+                if waiting.over(job := self.status(job_id)):
+                    return job
+            except TRANSIENT as exc:
+                if not waiting.rides_out(exc):
+                    raise
             time.sleep(waiting.interval)
-        return job
 
 
-class AsyncFaceFlowClient:
-    """Asynchronous client with the same methods as ``FaceFlowClient``."""
+class AsyncFaceFlowClient(_Connected[httpx.AsyncClient]):
+    """Asynchronous client with the same methods, options and retries as ``FaceFlowClient``."""
 
-    def __init__(self, base_url: str, api_key: str, *, timeout: float = 70.0) -> None:
-        self._http = httpx.AsyncClient(
-            base_url=base_url, timeout=timeout, headers={"Authorization": f"Bearer {api_key}"}
-        )
+    _transport = httpx.AsyncClient
 
     async def __aenter__(self) -> AsyncFaceFlowClient:
         return self
@@ -289,12 +470,19 @@ class AsyncFaceFlowClient:
         await self._http.aclose()
 
     async def _send(self, req: _Request) -> httpx.Response:
+        retrying = self._retry.start(idempotent=req.idempotent)
         try:
-            response = await self._http.request(req.method, req.path, **req.content())
+            while True:
+                try:
+                    response = await self._http.request(req.method, req.path, **req.content())
+                    _raise_for(response)
+                    return response
+                except TRANSIENT as exc:
+                    if (delay := retrying.delay(exc)) is None:
+                        raise
+                await asyncio.sleep(delay)
         finally:
             _close_files(req)
-        _raise_for(response)
-        return response
 
     async def submit(
         self, source: ImageInput, target: ImageInput, **kwargs: Unpack[SubmitOptions]
@@ -305,22 +493,32 @@ class AsyncFaceFlowClient:
 
     async def status(self, job_id: str) -> Job:
         """The job object."""
-        return (await self._send(_Request("GET", f"/v1/jobs/{job_id}"))).json()  # type: ignore[no-any-return]
+        return (await self._send(_get(f"/v1/jobs/{job_id}"))).json()  # type: ignore[no-any-return]
 
     async def cancel(self, job_id: str) -> Job:
-        """Cancel a queued or running job."""
-        return (await self._send(_Request("POST", f"/v1/jobs/{job_id}/cancel"))).json()  # type: ignore[no-any-return]
+        """Cancel a queued or running job (as ``FaceFlowClient.cancel``)."""
+        try:
+            return (await self._send(_cancel_request(job_id))).json()  # type: ignore[no-any-return]
+        except FaceFlowAPIError as exc:
+            if not _lost_cancel(exc):
+                raise
+            return _cancelled(await self.status(job_id), exc)
 
     async def result(self, job_id: str) -> bytes:
         """The result image's bytes (after success)."""
-        return (await self._send(_Request("GET", f"/v1/jobs/{job_id}/result"))).content
+        return (await self._send(_get(f"/v1/jobs/{job_id}/result"))).content
 
     async def wait(self, job_id: str, **options: Unpack[WaitOptions]) -> Job:
         """Poll until the job is terminal or ``timeout`` passes; returns the last job object."""
-        waiting = _Waiting(options)
-        while not waiting.over(job := await self.status(job_id)):
+        waiting = _Waiting(options, self._retry)
+        while True:
+            try:
+                if waiting.over(job := await self.status(job_id)):
+                    return job
+            except TRANSIENT as exc:
+                if not waiting.rides_out(exc):
+                    raise
             await asyncio.sleep(waiting.interval)
-        return job
 
 
 #: What a video's progress line calls the pass of each stage that has one.

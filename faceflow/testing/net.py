@@ -54,13 +54,17 @@ class TcpForwarder:
     127.0.0.1 (a free port, or ``port``) and relays every connection's bytes, both ways,
     to ``target``. ``cut()`` stops listening and closes every open connection (the peer
     sees a reset or an end, new connections are refused); ``restore()`` listens again on
-    the same port. Use it as a context manager, or ``close()`` it in a ``finally``."""
+    the same port. ``lose_next_answer(marker)``: the answer to the next request whose bytes
+    hold ``marker`` never reaches its client (the request was served; the connection closes
+    as its answer arrives). Use it as a context manager, or ``close()`` it in a ``finally``."""
 
     def __init__(self, target: tuple[str, int], port: int = 0) -> None:
         self.target = target
         self.port = port
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        self._lose: bytes | None = None  # marker of the request whose answer is lost
+        self._losing: set[socket.socket] = set()  # upstream ends whose next answer is lost
         self._listener: socket.socket | None = None
         self._accepting: threading.Thread | None = None
         self.restore()
@@ -100,6 +104,11 @@ class TcpForwarder:
 
     close = cut
 
+    def lose_next_answer(self, marker: bytes) -> None:
+        """Drop the answer to the next request whose bytes hold ``marker`` (once)."""
+        with self._lock:
+            self._lose = marker
+
     def __enter__(self) -> TcpForwarder:
         return self
 
@@ -133,14 +142,22 @@ class TcpForwarder:
                 ).start()
 
     def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
-        """Copy ``source`` to ``sink`` until either ends; then close both."""
+        """Copy ``source`` to ``sink`` until either ends (or an answer is to be lost); then
+        close both."""
         try:
             while data := source.recv(65536):
+                with self._lock:
+                    if source in self._losing:  # the answer arrived: the request was served
+                        break
+                    if self._lose is not None and self._lose in data:
+                        self._lose = None
+                        self._losing.add(sink)
                 sink.sendall(data)
         except OSError:
             pass
         with self._lock:
             self._open.difference_update((source, sink))
+            self._losing.difference_update((source, sink))
         _hang_up(source)
         _hang_up(sink)
 

@@ -24,6 +24,7 @@ from sqlalchemy.engine import Engine
 
 from faceflow.testing.databases import job_store, postgres_unavailable
 from faceflow.testing.jobs import make_user
+from faceflow.testing.net import TcpForwarder
 from faceflow.testing.prefect import PrefectServer
 from faceflow.testing.relay import stand_in_server
 from faceflow.testing.s3 import ACCESS_KEY, REGION, SECRET_KEY, moto_server
@@ -137,6 +138,19 @@ def live_url(app: FastAPI) -> Iterator[str]:
     """The app served by uvicorn on loopback."""
     with serve(app) as url:
         yield url
+
+
+@pytest.fixture
+def forwarded_store(tmp_path: Path) -> Iterator[tuple[str, TcpForwarder]]:
+    """A migrated PostgreSQL job store and its URL through a ``TcpForwarder`` to it."""
+    if reason := postgres_unavailable():
+        pytest.skip(reason)
+    with (
+        TcpForwarder(("127.0.0.1", 5432)) as forwarder,
+        job_store("postgresql", tmp_path, prefix="t") as url,
+    ):
+        assert "@127.0.0.1:5432/" in url
+        yield url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{forwarder.port}/"), forwarder
 
 
 @pytest.fixture(scope="session")

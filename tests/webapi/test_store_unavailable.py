@@ -9,7 +9,7 @@ test cuts (every open connection closed, new ones refused) and restores.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,26 +18,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from httpx import Response
 
-from faceflow.testing.databases import job_store, postgres_unavailable
 from faceflow.testing.jobs import auth, make_user, submit
 from faceflow.testing.net import TcpForwarder
 from tests.webapi.conftest import make_settings
 from webapi import errors
 from webapi.db import get_engine
 from webapi.main import create_app
-
-
-@pytest.fixture
-def forwarded_store(tmp_path: Path) -> Iterator[tuple[str, TcpForwarder]]:
-    """A migrated PostgreSQL job store and its URL through a ``TcpForwarder`` to it."""
-    if reason := postgres_unavailable():
-        pytest.skip(reason)
-    with (
-        TcpForwarder(("127.0.0.1", 5432)) as forwarder,
-        job_store("postgresql", tmp_path, prefix="t") as url,
-    ):
-        assert "@127.0.0.1:5432/" in url
-        yield url.replace("@127.0.0.1:5432/", f"@127.0.0.1:{forwarder.port}/"), forwarder
 
 
 @pytest.mark.postgres
