@@ -39,14 +39,16 @@ def no_face(calls: list[float]) -> str:
 @flow(name="deadline-probe", persist_result=False)
 def probe(
     which: str,
-    deadline_at: datetime,
+    deadline_s: float,
     policy: dict[str, Any],
     work_s: float = 0.0,
     stuck_after: int | None = None,
     inline: bool = False,
 ) -> Any:
-    """Run one stage under a StageGuard, as a task run or ``inline``; returns what the test
-    inspects."""
+    """Run one stage under a StageGuard with a deadline ``deadline_s`` after the flow's first
+    line (so a slow flow start on a loaded machine does not eat the test's margins), as a task
+    run or ``inline``; returns what the test inspects."""
+    deadline_at = datetime.now(UTC) + timedelta(seconds=deadline_s)
     guard = StageGuard(Deadline.of(deadline_at), StagePolicy(**policy))
     calls: list[float] = []
     stage = flaky if which == "flaky" else no_face
@@ -65,6 +67,7 @@ def probe(
             "attempts": guard.attempts,
             "timeouts": guard.timeouts,
             "ended_at": datetime.now(UTC).isoformat(),
+            "deadline_at": deadline_at.isoformat(),
         }
         return Failed(message=str(exc), data=info)
     return {"calls": len(calls)}
@@ -101,10 +104,10 @@ def _policy(**overrides: Any) -> dict[str, Any]:
 def test_transient_failures_with_one_second_left_are_not_retried_a_third_time(
     prefect_harness: Home, inline: bool
 ) -> None:
-    deadline_at = datetime.now(UTC) + timedelta(seconds=3.0)
     # Each attempt works 1 s: attempt 1 ends with <= 2 s left (>= 1.2 s expected cost:
-    # retry, as long as the flow started within 0.8 s), attempt 2 with <= 1 s (stop).
-    state = run_probe("flaky", deadline_at, _policy(), work_s=1.0, inline=inline)
+    # retry, as long as the first attempt started within 0.8 s of the flow), attempt 2 with
+    # <= 1 s (stop).
+    state = run_probe("flaky", 3.0, _policy(), work_s=1.0, inline=inline)
     info = state.result(raise_on_failure=False)
     assert state.is_failed() and isinstance(info, dict)
     assert info["calls"] == 2 and info["attempts"] == 2, info
@@ -112,7 +115,8 @@ def test_transient_failures_with_one_second_left_are_not_retried_a_third_time(
     assert all(left >= 1.2 for left in info["timeouts"][1:]), info
     assert info["error"].startswith("[deadline_exceeded] ")
     assert "transient_error" in info["error"]
-    assert datetime.fromisoformat(info["ended_at"]) <= deadline_at
+    ended_at, deadline_at = map(datetime.fromisoformat, (info["ended_at"], info["deadline_at"]))
+    assert ended_at <= deadline_at
     assert stage_runs(state, "flaky", inline) == (-1 if inline else 2)
     # the retry's timeout was recomputed from the time left, not the 30 s budget
     assert info["timeouts"][1] < 2.5
@@ -120,11 +124,9 @@ def test_transient_failures_with_one_second_left_are_not_retried_a_third_time(
 
 @MODES
 def test_retry_timeout_is_reset_to_the_time_left(prefect_harness: Home, inline: bool) -> None:
-    seconds = 4.0
-    deadline_at = datetime.now(UTC) + timedelta(seconds=seconds)
     state = run_probe(
         "flaky",
-        deadline_at,
+        4.0,
         _policy(expected_s=0.5),
         work_s=1.0,
         stuck_after=2,
@@ -133,7 +135,8 @@ def test_retry_timeout_is_reset_to_the_time_left(prefect_harness: Home, inline: 
     info = state.result(raise_on_failure=False)
     assert isinstance(info, dict) and info["calls"] == 2, info
     assert info["error"].startswith("[deadline_exceeded] ")
-    overshoot = (datetime.fromisoformat(info["ended_at"]) - deadline_at).total_seconds()
+    ended_at, deadline_at = map(datetime.fromisoformat, (info["ended_at"], info["deadline_at"]))
+    overshoot = (ended_at - deadline_at).total_seconds()
     # the stuck second attempt was interrupted at the deadline (its first timeout was ~4 s)
     assert -0.4 < overshoot < 0.4, overshoot
     assert info["timed_out"], info
@@ -148,8 +151,7 @@ def run_state_name(state: Any) -> str | None:
 
 @MODES
 def test_permanent_error_is_not_retried(prefect_harness: Home, inline: bool) -> None:
-    deadline_at = datetime.now(UTC) + timedelta(seconds=60)
-    state = run_probe("no-face", deadline_at, _policy(retries=3), inline=inline)
+    state = run_probe("no-face", 60.0, _policy(retries=3), inline=inline)
     info = state.result(raise_on_failure=False)
     assert isinstance(info, dict) and info["calls"] == 1 and info["attempts"] == 1, info
     assert info["error"].startswith("[no_face_found] ")
@@ -160,14 +162,14 @@ def test_permanent_error_is_not_retried(prefect_harness: Home, inline: bool) -> 
 def test_a_budget_overrun_is_retried_with_time_left(prefect_harness: Home, inline: bool) -> None:
     """An attempt stuck past the stage budget is interrupted and retried (transient), the
     retries are capped by ``retries``, and the run ends with the budget overrun."""
-    deadline_at = datetime.now(UTC) + timedelta(seconds=60)
     policy = _policy(budget_s=0.5, expected_s=0.1, retries=1)
-    state = run_probe("flaky", deadline_at, policy, stuck_after=1, inline=inline)
+    state = run_probe("flaky", 60.0, policy, stuck_after=1, inline=inline)
     info = state.result(raise_on_failure=False)
     assert isinstance(info, dict) and info["calls"] == 2 and info["attempts"] == 2, info
     assert info["timed_out"], info
     assert info["error"].startswith("[transient_error] The detect stage exceeded its time budget")
-    assert datetime.fromisoformat(info["ended_at"]) < deadline_at - timedelta(seconds=55)
+    ended_at, deadline_at = map(datetime.fromisoformat, (info["ended_at"], info["deadline_at"]))
+    assert ended_at < deadline_at - timedelta(seconds=55)
 
 
 def test_no_first_attempt_without_the_expected_time() -> None:
