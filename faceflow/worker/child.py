@@ -35,6 +35,7 @@ from faceflow.worker.memory import release_memory
 from faceflow.worker.protocol import (
     ChildSpec,
     Ready,
+    RunClaim,
     RunFinished,
     RunRequest,
     RunStarted,
@@ -285,31 +286,38 @@ class WarmChild:
                 return flow_run
         return client.read_flow_run(UUID(request.flow_run_id))
 
-    def run_start(self, client: Any, flow_run: Any) -> contextlib.AbstractContextManager[Any]:
-        """The engine's PATCH and re-read of ``flow_run`` off its path (``run_start``),
-        unless the spec keeps Prefect's own."""
+    def run_start(
+        self, client: Any, flow_run: Any, claim: RunClaim | None
+    ) -> contextlib.AbstractContextManager[Any]:
+        """The engine's PATCH and re-read of ``flow_run`` off its path, and its ``Running``
+        as the run's ``claim`` (``run_start``), unless the spec keeps Prefect's own start
+        (the worker sends no claim then)."""
         if not self.spec.lean_run_start:
             return contextlib.nullcontext()
         from faceflow.worker.run_start import RunStart
 
-        return RunStart(client, flow_run).installed()
+        return RunStart(client, flow_run, claim).installed()
 
     def run(self, request: RunRequest, client: Any) -> RunFinished:
         """Run one flow run through Prefect's engine; never raises."""
+        from prefect.exceptions import Abort
         from prefect.flow_engine import run_flow
 
         start = time.perf_counter()
-        state_type = state_message = error = None
+        state_type = state_message = error = not_started = None
         try:
             working_dir = request.working_dir or self.spec.working_dir
             flow = self.load_flow(request.entrypoint, working_dir)
             flow_run = self.flow_run_of(request, client)
             flow = self.with_default_storage(self.named_already(flow, flow_run))
             self.conn.send(RunStarted(request.flow_run_id, (time.perf_counter() - start) * 1e3))
-            with run_environment(request.env, working_dir), self.run_start(client, flow_run):
+            starting = self.run_start(client, flow_run, request.claim)
+            with run_environment(request.env, working_dir), starting:
                 state = run_flow(flow, flow_run=flow_run, return_type="state")
             state_type = str(state.type.value)  # type: ignore[union-attr]
             state_message = state.message  # type: ignore[union-attr]
+        except Abort as exc:  # Prefect refused the run's start (its claim: another has it)
+            not_started = str(exc)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
@@ -322,6 +330,7 @@ class WarmChild:
             run_ms=(time.perf_counter() - start) * 1e3,
             telemetry=self.telemetry(),
             error=error,
+            not_started=not_started,
         )
 
     def serve(self, ready: Ready) -> None:

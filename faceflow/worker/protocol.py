@@ -39,18 +39,31 @@ class Telemetry:
 
 
 @dataclass(frozen=True)
+class RunClaim:
+    """The run is claimed by the child's ``Running`` proposal, not by a ``Pending`` state
+    before it (``WorkerSettings.claim_on_start``). Prefect rejects a ``Running`` proposal
+    whose ``transition_id`` is that of the run's current state, so two workers that propose
+    the same id cannot both start the run; ``message`` (the ``Running`` state's message)
+    tells the claimant whether the ``Running`` it is answered with is its own."""
+
+    transition_id: str
+    message: str
+
+
+@dataclass(frozen=True)
 class RunRequest:
     """Run the existing flow run ``flow_run_id`` from ``entrypoint`` through Prefect's engine.
 
     ``flow_run_json``: the flow run as the worker claimed it (Prefect's ``FlowRun`` as JSON),
     so the child need not read it again (one API request per run fewer); None: the child
-    reads it."""
+    reads it. ``claim``: set when the child's ``Running`` proposal is the claim."""
 
     flow_run_id: str
     entrypoint: str
     working_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     flow_run_json: str | None = None
+    claim: RunClaim | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,8 @@ class RunFinished:
     run_ms: float
     telemetry: Telemetry
     error: str | None = None
+    not_started: str | None = None
+    """Why the run was not started: Prefect aborted its ``Running`` (another claimed it)."""
 
 
 ToChild = RunRequest | Shutdown

@@ -28,6 +28,17 @@ sends two requests between the child's hand-over and the flow's first line:
   written once the run is ``Running``, so Prefect's re-read may or may not see them too.
   Later reads (a retry's) go to the server.
 
+With a ``RunClaim`` (``WorkerSettings.claim_on_start``) the engine's first ``Running``
+proposal is the worker's claim of the run: it carries the claim's transition id and
+message, and a rejection answered with another claimant's ``Running`` (same transition id,
+other message: Prefect's ``PreventDuplicateTransitions``) becomes an abort, so the engine
+stops before the flow's first line (``claim_outcome``). An accepted claim is checked
+against the run's states (one read): Prefect also accepts ``Running`` after a final state
+without a persisted result, and after a ``Running`` of another transition id (a claim that
+reached it late, once another worker's child had started or even finished the run, or once
+the run was cancelled); the child then aborts, putting back a final state it displaced
+(``first_start``), so no run is started twice at one run count.
+
 ``engine_shape_known`` checks the engine's source for both calls; where it differs (another
 Prefect release), ``RunStart`` changes nothing and the engine sends both requests itself.
 """
@@ -42,8 +53,15 @@ from functools import cache
 from typing import Any
 from uuid import UUID
 
+from faceflow.worker.protocol import RunClaim
+from faceflow.worker.transitions import state_body
+
 PATCH_CALL = "flow_version=self.flow.version"
 """What ``FlowRunEngine.initialize_run`` passes to ``update_flow_run`` (Prefect 3.9.1)."""
+
+LATE_CLAIM = "Late claim"
+"""How the reason a child gives for not starting a run that its claim reached too late
+begins (``first_start``)."""
 
 REREAD_CALL = "self.flow_run = client.read_flow_run(self.flow_run.id)"
 """The re-read in ``FlowRunEngine.setup_run_context`` (Prefect 3.9.1)."""
@@ -75,8 +93,10 @@ def background() -> ThreadPoolExecutor:
 class RunStart:
     """The engine's start requests for one run on ``client`` (see the module docstring)."""
 
-    def __init__(self, client: Any, flow_run: Any) -> None:
+    def __init__(self, client: Any, flow_run: Any, claim: RunClaim | None = None) -> None:
         self.client = client
+        self.claim = claim
+        """Still to be made by the first ``Running`` proposal (then None)."""
         self.flow_run = flow_run
         """The object handed to ``run_flow``: the engine fills in its policy and state."""
         self.claimed_version: str | None = flow_run.flow_version
@@ -138,11 +158,52 @@ class RunStart:
         return httpx.Response(202)
 
     def set_flow_run_state(self, flow_run_id: UUID, state: Any, *args: Any, **kwargs: Any) -> Any:
-        """Any state proposal but this run's ``Running`` waits for the PATCH first."""
+        """Any state proposal but this run's ``Running`` waits for the PATCH first; the
+        first ``Running`` makes the claim, if there is one."""
         is_running = getattr(state, "is_running", None)
         if flow_run_id != self.flow_run.id or not (callable(is_running) and is_running()):
             self.join()
+        elif (claim := self.claim) is not None:
+            self.claim = None
+            state.message = claim.message
+            force = bool(kwargs.get("force", args[0] if args else False))
+            result = propose_claim(self.client, flow_run_id, state, claim, force=force)
+            return self.first_start(flow_run_id, claim_outcome(result, claim))
         return self._set_state(flow_run_id, state, *args, **kwargs)
+
+    def first_start(self, flow_run_id: UUID, outcome: Any) -> Any:
+        """An accepted claim as the engine must see it: accepted when it is the run's first
+        start since it was scheduled; else (Prefect accepts ``Running`` after a final
+        state without a persisted result, and after ``Running`` with another transition
+        id) the engine is told to abort, before the flow's first line. A final (or paused)
+        state the claim displaced is put back as it was (type, name and message, which the
+        relay and the video coordinator read); a ``Running`` is not, since the child that
+        runs the run writes its next state (a put-back could overwrite that state).
+        Anything but an acceptance is returned as it is."""
+        from prefect.client.schemas.responses import (
+            OrchestrationResult,
+            SetStateStatus,
+            StateAbortDetails,
+        )
+        from prefect.states import State
+
+        if outcome.status != SetStateStatus.ACCEPT or outcome.state is None:
+            return outcome
+        blocking = start_blocked_by(self.client.read_flow_run_states(flow_run_id), outcome.state)
+        if blocking is None:
+            return outcome
+        was = f"the run was {blocking.name or blocking.type.value} before {outcome.state.message!r}"
+        if blocking.is_running():  # its child writes the run's next state: leave it to it
+            reason = f"{LATE_CLAIM}: {was} was accepted; left to the child that runs it"
+        else:  # over (or paused): nobody else writes, so it is put back as it was
+            put_back = State(type=blocking.type, name=blocking.name, message=blocking.message)
+            self._set_state(flow_run_id, put_back, force=True)
+            reason = f"{LATE_CLAIM}: {was} was accepted; put back"
+        return OrchestrationResult(
+            state=outcome.state,
+            status=SetStateStatus.ABORT,
+            details=StateAbortDetails(reason=reason),
+        )
 
     def read_flow_run(self, flow_run_id: UUID) -> Any:
         """The engine's first re-read of this run once ``Running``, answered here."""
@@ -180,3 +241,80 @@ class RunStart:
         if expected is not None and run.start_time > expected:
             run.estimated_start_time_delta = run.start_time - expected
         return run
+
+
+def propose_claim(
+    client: Any, flow_run_id: UUID, state: Any, claim: RunClaim, *, force: bool = False
+) -> Any:
+    """Propose ``state`` for the run with the claim's transition id (``transitions``):
+    Prefect's sync client gives every proposal a fresh one. Prefect's
+    ``OrchestrationResult``."""
+    import httpx
+    from prefect.client.schemas import OrchestrationResult
+    from prefect.exceptions import ObjectNotFound
+
+    body = state_body(flow_run_id, state, claim.transition_id, force=force)
+    try:
+        response = client.request(
+            "POST", "/flow_runs/{id}/set_state", path_params={"id": flow_run_id}, json=body
+        )
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code == 404:
+            raise ObjectNotFound(http_exc=exc) from exc
+        raise
+    return OrchestrationResult.model_validate(response.json())
+
+
+def claim_outcome(result: Any, claim: RunClaim) -> Any:
+    """Prefect's answer to a claiming ``Running`` proposal, as the engine must see it.
+
+    Rejected with a state of the claim's transition id: the run's current state is a claim
+    of the same run. A ``Running`` with the claim's message is this child's own (a request
+    sent again after its answer was lost): accepted. Any other (another worker's child
+    started the run, or another worker holds it ``Pending`` for a child of its own): an
+    abort, which the engine raises as ``Abort`` before the flow runs. Any other answer is
+    Prefect's as it is (a rejection into ``Cancelled``, a wait)."""
+    from prefect.client.schemas.responses import (
+        OrchestrationResult,
+        SetStateStatus,
+        StateAbortDetails,
+        StateAcceptDetails,
+    )
+
+    current = result.state
+    if (
+        result.status != SetStateStatus.REJECT
+        or current is None
+        or str(current.state_details.transition_id) != claim.transition_id
+    ):
+        return result
+    if current.is_running() and current.message == claim.message:
+        return OrchestrationResult(
+            state=current, status=SetStateStatus.ACCEPT, details=StateAcceptDetails()
+        )
+    if current.is_running():
+        reason = f"another worker started the run first ({current.message})"
+    else:
+        reason = f"another worker claimed the run first ({current.name}: {current.message})"
+    return OrchestrationResult(
+        state=current, status=SetStateStatus.ABORT, details=StateAbortDetails(reason=reason)
+    )
+
+
+def start_blocked_by(states: list[Any], ours: Any) -> Any:
+    """The state that makes the accepted claim ``ours`` a second start: walking back from
+    it through the run's ``states`` (any order) to the run's last ``Scheduled`` state, the
+    latest that is not ``Pending`` (a start, an end, a pause); None when there is none, or
+    when ``ours`` is not among them."""
+    from prefect.client.schemas.objects import StateType
+
+    ordered = sorted(states, key=lambda state: state.timestamp)
+    mine = [i for i, state in enumerate(ordered) if state.id == ours.id]
+    if not mine:
+        return None
+    for state in reversed(ordered[: mine[0]]):
+        if state.type is StateType.SCHEDULED:
+            return None
+        if state.type is not StateType.PENDING:
+            return state
+    return None

@@ -100,6 +100,16 @@ class WorkerSettings(BaseSettings):
         description="Take the engine's PATCH of a run and its re-read after Running off the "
         "run's path (faceflow.worker.run_start); false: Prefect's own requests.",
     )
+    claim_on_start: bool = Field(
+        default=True,
+        description="Claim a run that an idle child takes at once with the child's Running "
+        "proposal instead of a Pending state first (one orchestrated API call fewer per run; "
+        "the run goes Scheduled → Running). Needs lean_run_start; runs claimed ahead and "
+        "deployments with a concurrency limit are claimed with Pending as Prefect does. "
+        "With several workers on one pool every claim of a run carries one transition id, "
+        "and a child whose claim Prefect accepts after the run started or ended stops before "
+        "the flow runs (docs/reliability.md, finding 13).",
+    )
     rich_console: bool = Field(
         default=False,
         description="Keep Prefect's rich console handler in children (colours on a terminal; "

@@ -4,7 +4,7 @@ Start it as ``prefect worker start --pool gpu --type faceflow-gpu`` (discovered 
 ``prefect.collections`` entry point ``faceflow = "faceflow.worker"``) or ``faceflow worker``.
 
 For every scheduled run the worker does what Prefect's process worker does before it
-starts a process (``Pending``, job configuration from the pool's template, worker labels),
+starts a process (the claim, job configuration from the pool's template, worker labels),
 then hands the run to an idle child, which runs it through ``prefect.flow_engine.run_flow``
 (states, logs and the UI as usual). It skips the per-run work that a warm child makes
 pointless: no ``Submitting`` state, the settings serialised into the run's environment once,
@@ -16,6 +16,12 @@ pool's ``Scheduled`` event is claimed from that event (one read of the run); a r
 ahead is handed to its child without a second read unless a stop event named it or the
 event stream was down meanwhile (``_may_have_stopped``); the polls stay as the fallback,
 and the worker reconnects its event stream itself so that it knows of every gap.
+
+A run that an idle child takes at once is claimed by the child's ``Running`` proposal
+(``claim_on_start``, ``_claim_on_start``): no ``Pending`` state, one orchestrated API call
+fewer on the run's path. Two workers' claims of one run carry the same transition id, which
+Prefect refuses to repeat, so only one starts it (``run_start.claim_outcome``); a run claimed
+ahead of a free child, or of a deployment with a concurrency limit, goes ``Pending`` first.
 
 From outside the child the worker enforces the run's ``deadline_at`` (+ grace) and
 cancellation by killing the child (SIGTERM, then SIGKILL), marks the run ``Crashed``
@@ -39,17 +45,20 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 from prefect.client.schemas.objects import StateType
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import Abort, ObjectNotFound
 from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, get_current_settings, temporary_settings
-from prefect.states import Cancelled, Crashed, Scheduled
+from prefect.states import Cancelled, Crashed, Pending, Scheduled
+from prefect.utilities.engine import propose_state
 from prefect.workers.base import BaseWorker, BaseWorkerResult
 
 from faceflow.worker.claims import Claim, ClaimJournal, identity_slug, kill_stray_child
 from faceflow.worker.health import HealthServer, write_status_file
 from faceflow.worker.job import DEFINITIONS, FaceFlowJobConfiguration, FaceFlowVariables
 from faceflow.worker.pool import CheckState, ChildGone, ChildPool, NoChildReady, PoolLimits, Slot
-from faceflow.worker.protocol import RunFinished, RunRequest, RunStarted
+from faceflow.worker.protocol import RunClaim, RunFinished, RunRequest, RunStarted
+from faceflow.worker.run_start import LATE_CLAIM, engine_shape_known
 from faceflow.worker.settings import DEFAULT_ENTRYPOINT, WorkerSettings
+from faceflow.worker.transitions import SharedTransition, claim_transition
 from tasks.error_codes import JobErrorCode
 
 if TYPE_CHECKING:
@@ -72,14 +81,25 @@ RUNNING_EVENT = "prefect.flow-run.Running"
 STOP_EVENTS = frozenset(
     {CANCELLING_EVENT, "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"}
 )
-# How many runs with a stop event the worker remembers until they reach a child.
+# How many runs with a stop event the worker remembers until they reach a child; as many
+# runs another worker started although this one's child had them too.
 STOP_NEWS_KEPT = 1024
+# A child's claim in flight as the child died has been recorded this much later (s), or
+# was not: see ``_claimed_here``.
+CLAIM_SETTLE_S = 1.0
+# A run claimed on start whose outcome no Running event told has its states read this
+# often (s) until one claim shows (``_learn_claim``).
+CLAIM_READ_S = 0.2
 # The run's bookkeeping (its infrastructure pid, the worker's labels) waits for the run's
 # Running event, at most this long (s): see ``_after_start``.
 START_WAIT_S = 2.0
 # After the event subscription dropped, the worker polls (``query_seconds``) and connects
 # it again this much later (s).
 EVENTS_RECONNECT_S = 1.0
+# Prefect's subscriber returns once it has sent its filter; the server starts the stream
+# after it reads the filter. The worker polls at once and again this much later (s), for
+# a run scheduled between its first poll and the stream's start (see ``_event_pickup_loop``).
+EVENTS_SETTLE_S = 1.0
 _KEEP_ON_KILL = frozenset({StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED})
 # A run that waited longer than this for a child is read again before one gets it (it may
 # have been cancelled meanwhile), unless the events say it was not (``_may_have_stopped``);
@@ -136,7 +156,14 @@ class FaceFlowGpuWorker(
         self._events_since: float | None = None  # since when (monotonic), None while down
         self._stop_news: dict[str, None] = {}  # runs with a stop event, oldest first
         self._starts: dict[str, asyncio.Event] = {}  # handed-over runs not seen Running yet
-        self.claims = {"event": 0, "poll": 0}  # runs claimed (Pending accepted), by source
+        # runs claimed on start (``_claim_on_start``), not yet handed over: their run count
+        self._unclaimed: dict[str, int] = {}
+        self._start_claims: dict[str, RunClaim] = {}  # handed-over runs: their claim
+        self._started_elsewhere: dict[str, None] = {}  # ... that another worker started
+        self._claims_on_start = False  # settled in ``setup``
+        self.claims = {"event": 0, "poll": 0}  # runs claimed, by source
+        self.claims_on_start = 0  # of those, claimed by the child's Running (no Pending)
+        self.claims_lost = 0  # ... of which another worker's child started the run first
         self.polls = 0  # queries of the pool for scheduled runs
         self.event_connects = 0  # times the pool's event subscription (re)connected
         # prefetched runs handed to a child after a wait: read again first, or not (events)
@@ -187,6 +214,9 @@ class FaceFlowGpuWorker(
             self._health = HealthServer(self.status, port=self.settings.health_port)
             self._health.start()
         await super().setup()
+        self._claims_on_start = (
+            self.settings.claim_on_start and self.settings.lean_run_start and engine_shape_known()
+        )
         self._install_signal_handlers()
         left = self._open_journal()
         if left:
@@ -360,11 +390,22 @@ class FaceFlowGpuWorker(
         check that the run's deployment still exists made beside the ``Pending`` proposal
         instead of before it: one API round trip fewer between the run's pickup and its
         child. A run whose deployment is gone is still never handed to a child, and is
-        cancelled, as Prefect does."""
-        check = asyncio.create_task(self._deployment_gone(flow_run))
+        cancelled, as Prefect does. With a child idle for it the run is claimed on start
+        (``_claim_on_start``): the check, from the definition cache as a rule, comes first
+        then, and says whether the deployment's concurrency limit needs ``Pending``."""
+        check = asyncio.create_task(self._deployment_check(flow_run))
         try:
-            ready = await self._propose_pending_state(flow_run)
-            gone = await check
+            if self._claim_on_start_now():
+                gone, limited = await check  # from the definition cache, as a rule
+                if gone:
+                    ready = False
+                elif limited:  # Prefect takes the deployment's slot with Pending
+                    ready = await self._propose_pending_state(flow_run)
+                else:
+                    ready = self._claim_on_start(flow_run)
+            else:
+                ready = await self._propose_pending_state(flow_run)
+                gone, _limited = await check
         finally:
             check.cancel()  # a no-op once it is done
         if gone:
@@ -385,14 +426,20 @@ class FaceFlowGpuWorker(
             ready = False
         if ready:
             assert self._runs_task_group is not None
-            if self._events_live:
-                self._starts[str(flow_run.id)] = asyncio.Event()
+            on_start = self._claimed_on_start(str(flow_run.id))
+            if self._events_live or on_start:
+                self._starts[str(flow_run.id)] = start = asyncio.Event()
+                if on_start:
+                    self._in_background(self._learn_claim(str(flow_run.id), start))
             started = await self._runs_task_group.start(
                 self._submit_run_and_capture_errors, flow_run
             )
             if started and not isinstance(started, Exception):
                 run_logger = self.get_flow_run_logger(flow_run)
                 await self._after_start(flow_run.id)
+                if not self._started_here(flow_run.id):
+                    self._submitted(flow_run)
+                    return
                 try:
                     await self.client.update_flow_run(
                         flow_run_id=flow_run.id, infrastructure_pid=str(started)
@@ -405,15 +452,22 @@ class FaceFlowGpuWorker(
                 run_logger.info(f"Flow run '{flow_run.name}' submitted to infrastructure")
             else:
                 self._release_limit_slot(flow_run.id)
+                self._unclaimed.pop(str(flow_run.id), None)  # ``run`` may never have had it:
+                self._run_started(str(flow_run.id))  # its bookkeeping goes (``_learn_claim``)
         else:
             self._release_limit_slot(flow_run.id)
+        self._submitted(flow_run)
+
+    def _submitted(self, flow_run: FlowRun) -> None:
+        """Prefect's bookkeeping once a run's submission is over."""
         self._submitting_flow_run_ids.discard(flow_run.id)
         if self._cancelling_observer is not None:
             self._cancelling_observer.remove_in_flight_flow_run_id(flow_run.id)
 
-    async def _deployment_gone(self, flow_run: FlowRun) -> bool:
-        """Whether the run names a deployment that no longer exists (an API error: no).
-        The deployment and the run's flow come from ``DEFINITIONS``: read beside
+    async def _deployment_check(self, flow_run: FlowRun) -> tuple[bool, bool]:
+        """Whether the run names a deployment that no longer exists (an API error: no), and
+        whether that deployment has a concurrency limit (which Prefect enforces on
+        ``Pending``). The deployment and the run's flow come from ``DEFINITIONS``: read beside
         ``Pending`` when the cache holds none younger than its TTL (after idle time), so
         that the run's job configuration, made once ``Pending`` is accepted, needs no
         request; while runs of the deployment keep coming, no read at all. Deleting a
@@ -422,17 +476,68 @@ class FaceFlowGpuWorker(
         only one that was out of ``Scheduled`` while it was deleted and is scheduled again
         within the TTL gets past this check, and it runs as its deployment last said."""
         if flow_run.deployment_id is None:
-            return False
+            return False, False
         deployment, _flow = await asyncio.gather(
             DEFINITIONS.deployment(self.client, flow_run.deployment_id),
             DEFINITIONS.flow(self.client, flow_run.flow_id),
             return_exceptions=True,
         )
         if isinstance(deployment, ObjectNotFound):
-            return True
+            return True, False
         if isinstance(deployment, BaseException):  # Prefect's own check would fail the
             self._logger.debug("could not read deployment: %s", deployment)  # submission
-        return False
+            return False, True  # unknown: claimed with Pending, as Prefect would
+        limited = deployment.global_concurrency_limit is not None
+        return False, limited or deployment.concurrency_limit is not None
+
+    def _claim_on_start_now(self) -> bool:
+        """Whether a run claimed now is claimed by its child's ``Running``: the mode is on
+        and a warm child is idle for it (beyond the runs already claimed so)."""
+        pool = self._pool
+        return (
+            self._claims_on_start and pool is not None and pool.idle_count() > len(self._unclaimed)
+        )
+
+    def _claim_on_start(self, flow_run: FlowRun) -> bool:
+        """Journal the claim of a run that its child's ``Running`` will make (nothing is sent
+        to Prefect now: the run stays ``Scheduled`` until then, for any worker to take)."""
+        run_id = str(flow_run.id)
+        if self._journal is not None:
+            self._journal.add(run_id)
+        self._unclaimed[run_id] = flow_run.run_count
+        self._count_claim(run_id, made=True)
+        self.claims_on_start += 1
+        return True
+
+    def _count_claim(self, run_id: str, *, made: bool) -> None:
+        """Count a claim that was ``made`` by where the run came from (its event, a poll)."""
+        announced = run_id in self._announced
+        self._announced.discard(run_id)
+        if made:
+            self.claims["event" if announced else "poll"] += 1
+
+    def _run_claim(self, flow_run: FlowRun, run_count: int, child_pid: int) -> RunClaim:
+        """The claim a child's ``Running`` makes: the same transition id in every worker (the
+        run and its run count when it was claimed), a message that is this one's alone."""
+        message = (
+            f"Started by faceflow-gpu worker {self.name}, child pid {child_pid} "
+            f"(claim {uuid.uuid4().hex[:8]})."
+        )
+        claim = RunClaim(transition_id=claim_transition(flow_run.id, run_count), message=message)
+        self._start_claims[str(flow_run.id)] = claim
+        return claim
+
+    def _claimed_on_start(self, run_id: str) -> bool:
+        """Whether ``run_id`` is claimed by its child's ``Running`` (before or after the
+        hand-over) and has not ended."""
+        return run_id in self._unclaimed or run_id in self._start_claims
+
+    def _started_here(self, flow_run_id: UUID | str) -> bool:
+        """False when another worker started a run this one's child was handed too."""
+        return str(flow_run_id) not in self._started_elsewhere
+
+    def _note_started_elsewhere(self, run_id: str) -> None:
+        _remember(self._started_elsewhere, run_id)
 
     async def _propose_pending_state(self, flow_run: FlowRun) -> bool:
         """Journal the claim *before* Prefect records it as ``Pending``.
@@ -441,18 +546,46 @@ class FaceFlowGpuWorker(
         held the pool's slot until the relay's pending timeout (found by the full fault
         matrix, scenario 1). Journalled first, a run that is still ``Scheduled`` at
         recovery is left alone and a ``Pending`` one goes back to ``Scheduled``.
+
+        The ``Pending`` carries the transition id of the run's claims (``transitions``), so
+        no other worker's child claims the run on start after it, and a message of this
+        claim's own: Prefect answers a repeat of it (its answer lost) with this ``Pending``,
+        which is this worker's claim, and another worker's with theirs, which is not.
         """
         run_id = str(flow_run.id)
         if self._journal is not None:
             self._journal.add(run_id)
-        accepted = await super()._propose_pending_state(flow_run)
-        announced = run_id in self._announced
-        self._announced.discard(run_id)
-        if accepted:
-            self.claims["event" if announced else "poll"] += 1
-        elif self._journal is not None:
+        accepted = await self._propose_pending(flow_run)
+        self._count_claim(run_id, made=accepted)
+        if not accepted and self._journal is not None:
             self._journal.remove(run_id)
         return accepted
+
+    async def _propose_pending(self, flow_run: FlowRun) -> bool:
+        """Prefect's ``BaseWorker._propose_pending_state`` (3.9.1), with the claim's
+        transition id and message: whether the run is this worker's now."""
+        run_logger = self.get_flow_run_logger(flow_run)
+        message = f"Claimed by faceflow-gpu worker {self.name} (claim {uuid.uuid4().hex[:8]})."
+        transition = claim_transition(flow_run.id, flow_run.run_count)
+        # ``propose_state`` calls its client's ``set_flow_run_state`` alone
+        client: Any = SharedTransition(self.client, transition)
+        try:
+            state = await propose_state(client, Pending(message=message), flow_run_id=flow_run.id)
+        except Abort as exc:
+            run_logger.info(
+                f"Aborted submission of flow run '{flow_run.id}'. Server sent an abort signal: {exc}"
+            )
+            return False
+        except Exception:
+            run_logger.exception(f"Failed to update state of flow run '{flow_run.id}'")
+            return False
+        if not state.is_pending() or state.message != message:
+            run_logger.info(
+                f"Aborted submission of flow run '{flow_run.id}': Server returned "
+                f"{state.type.value!r} ({state.message})"
+            )
+            return False
+        return True
 
     async def _propose_submitting_state(self, flow_run: FlowRun) -> None:
         """No ``Submitting`` state: the run goes from ``Pending`` to an idle warm child at
@@ -468,6 +601,8 @@ class FaceFlowGpuWorker(
 
         async def label() -> None:
             await self._after_start(flow_run_id)
+            if not self._started_here(flow_run_id):
+                return
             try:
                 await parent(flow_run_id)
             except Exception as exc:  # labels help operators; a failure must not stop a run
@@ -483,20 +618,51 @@ class FaceFlowGpuWorker(
         proposal, which would wait behind them on the server (the same row of Prefect's
         database and the same event loop). Prefect's cancellation of a run without a pid
         happens only before ``Running``; this worker's supervision stops the child either way
-        (``_cancel_if_requested``, nudged by the run's ``Cancelling`` event)."""
+        (``_cancel_if_requested``, nudged by the run's ``Cancelling`` event). A run claimed
+        on start waits until its claim's outcome is known (``_learn_claim``) or it ended:
+        the worker whose child lost the claim writes nothing on the winner's run."""
         key = str(flow_run_id)
         start = self._starts.get(key)
         if start is None:
             return
+        on_start = self._claimed_on_start(key)
         try:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(start.wait(), START_WAIT_S)
+                await asyncio.wait_for(start.wait(), None if on_start else START_WAIT_S)
         finally:
             if self._starts.get(key) is start:  # no event came (a submission that failed)
                 del self._starts[key]
 
-    def _run_started(self, flow_run_id: str) -> None:
-        """The run is ``Running`` (or over): its bookkeeping may go (``_after_start``)."""
+    async def _learn_claim(self, run_id: str, start: asyncio.Event) -> None:
+        """For a run claimed on start: whose claim started it, read from its states when
+        no ``Running`` event told it within ``START_WAIT_S`` (at once while the event
+        stream is down), every ``CLAIM_READ_S`` until a claim shows or the run is over."""
+        if self._events_live:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(start.wait(), START_WAIT_S)
+        while not start.is_set():
+            claim = self._start_claims.get(run_id)  # None until the hand-over
+            if claim is not None:
+                try:
+                    states = await self.client.read_flow_run_states(uuid.UUID(run_id))
+                except Exception as exc:  # transient API trouble: read again
+                    self._logger.debug("could not read the states of flow run %s: %s", run_id, exc)
+                    states = []
+                claiming = claiming_state(states, claim)
+                if claiming is not None:
+                    self._run_started(run_id, claiming.message)
+                    return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(start.wait(), CLAIM_READ_S)
+
+    def _run_started(self, flow_run_id: str, message: str | None = None) -> None:
+        """The run is ``Running`` (or over): its bookkeeping may go (``_after_start``).
+        ``message``: the ``Running`` state's, which tells a run claimed on start whether
+        this worker's child started it (the child itself stops before the flow when its
+        claim came after the run was stopped or started: ``run_start.first_start``)."""
+        mine = self._start_claims.get(flow_run_id)
+        if mine is not None and message is not None and message != mine.message:
+            self._note_started_elsewhere(flow_run_id)
         start = self._starts.pop(flow_run_id, None)
         if start is not None:
             start.set()
@@ -667,11 +833,17 @@ class FaceFlowGpuWorker(
                 async with subscriber:
                     self.event_connects += 1
                     # What happened before the subscription took effect may never arrive
-                    # (backfill reads only persisted events): read once what it may hide.
+                    # (backfill reads only persisted events, which the event persister
+                    # writes up to a second late): read once what it may hide. The server
+                    # starts the stream only once it has read the filter the subscriber
+                    # sent: a run scheduled between the first poll and that start is found
+                    # by the second (with the periodic poll far apart, tests saw one wait
+                    # a whole minute).
                     for slot in self.pool.slots:
                         if slot.flow_run_id is not None:
                             slot.run_queue.put_nowait(CheckState(slot.flow_run_id))
                     self._poll_now.set()
+                    asyncio.get_running_loop().call_later(EVENTS_SETTLE_S, self._poll_now.set)
                     self._events_since = time.monotonic()
                     async for event in subscriber:
                         if event.event in STOP_EVENTS:
@@ -679,7 +851,10 @@ class FaceFlowGpuWorker(
                         if event.event == CANCELLING_EVENT:
                             self._check_state_now(event.resource.id)
                         elif event.event == RUNNING_EVENT:
-                            self._run_started(event.resource.id.removeprefix("prefect.flow-run."))
+                            self._run_started(
+                                event.resource.id.removeprefix("prefect.flow-run."),
+                                event.resource.get("prefect.state-message"),
+                            )
                         elif event.event == SCHEDULED_EVENT:
                             # beside the stream: a Cancelling event never waits for a claim
                             self._in_background(self._claim_announced(event))
@@ -690,7 +865,8 @@ class FaceFlowGpuWorker(
             # the stream ended (dropped, or closed cleanly): poll until it is back
             self._events_since = None
             for run_id in list(self._starts):  # their Running events may never come
-                self._run_started(run_id)
+                if not self._claimed_on_start(run_id):
+                    self._run_started(run_id)  # (``_learn_claim`` reads those claimed on start)
             await asyncio.sleep(EVENTS_RECONNECT_S)
 
     def _check_state_now(self, resource_id: str) -> None:
@@ -735,6 +911,8 @@ class FaceFlowGpuWorker(
         finally:
             self._run_started(str(flow_run.id))  # over: its bookkeeping need not wait
             self._stop_news.pop(str(flow_run.id), None)
+            self._unclaimed.pop(str(flow_run.id), None)
+            self._start_claims.pop(str(flow_run.id), None)
             if self._journal is not None:
                 self._journal.remove(str(flow_run.id))
             # Prefect frees this run's limiter place right after ``run`` returns, with no
@@ -766,6 +944,11 @@ class FaceFlowGpuWorker(
                         return FaceFlowWorkerResult(
                             identifier="", status_code=0, outcome="cancelled"
                         )
+                    if not self._still_claimable(current):
+                        await self.pool.release_unused(slot)
+                        return FaceFlowWorkerResult(
+                            identifier="", status_code=0, outcome="not_started"
+                        )
                     flow_run = current
                 else:
                     self.handovers["unread"] += 1
@@ -783,12 +966,15 @@ class FaceFlowGpuWorker(
             self._journal.add(str(flow_run.id), child.pid)
         if task_status is not None:
             task_status.started(child.pid)
+        run_count = self._unclaimed.pop(str(flow_run.id), None)
+        claim = None if run_count is None else self._run_claim(flow_run, run_count, child.pid)
         request = RunRequest(
             flow_run_id=str(flow_run.id),
             entrypoint=configuration.entrypoint or DEFAULT_ENTRYPOINT,
             working_dir=str(configuration.working_dir) if configuration.working_dir else None,
             env={k: v for k, v in configuration.env.items() if v is not None},
             flow_run_json=flow_run.model_dump_json(),
+            claim=claim,
         )
         done = False
         try:
@@ -828,8 +1014,7 @@ class FaceFlowGpuWorker(
             if isinstance(message, CheckState):
                 next_check = 0.0  # a Cancelling event: read the run's state now
             if isinstance(message, RunFinished):
-                await self._finished(slot, flow_run, message)
-                return "finished"
+                return await self._finished(slot, flow_run, message)
             if isinstance(message, ChildGone):
                 code = await child.wait_exit(0.5)
                 why = _describe_exit(code)
@@ -862,10 +1047,22 @@ class FaceFlowGpuWorker(
                 if await self._cancel_if_requested(slot, flow_run):
                     return "cancelled"
 
-    async def _finished(self, slot: Slot, flow_run: FlowRun, message: RunFinished) -> None:
-        """The child ended the run. A run cancelled just as it finished (or before it could
+    async def _finished(self, slot: Slot, flow_run: FlowRun, message: RunFinished) -> str:
+        """The child ended the run (``finished``) or Prefect refused to let it start it
+        (``not_started``: another worker's child claimed it first; the run is theirs and
+        left as it is). A run cancelled just as it finished (or before it could
         start) is left ``Cancelling``: Prefect refuses a Cancelling run any state but
         Cancelled, so the engine's own end was refused and only the worker can end it."""
+        if message.not_started is not None:
+            self._note_started_elsewhere(str(flow_run.id))
+            self.claims_lost += 1
+            self._logger.info("Flow run %s not started here: %s", flow_run.id, message.not_started)
+            if message.not_started.startswith(LATE_CLAIM):  # the run's history shows the claim
+                self.get_flow_run_logger(flow_run).info(
+                    "Not started by worker %s: %s", self.name, message.not_started
+                )
+            await self.pool.release(slot)
+            return "not_started"
         if message.error is not None:
             self.get_flow_run_logger(flow_run).error(
                 "faceflow-gpu child could not run the flow: %s", message.error
@@ -879,6 +1076,7 @@ class FaceFlowGpuWorker(
                 Cancelled(message="Cancelled as the faceflow-gpu child ended the run."),
             )
         await self.pool.release(slot)
+        return "finished"
 
     async def _cancel_if_requested(self, slot: Slot, flow_run: FlowRun) -> bool:
         """Kill the child when the run is CANCELLING (or was ended from outside)."""
@@ -932,9 +1130,15 @@ class FaceFlowGpuWorker(
     def _note_stop(self, resource_id: str) -> None:
         """Remember that flow run ``prefect.flow-run.<id>`` had a stop event (the oldest
         notes go past ``STOP_NEWS_KEPT``: runs of other workers never reach this one)."""
-        self._stop_news[resource_id.removeprefix("prefect.flow-run.")] = None
-        while len(self._stop_news) > STOP_NEWS_KEPT:
-            del self._stop_news[next(iter(self._stop_news))]
+        _remember(self._stop_news, resource_id.removeprefix("prefect.flow-run."))
+
+    def _still_claimable(self, current: FlowRun) -> bool:
+        """Whether a run claimed on start, read again before its hand-over, may still be
+        claimed: only while ``Scheduled`` (another worker may have started it meanwhile)."""
+        if str(current.id) not in self._unclaimed:
+            return True
+        state = current.state
+        return state is not None and state.is_scheduled()
 
     async def _still_wanted(self, flow_run: FlowRun) -> FlowRun | None:
         """The run as it is now if it may still start; ``None`` when it was cancelled (or
@@ -967,7 +1171,11 @@ class FaceFlowGpuWorker(
 
     async def _reschedule(self, flow_run: FlowRun, why: str) -> None:
         """Put a claimed run that never reached a child back to Scheduled for any worker,
-        unless it was cancelled (or ended) meanwhile: a forced Scheduled would revive it."""
+        unless it was cancelled (or ended) meanwhile: a forced Scheduled would revive it. A
+        run claimed on start was never taken from ``Scheduled``: it is left as it is."""
+        if self._unclaimed.pop(str(flow_run.id), None) is not None:
+            self._logger.info("Flow run %s left to any worker: %s", flow_run.id, why)
+            return
         if await self._still_wanted(flow_run) is None:
             return
         self._logger.warning("Rescheduling flow run %s: %s", flow_run.id, why)
@@ -978,14 +1186,41 @@ class FaceFlowGpuWorker(
             self._logger.exception("could not reschedule flow run %s", flow_run.id)
 
     async def _finalize(self, flow_run: FlowRun, state: State[Any]) -> None:
-        """Record ``state`` unless the run already reached an outcome of its own."""
+        """Record ``state`` unless the run already reached an outcome of its own, or it
+        was claimed on start and another worker's child started it (``_claimed_here``)."""
         try:
+            if not await self._claimed_here(flow_run):
+                return
             current = await self.client.read_flow_run(flow_run.id)
             if current.state is not None and current.state.type in _KEEP_ON_KILL:
                 return
             await self.client.set_flow_run_state(flow_run.id, state, force=True)
         except Exception:
             self._logger.exception("could not set the final state of flow run %s", flow_run.id)
+
+    async def _claimed_here(self, flow_run: FlowRun) -> bool:
+        """Whether this worker may end ``flow_run`` (its child died, passed its deadline,
+        the worker stopped): a run it claimed with ``Pending``, or one claimed on start that
+        its own child started or that nobody started at this run count. Two workers' children
+        are handed one run when both claim it on start; the one whose claim Prefect refused
+        may die or be killed before it says so, and must not end the run that the other one
+        runs. A claim in flight as its child died lands within ``CLAIM_SETTLE_S``: the
+        states are read again once after that when they show none."""
+        claim = self._start_claims.get(str(flow_run.id))
+        if claim is None:
+            return True
+        for settle in (True, False):
+            claiming = claiming_state(await self.client.read_flow_run_states(flow_run.id), claim)
+            if claiming is not None or not settle:
+                break
+            await asyncio.sleep(CLAIM_SETTLE_S)
+        if claiming is not None and claiming.message != claim.message:
+            self._note_started_elsewhere(str(flow_run.id))
+            self._logger.info(
+                "Flow run %s left as it is: another worker's child started it.", flow_run.id
+            )
+            return False
+        return True
 
     async def kill_infrastructure(
         self,
@@ -1018,6 +1253,8 @@ class FaceFlowGpuWorker(
             "idle": self._pool.idle_count() if self._pool else 0,
             "prefetched": self._pool.waiting if self._pool else 0,
             "claims": dict(self.claims),
+            "claims_on_start": self.claims_on_start,
+            "claims_lost": self.claims_lost,
             "polls": self.polls,
             "event_connects": self.event_connects,
             "events_live": self._events_live,
@@ -1031,6 +1268,33 @@ class FaceFlowGpuWorker(
         while True:
             write_status_file(self.settings.status_file, self.status())
             await asyncio.sleep(1.0)
+
+
+def _remember(notes: dict[str, None], run_id: str) -> None:
+    """Note ``run_id`` in ``notes`` (oldest first), forgetting the oldest past
+    ``STOP_NEWS_KEPT``."""
+    notes[run_id] = None
+    while len(notes) > STOP_NEWS_KEPT:
+        del notes[next(iter(notes))]
+
+
+def claiming_state(states: list[State[Any]], claim: RunClaim) -> State[Any] | None:
+    """The state among a run's ``states`` (any order) by which a claim of the run count that
+    ``claim`` was made for holds the run, the earliest: this worker's ``Running`` (``claim``'s
+    message), or another worker's ``Running`` or ``Pending`` (``claim``'s transition id,
+    which every worker's claim of that run count carries, and another message); None while
+    no such claim was accepted. A late claim of this worker's after another's start (put
+    back) comes after it."""
+    for state in sorted(states, key=lambda state: state.timestamp):
+        if state.is_running() and state.message == claim.message:
+            return state
+        if (
+            str(state.state_details.transition_id) == claim.transition_id
+            and state.message != claim.message
+            and (state.is_running() or state.is_pending())
+        ):
+            return state
+    return None
 
 
 def _describe_exit(code: int | None) -> str:

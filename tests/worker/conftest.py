@@ -24,6 +24,7 @@ from faceflow.supervisor import Service
 from faceflow.testing.net import free_port
 from faceflow.testing.prefect import PREFECT, PrefectRest, PrefectServer
 from faceflow.testing.wait import poll, poll_value
+from faceflow.worker.worker import EVENTS_SETTLE_S
 from flows.binding import signed_parameters, worker_keys
 from tests.orchestration.conftest import Home, prefect_server
 
@@ -148,13 +149,26 @@ class WarmWorker:
             raise AssertionError(f"worker children not idle after {timeout} s")
         return status
 
+    def holding(self, run_id: str) -> list[int]:
+        """The pids of this worker's children that hold flow run ``run_id`` now."""
+        children = self.status()["children"]
+        return [int(c["pid"]) for c in children if c["flow_run_id"] == run_id and c["pid"]]
+
     def submit(self, job_variables: dict[str, Any] | None = None, **parameters: Any) -> str:
         params = {"out_dir": str(self.out_dir), **parameters}
         return self.api.create_run(self.deployment_id, params, job_variables)
 
+    def wait_events_settled(self, timeout: float = 60) -> None:
+        """Wait until the worker's event stream is up and the polls it makes on connecting
+        are behind it (the second comes ``EVENTS_SETTLE_S`` later): from then on a
+        ``Scheduled`` run is claimed from its event, and the poll counts stay still."""
+        assert poll(lambda: self.status()["events_live"], timeout, step_s=0.1)
+        time.sleep(EVENTS_SETTLE_S + 1.0)
+
     def run_claimed_from_its_event(self, timeout: float = 60) -> str:
         """Submit a run, wait until it is ``Completed`` and check that the worker claimed it
         from its ``Scheduled`` event, not by a poll of the pool: its id."""
+        self.wait_events_settled()
         before = self.status()["claims"]
         run_id = self.submit()
         assert self.api.wait_final(run_id, timeout=timeout)["state_type"] == "COMPLETED"

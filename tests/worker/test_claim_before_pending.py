@@ -33,9 +33,10 @@ def _journaled(journal: ClaimJournal) -> list[str]:
 def test_a_claim_is_journaled_before_prefect_records_it_pending(
     prefect_api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import prefect.workers.base
     from prefect.client.orchestration import get_client
     from prefect.settings import temporary_settings
+
+    import faceflow.worker.worker as worker_module
 
     pool, deployment = probe_pool(prefect_api, "claim")
     claimed = prefect_api.create_run(deployment, {"fuse": False})
@@ -49,13 +50,13 @@ def test_a_claim_is_journaled_before_prefect_records_it_pending(
 
     # What the journal on disk names at the moment Prefect receives each Pending proposal.
     seen: dict[str, list[str]] = {}
-    real_propose = prefect.workers.base.propose_state
+    real_propose = worker_module.propose_state
 
     async def spy(client: Any, state: Any, flow_run_id: uuid.UUID, **kw: Any) -> Any:
         seen[str(flow_run_id)] = _journaled(journal)
         return await real_propose(client, state, flow_run_id=flow_run_id, **kw)
 
-    monkeypatch.setattr(prefect.workers.base, "propose_state", spy)
+    monkeypatch.setattr(worker_module, "propose_state", spy)
 
     async def scenario() -> tuple[bool, bool, list[str], list[str]]:
         async with get_client() as client:

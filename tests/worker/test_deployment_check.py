@@ -23,9 +23,11 @@ pytestmark = pytest.mark.prefect
 def test_pending_is_proposed_beside_the_deployment_check_and_a_gone_one_cancels(
     prefect_api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import prefect.workers.base
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.responses import DeploymentResponse
     from prefect.settings import temporary_settings
+
+    import faceflow.worker.worker as worker_module
 
     pool, deployment = probe_pool(prefect_api, "gone")
     run_id = prefect_api.create_run(deployment, {"fuse": False})
@@ -40,19 +42,19 @@ def test_pending_is_proposed_beside_the_deployment_check_and_a_gone_one_cancels(
     assert journal.acquire() == []
     reads_done: list[str] = []
     reads_done_at_pending: list[int] = []
-    real_propose = prefect.workers.base.propose_state
+    real_propose = worker_module.propose_state
 
     async def spy(client: Any, state: Any, flow_run_id: uuid.UUID, **kw: Any) -> Any:
         reads_done_at_pending.append(len(reads_done))
         return await real_propose(client, state, flow_run_id=flow_run_id, **kw)
 
-    monkeypatch.setattr(prefect.workers.base, "propose_state", spy)
+    monkeypatch.setattr(worker_module, "propose_state", spy)
 
     async def scenario() -> None:
         async with get_client() as client:
             real_read = client.read_deployment
 
-            async def read_deployment(deployment_id: uuid.UUID) -> Any:
+            async def read_deployment(deployment_id: uuid.UUID | str) -> DeploymentResponse:
                 try:
                     return await real_read(deployment_id)
                 finally:
@@ -98,7 +100,8 @@ def test_the_check_leaves_the_run_configuration_nothing_to_read(prefect_api: Api
             worker = FaceFlowGpuWorker(work_pool_name=pool, name="gpu-host-0")
             worker._client = client
             run = await client.read_flow_run(uuid.UUID(run_id))
-            gone = await worker._deployment_gone(run)
+            gone, limited = await worker._deployment_check(run)
+            assert not limited  # no concurrency limit: a child's Running may claim it
             reads = DEFINITIONS.reads
             config = await FaceFlowJobConfiguration.resolve_for_flow_run(
                 run,
@@ -123,6 +126,7 @@ def test_runs_of_a_deployment_read_fresh_in_the_cache_read_nothing_beside_pendin
     its flow) beside ``Pending``; the next one within the cache's TTL reads nothing, so
     its ``Pending`` proposal is the only request of its claim."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.responses import DeploymentResponse
     from prefect.settings import temporary_settings
 
     from faceflow.worker.job import DEFINITIONS
@@ -136,7 +140,7 @@ def test_runs_of_a_deployment_read_fresh_in_the_cache_read_nothing_beside_pendin
         async with get_client() as client:
             real_read = client.read_deployment
 
-            async def read_deployment(deployment_id: uuid.UUID) -> Any:
+            async def read_deployment(deployment_id: uuid.UUID | str) -> DeploymentResponse:
                 deployment_reads.append(str(deployment_id))
                 return await real_read(deployment_id)
 
@@ -147,7 +151,7 @@ def test_runs_of_a_deployment_read_fresh_in_the_cache_read_nothing_beside_pendin
             for run_id in (first, second):
                 run = await client.read_flow_run(uuid.UUID(run_id))
                 before = DEFINITIONS.reads
-                gone.append(await worker._deployment_gone(run))
+                gone.append((await worker._deployment_check(run))[0])
                 reads.append(DEFINITIONS.reads - before)
             return gone, reads
 
@@ -158,3 +162,36 @@ def test_runs_of_a_deployment_read_fresh_in_the_cache_read_nothing_beside_pendin
     # the deployment (and the flow, unless an earlier test read it) for the first run only
     assert reads[0] >= 1 and reads[1] == 0, reads
     assert deployment_reads == [deployment]
+
+
+def test_a_deployment_with_a_concurrency_limit_is_claimed_with_pending(prefect_api: Api) -> None:
+    """Prefect takes a deployment's concurrency slot on ``Pending``: the check tells the
+    worker so, and a run of such a deployment is never claimed by its child's ``Running``."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import temporary_settings
+
+    pool, deployment = probe_pool(prefect_api, "limited")
+    held = prefect_api.call("GET", f"/deployments/{deployment}")
+    body = {
+        "name": f"limited-{uuid.uuid4().hex[:6]}",
+        "flow_id": held["flow_id"],
+        "work_pool_name": pool,
+        "entrypoint": held["entrypoint"],
+        "concurrency_limit": 1,
+    }
+    limited_deployment = str(prefect_api.call("POST", "/deployments/", body)["id"])
+    runs = [prefect_api.create_run(d, {"fuse": False}) for d in (deployment, limited_deployment)]
+
+    async def scenario() -> list[tuple[bool, bool]]:
+        async with get_client() as client:
+            worker = FaceFlowGpuWorker(work_pool_name=pool, name="gpu-host-0")
+            worker._client = client
+            return [
+                await worker._deployment_check(await client.read_flow_run(uuid.UUID(run_id)))
+                for run_id in runs
+            ]
+
+    with temporary_settings(updates=in_process_settings(prefect_api)):
+        checks = asyncio.run(scenario())
+
+    assert checks == [(False, False), (False, True)]

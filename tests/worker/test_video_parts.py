@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -117,13 +118,16 @@ def watch_parts(
     return thread
 
 
-def running_child(workers: list[WarmWorker], run_id: str) -> int | None:
-    """The pid of the worker child running flow run ``run_id``, if one is."""
-    for worker in workers:
-        for child in worker.status()["children"]:
-            if child["flow_run_id"] == run_id and child["pid"]:
-                return int(child["pid"])
-    return None
+def running_child(workers: list[WarmWorker], run: dict[str, Any]) -> int | None:
+    """The pid of the worker child running flow run ``run``, if one is. Both workers'
+    idle children may be handed a part and claim it on start: the one that started it is
+    the child its ``Running`` message names (the other one holds the run until Prefect
+    refuses its claim, and killing that one proves nothing)."""
+    holding = [pid for worker in workers for pid in worker.holding(run["id"])]
+    named = re.search(r"child pid (\d+)", (run.get("state") or {}).get("message") or "")
+    if named is not None:
+        return int(named[1]) if int(named[1]) in holding else None
+    return holding[0] if len(holding) == 1 else None
 
 
 def stop_while_running(
@@ -134,12 +138,12 @@ def stop_while_running(
     the part would be stopped idle, so the run is read again after the stop."""
     if run["state_type"] != "RUNNING":
         return None
-    pid = running_child(workers, run["id"])
+    pid = running_child(workers, run)
     if pid is None:
         return None
     os.kill(pid, signal.SIGSTOP)
-    current = prefect_api.call("GET", f"/flow_runs/{run['id']}")["state"]["type"]
-    if current != "RUNNING" or running_child(workers, run["id"]) != pid:
+    current = prefect_api.call("GET", f"/flow_runs/{run['id']}")
+    if current["state"]["type"] != "RUNNING" or running_child(workers, current) != pid:
         os.kill(pid, signal.SIGCONT)
         return None
     return pid
@@ -185,7 +189,7 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
         kind, total = step
         if kind not in held:
             if kind in run["name"] and run["state_type"] == "RUNNING":
-                pid = running_child(workers, run["id"])
+                pid = running_child(workers, run)
                 if pid is not None:
                     os.kill(pid, signal.SIGSTOP)
                     held[kind] = pid

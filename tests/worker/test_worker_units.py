@@ -278,3 +278,37 @@ def test_a_runs_bookkeeping_waits_for_its_running_event_or_its_end() -> None:
             assert str(run_id) not in worker._starts, end
 
     asyncio.run(scenario())
+
+
+def test_the_claim_that_started_a_run_is_read_from_its_states() -> None:
+    """``claiming_state``: this worker's claim by its message, another worker's by the
+    claim's transition id (shared by every claimant of the run count: its child's
+    ``Running`` or its ``Pending``), the earliest; a ``Running`` of another run count or no
+    claim at all: none."""
+    from uuid import uuid4
+
+    from prefect.states import Pending, Running, Scheduled, State
+
+    from faceflow.worker.protocol import RunClaim
+    from faceflow.worker.worker import claiming_state
+
+    claim = RunClaim(transition_id=str(uuid4()), message="Started by worker a (claim 1).")
+
+    def running(message: str, transition_id: str) -> Any:
+        state: State[Any] = Running(message=message)
+        state.state_details.transition_id = UUID(transition_id)
+        return state
+
+    scheduled: State[Any] = Scheduled()
+    assert claiming_state([scheduled], claim) is None
+    earlier = running("Started by worker b (claim 0).", str(uuid4()))  # an earlier run count
+    assert claiming_state([scheduled, earlier], claim) is None
+    ours = running(claim.message, claim.transition_id)
+    assert claiming_state([scheduled, ours], claim) is ours
+    theirs: State[Any] = running("Started by worker b (claim 2).", claim.transition_id)
+    assert claiming_state([scheduled, earlier, theirs], claim) is theirs
+    late = running(claim.message, claim.transition_id)  # accepted after theirs, put back
+    assert claiming_state([late, theirs, scheduled], claim) is theirs
+    held: State[Any] = Pending(message="Claimed by worker c (claim 3).")  # ahead, for a busy child
+    held.state_details.transition_id = UUID(claim.transition_id)
+    assert claiming_state([scheduled, held], claim) is held
