@@ -90,9 +90,12 @@ def test_fuse_faces_runs_are_named_by_job_and_labelled_by_worker(
     and still renames a run created under another name; the worker's labels land once the
     run is Running; no ``Submitting`` state. A run that the idle child takes at once is
     claimed by its ``Running`` (no ``Pending``; the message names the worker and child); one
-    claimed while the child is busy goes Pending → Running → Completed."""
+    claimed while the child is busy goes Pending → Running → Completed. The second run is
+    created once the first left ``Scheduled``: created together, either may reach the
+    worker first (their events' reads race on a loaded machine)."""
     before = warm_worker.wait_idle()["claims_on_start"]
     named, job_id = warm_worker.submit_fuse(*inputs)
+    assert poll(lambda: warm_worker.api.run(named)["state_type"] != "SCHEDULED", 60, step_s=0.02)
     params = fuse_params(*inputs)
     body = {"parameters": params, "name": "not-the-job-id"}
     path = f"/deployments/{warm_worker.fuse_deployment_id}/create_flow_run"
