@@ -14,7 +14,7 @@ and labels written once the run is ``Running`` (``_after_start``), not beside th
 start of it, no rename when the run already has its job's name. A run announced by its
 pool's ``Scheduled`` event is claimed from that event (one read of the run); a run claimed
 ahead is handed to its child without a second read unless a stop event named it or the
-event stream was down meanwhile (``_may_have_stopped``); the polls stay as the fallback,
+event stream was down meanwhile (``PoolEvents.may_have_stopped``); the polls stay as the fallback,
 and the worker reconnects its event stream itself so that it knows of every gap.
 
 A run that an idle child takes at once is claimed by the child's ``Running`` proposal
@@ -51,13 +51,16 @@ from prefect.states import Cancelled, Crashed, Pending, Scheduled
 from prefect.utilities.engine import propose_state
 from prefect.workers.base import BaseWorker, BaseWorkerResult
 
-from faceflow.worker.claims import Claim, ClaimJournal, identity_slug, kill_stray_child
+from faceflow.worker.claims import Claim, ClaimJournal
 from faceflow.worker.health import HealthServer, write_status_file
 from faceflow.worker.job import DEFINITIONS, FaceFlowJobConfiguration, FaceFlowVariables
 from faceflow.worker.pool import CheckState, ChildGone, ChildPool, NoChildReady, PoolLimits, Slot
-from faceflow.worker.protocol import RunClaim, RunFinished, RunRequest, RunStarted
+from faceflow.worker.pool_events import EVENTS_SETTLE_S, PoolEvents
+from faceflow.worker.protocol import RunFinished, RunRequest, RunStarted
+from faceflow.worker.recovery import LOST_CODE, open_journal, recover_claims
 from faceflow.worker.run_start import LATE_CLAIM, engine_shape_known
 from faceflow.worker.settings import DEFAULT_ENTRYPOINT, WorkerSettings
+from faceflow.worker.start_claims import StartClaims, claiming_state
 from faceflow.worker.transitions import SharedTransition, claim_transition
 from tasks.error_codes import JobErrorCode
 
@@ -73,17 +76,6 @@ WORKER_TYPE = "faceflow-gpu"
 # The codes that open the message of a run this worker ends ``Crashed`` (for the Prefect UI:
 # the relay never reads a state's message, it reaps the run itself).
 DEADLINE_CODE = JobErrorCode.deadline_exceeded
-LOST_CODE = JobErrorCode.worker_lost
-SCHEDULED_EVENT = "prefect.flow-run.Scheduled"
-CANCELLING_EVENT = "prefect.flow-run.Cancelling"
-RUNNING_EVENT = "prefect.flow-run.Running"
-# The events after which a claimed run may no longer be wanted (see ``_may_have_stopped``).
-STOP_EVENTS = frozenset(
-    {CANCELLING_EVENT, "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"}
-)
-# How many runs with a stop event the worker remembers until they reach a child; as many
-# runs another worker started although this one's child had them too.
-STOP_NEWS_KEPT = 1024
 # A child's claim in flight as the child died has been recorded this much later (s), or
 # was not: see ``_claimed_here``.
 CLAIM_SETTLE_S = 1.0
@@ -93,17 +85,10 @@ CLAIM_READ_S = 0.2
 # The run's bookkeeping (its infrastructure pid, the worker's labels) waits for the run's
 # Running event, at most this long (s): see ``_after_start``.
 START_WAIT_S = 2.0
-# After the event subscription dropped, the worker polls (``query_seconds``) and connects
-# it again this much later (s).
-EVENTS_RECONNECT_S = 1.0
-# Prefect's subscriber returns once it has sent its filter; the server starts the stream
-# after it reads the filter. The worker polls at once and again this much later (s), for
-# a run scheduled between its first poll and the stream's start (see ``_event_pickup_loop``).
-EVENTS_SETTLE_S = 1.0
 _KEEP_ON_KILL = frozenset({StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED})
 # A run that waited longer than this for a child is read again before one gets it (it may
-# have been cancelled meanwhile), unless the events say it was not (``_may_have_stopped``);
-# one that got a child at once goes without the extra read.
+# have been cancelled meanwhile), unless the events say it was not
+# (``PoolEvents.may_have_stopped``); one that got a child at once goes without the read.
 ACQUIRE_RECHECK_S = 0.05
 
 
@@ -153,19 +138,12 @@ class FaceFlowGpuWorker(
         self._background: set[asyncio.Task[None]] = set()
         self._announced: set[str] = set()  # runs being claimed from their Scheduled event
         self._left_for_poll = False  # a run announced since the last poll was not claimed
-        self._events_since: float | None = None  # since when (monotonic), None while down
-        self._stop_news: dict[str, None] = {}  # runs with a stop event, oldest first
+        self._events = PoolEvents(self._logger)
         self._starts: dict[str, asyncio.Event] = {}  # handed-over runs not seen Running yet
-        # runs claimed on start (``_claim_on_start``), not yet handed over: their run count
-        self._unclaimed: dict[str, int] = {}
-        self._start_claims: dict[str, RunClaim] = {}  # handed-over runs: their claim
-        self._started_elsewhere: dict[str, None] = {}  # ... that another worker started
+        self._on_start = StartClaims()  # runs claimed by their child's Running (no Pending)
         self._claims_on_start = False  # settled in ``setup``
         self.claims = {"event": 0, "poll": 0}  # runs claimed, by source
-        self.claims_on_start = 0  # of those, claimed by the child's Running (no Pending)
-        self.claims_lost = 0  # ... of which another worker's child started the run first
         self.polls = 0  # queries of the pool for scheduled runs
-        self.event_connects = 0  # times the pool's event subscription (re)connected
         # prefetched runs handed to a child after a wait: read again first, or not (events)
         self.handovers = {"read": 0, "unread": 0}
 
@@ -220,7 +198,9 @@ class FaceFlowGpuWorker(
         self._install_signal_handlers()
         left = self._open_journal()
         if left:
-            self._services.append(asyncio.create_task(self._recover_loop(left)))
+            assert self._journal is not None
+            recovery = recover_claims(self.client, self._journal, left, self.name, self._logger)
+            self._services.append(asyncio.create_task(recovery))
         if self.settings.status_file:
             self._services.append(asyncio.create_task(self._write_status_loop()))
         self._services.append(asyncio.create_task(self._poll_now_loop()))
@@ -299,81 +279,14 @@ class FaceFlowGpuWorker(
 
     def _open_journal(self) -> list[Claim]:
         """Take this worker identity's claim journal; the claims a dead predecessor left."""
-        identity = identity_slug(self._work_pool_name, self.name)
-        journal = ClaimJournal(self.state_dir(), identity)
-        try:
-            left = journal.acquire()
-        except OSError as exc:
-            self._logger.warning("no claim journal (%s): runs are not recovered on restart", exc)
-            return []
-        if left is None:
-            self._logger.warning(
-                "Another live worker holds the identity %r (pool %r): this one neither "
-                "journals nor recovers runs; give each worker its own --name.",
-                self.name,
-                self._work_pool_name,
-            )
-            return []
-        self._journal = journal
-        if not self.settings.recover_claims:
-            return []
-        for claim in left:  # kept until handled: a crash now leaves them for the next start
-            journal.keep(claim)
-        return left
-
-    async def _recover_loop(self, left: list[Claim]) -> None:
-        """End the runs a dead predecessor claimed (retrying while Prefect is unreachable)."""
-        pending = list(left)
-        while pending:
-            retry = []
-            for claim in pending:
-                try:
-                    await self._recover(claim)
-                except Exception as exc:
-                    self._logger.debug("could not recover flow run %s: %s", claim.flow_run_id, exc)
-                    retry.append(claim)
-                    continue
-                if self._journal is not None:
-                    self._journal.remove(claim.flow_run_id)
-            pending = retry
-            if pending:
-                await asyncio.sleep(2.0)
-
-    async def _recover(self, claim: Claim) -> None:
-        """One run the previous incarnation of this worker had claimed and never ended:
-        back to Scheduled if no child ever had it, ``Crashed`` (``[worker_lost]``) if one
-        did, ``Cancelled`` if a cancellation was under way; final runs are left alone."""
-        from prefect.exceptions import ObjectNotFound
-
-        if kill_stray_child(claim):
-            self._logger.warning("Killed the dead worker's child pid %s.", claim.child_pid)
-        try:
-            run = await self.client.read_flow_run(uuid.UUID(claim.flow_run_id))
-        except (ObjectNotFound, ValueError):
-            return
-        state = run.state
-        if state is None or state.is_final() or state.is_scheduled() or state.is_paused():
-            return
-        new: State[Any]
-        if state.is_cancelling():
-            new = Cancelled(message="Cancelled: the faceflow-gpu worker running it died.")
-        elif state.is_pending() and not claim.child_pid:
-            new = Scheduled(
-                message=f"Rescheduled by the faceflow-gpu worker {self.name!r}: its previous "
-                "incarnation died before the run reached a child."
-            )
-        else:
-            new = Crashed(
-                message=f"[{LOST_CODE}] The faceflow-gpu worker {self.name!r} died during the "
-                f"run (child pid {claim.child_pid or 'none'}); found by its restart."
-            )
-        await self.client.set_flow_run_state(run.id, new, force=True)
-        self._logger.warning(
-            "Flow run %s was %s when this worker's previous incarnation died: now %s.",
-            run.id,
-            state.type.value,
-            new.type.value,
+        self._journal, left = open_journal(
+            self.state_dir(),
+            self._work_pool_name,
+            self.name,
+            recover=self.settings.recover_claims,
+            logger=self._logger,
         )
+        return left
 
     # ------------------------------------------------------------------ pickup
     # Prefect 3.9's BaseWorker has no public hook for these five steps of its pickup (the
@@ -426,8 +339,8 @@ class FaceFlowGpuWorker(
             ready = False
         if ready:
             assert self._runs_task_group is not None
-            on_start = self._claimed_on_start(str(flow_run.id))
-            if self._events_live or on_start:
+            on_start = self._on_start.holds(str(flow_run.id))
+            if self._events.live or on_start:
                 self._starts[str(flow_run.id)] = start = asyncio.Event()
                 if on_start:
                     self._in_background(self._learn_claim(str(flow_run.id), start))
@@ -437,7 +350,7 @@ class FaceFlowGpuWorker(
             if started and not isinstance(started, Exception):
                 run_logger = self.get_flow_run_logger(flow_run)
                 await self._after_start(flow_run.id)
-                if not self._started_here(flow_run.id):
+                if not self._on_start.started_here(str(flow_run.id)):
                     self._submitted(flow_run)
                     return
                 try:
@@ -452,7 +365,7 @@ class FaceFlowGpuWorker(
                 run_logger.info(f"Flow run '{flow_run.name}' submitted to infrastructure")
             else:
                 self._release_limit_slot(flow_run.id)
-                self._unclaimed.pop(str(flow_run.id), None)  # ``run`` may never have had it:
+                self._on_start.give_back(str(flow_run.id))  # ``run`` may never have had it:
                 self._run_started(str(flow_run.id))  # its bookkeeping goes (``_learn_claim``)
         else:
             self._release_limit_slot(flow_run.id)
@@ -495,7 +408,9 @@ class FaceFlowGpuWorker(
         and a warm child is idle for it (beyond the runs already claimed so)."""
         pool = self._pool
         return (
-            self._claims_on_start and pool is not None and pool.idle_count() > len(self._unclaimed)
+            self._claims_on_start
+            and pool is not None
+            and pool.idle_count() > self._on_start.waiting()
         )
 
     def _claim_on_start(self, flow_run: FlowRun) -> bool:
@@ -504,9 +419,8 @@ class FaceFlowGpuWorker(
         run_id = str(flow_run.id)
         if self._journal is not None:
             self._journal.add(run_id)
-        self._unclaimed[run_id] = flow_run.run_count
+        self._on_start.take(run_id, flow_run.run_count)
         self._count_claim(run_id, made=True)
-        self.claims_on_start += 1
         return True
 
     def _count_claim(self, run_id: str, *, made: bool) -> None:
@@ -515,29 +429,6 @@ class FaceFlowGpuWorker(
         self._announced.discard(run_id)
         if made:
             self.claims["event" if announced else "poll"] += 1
-
-    def _run_claim(self, flow_run: FlowRun, run_count: int, child_pid: int) -> RunClaim:
-        """The claim a child's ``Running`` makes: the same transition id in every worker (the
-        run and its run count when it was claimed), a message that is this one's alone."""
-        message = (
-            f"Started by faceflow-gpu worker {self.name}, child pid {child_pid} "
-            f"(claim {uuid.uuid4().hex[:8]})."
-        )
-        claim = RunClaim(transition_id=claim_transition(flow_run.id, run_count), message=message)
-        self._start_claims[str(flow_run.id)] = claim
-        return claim
-
-    def _claimed_on_start(self, run_id: str) -> bool:
-        """Whether ``run_id`` is claimed by its child's ``Running`` (before or after the
-        hand-over) and has not ended."""
-        return run_id in self._unclaimed or run_id in self._start_claims
-
-    def _started_here(self, flow_run_id: UUID | str) -> bool:
-        """False when another worker started a run this one's child was handed too."""
-        return str(flow_run_id) not in self._started_elsewhere
-
-    def _note_started_elsewhere(self, run_id: str) -> None:
-        _remember(self._started_elsewhere, run_id)
 
     async def _propose_pending_state(self, flow_run: FlowRun) -> bool:
         """Journal the claim *before* Prefect records it as ``Pending``.
@@ -601,7 +492,7 @@ class FaceFlowGpuWorker(
 
         async def label() -> None:
             await self._after_start(flow_run_id)
-            if not self._started_here(flow_run_id):
+            if not self._on_start.started_here(str(flow_run_id)):
                 return
             try:
                 await parent(flow_run_id)
@@ -625,7 +516,7 @@ class FaceFlowGpuWorker(
         start = self._starts.get(key)
         if start is None:
             return
-        on_start = self._claimed_on_start(key)
+        on_start = self._on_start.holds(key)
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(start.wait(), None if on_start else START_WAIT_S)
@@ -637,11 +528,11 @@ class FaceFlowGpuWorker(
         """For a run claimed on start: whose claim started it, read from its states when
         no ``Running`` event told it within ``START_WAIT_S`` (at once while the event
         stream is down), every ``CLAIM_READ_S`` until a claim shows or the run is over."""
-        if self._events_live:
+        if self._events.live:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(start.wait(), START_WAIT_S)
         while not start.is_set():
-            claim = self._start_claims.get(run_id)  # None until the hand-over
+            claim = self._on_start.claim_of(run_id)  # None until the hand-over
             if claim is not None:
                 try:
                     states = await self.client.read_flow_run_states(uuid.UUID(run_id))
@@ -660,9 +551,7 @@ class FaceFlowGpuWorker(
         ``message``: the ``Running`` state's, which tells a run claimed on start whether
         this worker's child started it (the child itself stops before the flow when its
         claim came after the run was stopped or started: ``run_start.first_start``)."""
-        mine = self._start_claims.get(flow_run_id)
-        if mine is not None and message is not None and message != mine.message:
-            self._note_started_elsewhere(flow_run_id)
+        self._on_start.seen_running(flow_run_id, message)
         start = self._starts.pop(flow_run_id, None)
         if start is not None:
             start.set()
@@ -808,70 +697,49 @@ class FaceFlowGpuWorker(
         per run fewer, on the server while the next job is dispatched. A run's end polls
         always (``run``). A run whose event was lost (a subscriber's overflowing
         queue) waits for the periodic poll (``query_seconds``)."""
-        if self._left_for_poll or not self._events_live:
+        if self._left_for_poll or not self._events.live:
             self._poll_now.set()
 
     async def _event_pickup_loop(self) -> None:
         """Claim the run of a ``Scheduled`` event of the pool at once (``_claim_announced``),
         and read a supervised run's state at once when it is ``Cancelling`` (websocket
         events; the polls stay as the fallback)."""
-        from prefect.events.clients import get_events_subscriber
-        from prefect.events.filters import EventAnyResourceFilter, EventFilter, EventNameFilter
-
         while self._work_pool is None:
             await asyncio.sleep(0.1)
-        event_filter = EventFilter(
-            event=EventNameFilter(name=[SCHEDULED_EVENT, RUNNING_EVENT, *sorted(STOP_EVENTS)]),
-            any_resource=EventAnyResourceFilter(id=[f"prefect.work-pool.{self._work_pool.id}"]),
+        await self._events.follow(
+            self._work_pool.id,
+            on_connect=self._events_connected,
+            # beside the stream: a Cancelling event never waits for a claim
+            on_scheduled=lambda event: self._in_background(self._claim_announced(event)),
+            on_running=self._run_started,
+            on_cancelling=self._check_state_now,
+            on_drop=self._events_dropped,
         )
-        while True:
-            try:
-                # No reconnection inside Prefect's subscriber: it would reconnect silently
-                # (backfilling only persisted events), and what the worker skips while its
-                # stream is up (``_may_have_stopped``, the polls) needs to know every gap.
-                subscriber = get_events_subscriber(filter=event_filter, reconnection_attempts=0)
-                async with subscriber:
-                    self.event_connects += 1
-                    # What happened before the subscription took effect may never arrive
-                    # (backfill reads only persisted events, which the event persister
-                    # writes up to a second late): read once what it may hide. The server
-                    # starts the stream only once it has read the filter the subscriber
-                    # sent: a run scheduled between the first poll and that start is found
-                    # by the second (with the periodic poll far apart, tests saw one wait
-                    # a whole minute).
-                    for slot in self.pool.slots:
-                        if slot.flow_run_id is not None:
-                            slot.run_queue.put_nowait(CheckState(slot.flow_run_id))
-                    self._poll_now.set()
-                    asyncio.get_running_loop().call_later(EVENTS_SETTLE_S, self._poll_now.set)
-                    self._events_since = time.monotonic()
-                    async for event in subscriber:
-                        if event.event in STOP_EVENTS:
-                            self._note_stop(event.resource.id)
-                        if event.event == CANCELLING_EVENT:
-                            self._check_state_now(event.resource.id)
-                        elif event.event == RUNNING_EVENT:
-                            self._run_started(
-                                event.resource.id.removeprefix("prefect.flow-run."),
-                                event.resource.get("prefect.state-message"),
-                            )
-                        elif event.event == SCHEDULED_EVENT:
-                            # beside the stream: a Cancelling event never waits for a claim
-                            self._in_background(self._claim_announced(event))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self._logger.debug("event pickup unavailable (%s); polling only", exc)
-            # the stream ended (dropped, or closed cleanly): poll until it is back
-            self._events_since = None
-            for run_id in list(self._starts):  # their Running events may never come
-                if not self._claimed_on_start(run_id):
-                    self._run_started(run_id)  # (``_learn_claim`` reads those claimed on start)
-            await asyncio.sleep(EVENTS_RECONNECT_S)
 
-    def _check_state_now(self, resource_id: str) -> None:
-        """Nudge the supervision of flow run ``prefect.flow-run.<id>``, if a child runs it."""
-        run_id = resource_id.removeprefix("prefect.flow-run.")
+    def _events_connected(self) -> None:
+        """The event stream is up: read once what it may hide. What happened before the
+        subscription took effect may never arrive (backfill reads only persisted events,
+        which the event persister writes up to a second late): every supervised run's state
+        is read, and the pool polled now and ``EVENTS_SETTLE_S`` later (the server starts the
+        stream only once it has read the filter the subscriber sent: a run scheduled between
+        the first poll and that start is found by the second; with the periodic poll far
+        apart, tests saw one wait a whole minute)."""
+        for slot in self.pool.slots:
+            if slot.flow_run_id is not None:
+                slot.run_queue.put_nowait(CheckState(slot.flow_run_id))
+        self._poll_now.set()
+        asyncio.get_running_loop().call_later(EVENTS_SETTLE_S, self._poll_now.set)
+
+    def _events_dropped(self) -> None:
+        """The event stream ended (dropped, or closed cleanly): the worker polls until it is
+        back, and the runs waiting for their ``Running`` event stop waiting (``_learn_claim``
+        reads the states of those claimed on start)."""
+        for run_id in list(self._starts):
+            if not self._on_start.holds(run_id):
+                self._run_started(run_id)
+
+    def _check_state_now(self, run_id: str) -> None:
+        """Nudge the supervision of flow run ``run_id``, if a child runs it."""
         for slot in self.pool.slots:
             if slot.flow_run_id == run_id:
                 slot.run_queue.put_nowait(CheckState(run_id))
@@ -910,9 +778,8 @@ class FaceFlowGpuWorker(
             return await self._run(flow_run, configuration, task_status)
         finally:
             self._run_started(str(flow_run.id))  # over: its bookkeeping need not wait
-            self._stop_news.pop(str(flow_run.id), None)
-            self._unclaimed.pop(str(flow_run.id), None)
-            self._start_claims.pop(str(flow_run.id), None)
+            self._events.forget(str(flow_run.id))
+            self._on_start.forget(str(flow_run.id))
             if self._journal is not None:
                 self._journal.remove(str(flow_run.id))
             # Prefect frees this run's limiter place right after ``run`` returns, with no
@@ -936,7 +803,7 @@ class FaceFlowGpuWorker(
                 str(flow_run.id), self.settings.acquire_timeout_s, priority=priority
             )
             if time.time() - started > ACQUIRE_RECHECK_S:
-                if self._may_have_stopped(str(flow_run.id), claimed):
+                if self._events.may_have_stopped(str(flow_run.id), claimed):
                     self.handovers["read"] += 1
                     current = await self._still_wanted(flow_run)
                     if current is None:  # cancelled while it waited for a child
@@ -944,7 +811,7 @@ class FaceFlowGpuWorker(
                         return FaceFlowWorkerResult(
                             identifier="", status_code=0, outcome="cancelled"
                         )
-                    if not self._still_claimable(current):
+                    if not self._on_start.still_claimable(current):
                         await self.pool.release_unused(slot)
                         return FaceFlowWorkerResult(
                             identifier="", status_code=0, outcome="not_started"
@@ -966,8 +833,7 @@ class FaceFlowGpuWorker(
             self._journal.add(str(flow_run.id), child.pid)
         if task_status is not None:
             task_status.started(child.pid)
-        run_count = self._unclaimed.pop(str(flow_run.id), None)
-        claim = None if run_count is None else self._run_claim(flow_run, run_count, child.pid)
+        claim = self._on_start.hand_over(flow_run, self.name, child.pid)
         request = RunRequest(
             flow_run_id=str(flow_run.id),
             entrypoint=configuration.entrypoint or DEFAULT_ENTRYPOINT,
@@ -1054,8 +920,7 @@ class FaceFlowGpuWorker(
         start) is left ``Cancelling``: Prefect refuses a Cancelling run any state but
         Cancelled, so the engine's own end was refused and only the worker can end it."""
         if message.not_started is not None:
-            self._note_started_elsewhere(str(flow_run.id))
-            self.claims_lost += 1
+            self._on_start.lost_to_another(str(flow_run.id))
             self._logger.info("Flow run %s not started here: %s", flow_run.id, message.not_started)
             if message.not_started.startswith(LATE_CLAIM):  # the run's history shows the claim
                 self.get_flow_run_logger(flow_run).info(
@@ -1109,37 +974,6 @@ class FaceFlowGpuWorker(
         )
         return True
 
-    @property
-    def _events_live(self) -> bool:
-        """Whether the pool's event subscription is up (``_events_since`` is set)."""
-        return self._events_since is not None
-
-    def _may_have_stopped(self, run_id: str, claimed: float) -> bool:
-        """Whether a run claimed at ``claimed`` (monotonic) may have been cancelled or ended
-        while it waited for a child, so that ``_still_wanted`` must read it before a child
-        gets it: a stop event (Cancelling, Cancelled, Crashed) of the run arrived, or the
-        pool's event subscription was not up all the while. Otherwise the read (one API
-        round trip between two runs of a child, ≈ 50 ms under a burst) is skipped. A stop
-        that happened so shortly before the hand-over that its event is still on its way is
-        still caught: Prefect refuses ``Running`` to a ``Cancelling`` run (the child reports
-        it and ``_finished`` makes it Cancelled), and the supervision reads the run's state
-        as its event arrives."""
-        since = self._events_since
-        return since is None or since > claimed or run_id in self._stop_news
-
-    def _note_stop(self, resource_id: str) -> None:
-        """Remember that flow run ``prefect.flow-run.<id>`` had a stop event (the oldest
-        notes go past ``STOP_NEWS_KEPT``: runs of other workers never reach this one)."""
-        _remember(self._stop_news, resource_id.removeprefix("prefect.flow-run."))
-
-    def _still_claimable(self, current: FlowRun) -> bool:
-        """Whether a run claimed on start, read again before its hand-over, may still be
-        claimed: only while ``Scheduled`` (another worker may have started it meanwhile)."""
-        if str(current.id) not in self._unclaimed:
-            return True
-        state = current.state
-        return state is not None and state.is_scheduled()
-
     async def _still_wanted(self, flow_run: FlowRun) -> FlowRun | None:
         """The run as it is now if it may still start; ``None`` when it was cancelled (or
         otherwise ended) while no child held it.
@@ -1173,7 +1007,7 @@ class FaceFlowGpuWorker(
         """Put a claimed run that never reached a child back to Scheduled for any worker,
         unless it was cancelled (or ended) meanwhile: a forced Scheduled would revive it. A
         run claimed on start was never taken from ``Scheduled``: it is left as it is."""
-        if self._unclaimed.pop(str(flow_run.id), None) is not None:
+        if self._on_start.give_back(str(flow_run.id)):
             self._logger.info("Flow run %s left to any worker: %s", flow_run.id, why)
             return
         if await self._still_wanted(flow_run) is None:
@@ -1206,7 +1040,7 @@ class FaceFlowGpuWorker(
         may die or be killed before it says so, and must not end the run that the other one
         runs. A claim in flight as its child died lands within ``CLAIM_SETTLE_S``: the
         states are read again once after that when they show none."""
-        claim = self._start_claims.get(str(flow_run.id))
+        claim = self._on_start.claim_of(str(flow_run.id))
         if claim is None:
             return True
         for settle in (True, False):
@@ -1215,7 +1049,7 @@ class FaceFlowGpuWorker(
                 break
             await asyncio.sleep(CLAIM_SETTLE_S)
         if claiming is not None and claiming.message != claim.message:
-            self._note_started_elsewhere(str(flow_run.id))
+            self._on_start.started_elsewhere(str(flow_run.id))
             self._logger.info(
                 "Flow run %s left as it is: another worker's child started it.", flow_run.id
             )
@@ -1253,11 +1087,11 @@ class FaceFlowGpuWorker(
             "idle": self._pool.idle_count() if self._pool else 0,
             "prefetched": self._pool.waiting if self._pool else 0,
             "claims": dict(self.claims),
-            "claims_on_start": self.claims_on_start,
-            "claims_lost": self.claims_lost,
+            "claims_on_start": self._on_start.made,
+            "claims_lost": self._on_start.lost,
             "polls": self.polls,
-            "event_connects": self.event_connects,
-            "events_live": self._events_live,
+            "event_connects": self._events.connects,
+            "events_live": self._events.live,
             "handovers": dict(self.handovers),
             "last_polled": self._last_polled_time.isoformat(),
             "children": children,
@@ -1268,33 +1102,6 @@ class FaceFlowGpuWorker(
         while True:
             write_status_file(self.settings.status_file, self.status())
             await asyncio.sleep(1.0)
-
-
-def _remember(notes: dict[str, None], run_id: str) -> None:
-    """Note ``run_id`` in ``notes`` (oldest first), forgetting the oldest past
-    ``STOP_NEWS_KEPT``."""
-    notes[run_id] = None
-    while len(notes) > STOP_NEWS_KEPT:
-        del notes[next(iter(notes))]
-
-
-def claiming_state(states: list[State[Any]], claim: RunClaim) -> State[Any] | None:
-    """The state among a run's ``states`` (any order) by which a claim of the run count that
-    ``claim`` was made for holds the run, the earliest: this worker's ``Running`` (``claim``'s
-    message), or another worker's ``Running`` or ``Pending`` (``claim``'s transition id,
-    which every worker's claim of that run count carries, and another message); None while
-    no such claim was accepted. A late claim of this worker's after another's start (put
-    back) comes after it."""
-    for state in sorted(states, key=lambda state: state.timestamp):
-        if state.is_running() and state.message == claim.message:
-            return state
-        if (
-            str(state.state_details.transition_id) == claim.transition_id
-            and state.message != claim.message
-            and (state.is_running() or state.is_pending())
-        ):
-            return state
-    return None
 
 
 def _describe_exit(code: int | None) -> str:

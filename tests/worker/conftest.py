@@ -24,7 +24,7 @@ from faceflow.supervisor import Service
 from faceflow.testing.net import free_port
 from faceflow.testing.prefect import PREFECT, PrefectRest, PrefectServer
 from faceflow.testing.wait import poll, poll_value
-from faceflow.worker.worker import EVENTS_SETTLE_S
+from faceflow.worker.pool_events import EVENTS_SETTLE_S
 from flows.binding import signed_parameters, worker_keys
 from tests.orchestration.conftest import Home, prefect_server
 

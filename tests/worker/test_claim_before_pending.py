@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from faceflow.worker.claims import ClaimJournal, identity_slug
+from faceflow.worker.recovery import recover_run
 from faceflow.worker.worker import FaceFlowGpuWorker
 from tests.worker.conftest import Api, in_process_settings, probe_pool
 
@@ -77,7 +79,7 @@ def test_a_claim_is_journaled_before_prefect_records_it_pending(
             successor = ClaimJournal(tmp_path, identity)
             left = successor.acquire()
             assert left is not None and [c.flow_run_id for c in left] == [claimed]
-            await worker._recover(left[0])
+            await recover_run(client, left[0], worker.name, logging.getLogger(__name__))
             successor.release()
         return accepted, refused, after_accepted, after_refused
 

@@ -266,7 +266,7 @@ def test_a_runs_bookkeeping_waits_for_its_running_event_or_its_end() -> None:
     async def scenario() -> None:
         worker = FaceFlowGpuWorker(work_pool_name="p")
         run_id = UUID(int=1)
-        assert not worker._events_live
+        assert not worker._events.live
         await asyncio.wait_for(worker._after_start(run_id), 1)  # no subscription: no wait
         for end in ("running", "over"):
             worker._starts[str(run_id)] = asyncio.Event()
@@ -290,7 +290,7 @@ def test_the_claim_that_started_a_run_is_read_from_its_states() -> None:
     from prefect.states import Pending, Running, Scheduled, State
 
     from faceflow.worker.protocol import RunClaim
-    from faceflow.worker.worker import claiming_state
+    from faceflow.worker.start_claims import claiming_state
 
     claim = RunClaim(transition_id=str(uuid4()), message="Started by worker a (claim 1).")
 
