@@ -346,6 +346,14 @@ class Job(JobBase, table=True):
         """``options`` as the typed contract."""
         return FusionOptions.model_validate(self.options)
 
+    @property
+    def awaits_fetch(self) -> bool:
+        """Queued with an input URL not fetched and stored yet (the fetch lane's; in SQL:
+        ``webapi.relay.fetch_lane.waits_for_fetch``)."""
+        return self.status == JobStatus.queued and (
+            self.source_key is None or self.target_key is None
+        )
+
 
 class JobCreate(BaseModel):
     """``POST /v1/jobs`` body (JSON, or the ``params`` field of a multipart request with

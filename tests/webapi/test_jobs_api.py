@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from httpx import Response
 from sqlalchemy.engine import Engine
@@ -41,6 +42,7 @@ from tests.webapi.conftest import app_client
 from webapi.config import Settings
 from webapi.crud import NewUser
 from webapi.models import JobStatus, utcnow
+from webapi.relay.runner import RelayRunner, build_relay
 from webapi.storage import LocalObjectStore
 
 
@@ -109,6 +111,29 @@ def test_submit_https_url_input_is_stored_for_the_relay(
     assert response.status_code == 202, response.text
     [stored] = jobs_of(engine, user.user.id)
     assert stored.target_key is None and stored.target_url == "https://93.184.216.34/photo.jpg"
+
+
+def test_a_submit_wakes_the_relay_loop_its_job_waits_for(
+    app: FastAPI, client: TestClient, engine: Engine, settings: Settings, user: NewUser
+) -> None:
+    """A job with its inputs stored wakes dispatch alone, not the fetch lane, whose pass
+    would claim a lease of the job store for nothing, nor notify (no webhook is sent for a
+    queued job); one with an input URL wakes the fetch lane alone (dispatch leaves it until
+    its inputs are stored)."""
+    runner = RelayRunner(build_relay(settings, engine=engine, store=app.state.store))
+    app.state.relay = runner  # not started: a wake stays set until the test takes it
+
+    def woken() -> set[str]:
+        return {name for name in ("fetch", "dispatch", "notify") if runner.nap(name, 0)}
+
+    try:
+        assert client.post("/v1/jobs", json=job_body(), headers=auth(user)).status_code == 202
+        assert woken() == {"dispatch"}
+        body = job_body(target="https://93.184.216.34/photo.jpg")
+        assert client.post("/v1/jobs", json=body, headers=auth(user)).status_code == 202
+        assert woken() == {"fetch"}
+    finally:
+        runner.relay.close()
 
 
 @pytest.mark.parametrize(

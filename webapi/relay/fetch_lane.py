@@ -74,7 +74,8 @@ CLAIM_LOCK_KEY = 0x46465446
 
 
 def waits_for_fetch(job: type[Job] = Job) -> sa.ColumnElement[bool]:
-    """Whether ``job`` (the table or an alias of it) is queued with an input not stored."""
+    """Whether ``job`` (the table or an alias of it) is queued with an input not stored
+    (``Job.awaits_fetch`` for a loaded row)."""
     return sa.and_(
         col(job.status) == JobStatus.queued,
         sa.or_(col(job.source_key).is_(None), col(job.target_key).is_(None)),

@@ -176,8 +176,8 @@ async def create_job(
     status_code = 202 if created else 200
     with log_context(job=public.id, attempt_no=public.attempts):
         log.info("job %s (owner %s)", "accepted" if created else "replayed", user.id)
-    if created:
-        _wake_relay(request)
+    if created:  # its job waits for the fetch lane or for dispatch (a submit sends no webhook)
+        _wake_relay(request, "fetch" if admitted.admission.job.awaits_fetch else "dispatch")
     metrics.submit_latency.labels(outcome=str(status_code)).observe(time.perf_counter() - started)
     headers = {"Location": public.urls.self}
     wait_s = min(_wait_seconds(prefer), settings.max_wait_seconds)
