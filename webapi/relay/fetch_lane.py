@@ -202,10 +202,15 @@ def claim_one(relay: Relay) -> Outbox | None:
     return rows[0] if rows else None
 
 
+_OWNERS_JOB, _OWNERS_ROW = aliased(Job), aliased(Outbox)
+"""The aliases ``_in_flight_of_owner`` counts with, made once: a fresh pair built its column
+proxies again on every claim (3.2 of the 4.6 ms of CPU an empty claim took on SQLite)."""
+
+
 def _in_flight_of_owner(now: datetime) -> sa.ScalarSelect[int]:
     """How many fetch rows of the candidate ``Job``'s owner are leased now, by any replica
     (a count correlated with the claim's ``Job``)."""
-    job, row = aliased(Job), aliased(Outbox)
+    job, row = _OWNERS_JOB, _OWNERS_ROW
     return (
         select(sa.func.count())
         .select_from(row)
