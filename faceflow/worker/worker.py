@@ -55,7 +55,7 @@ from faceflow.worker.claims import Claim, ClaimJournal
 from faceflow.worker.health import HealthServer, write_status_file
 from faceflow.worker.job import DEFINITIONS, FaceFlowJobConfiguration, FaceFlowVariables
 from faceflow.worker.pool import CheckState, ChildGone, ChildPool, NoChildReady, PoolLimits, Slot
-from faceflow.worker.pool_events import EVENTS_SETTLE_S, PoolEvents
+from faceflow.worker.pool_events import EVENTS_SETTLE_S, PoolEvents, run_id_of
 from faceflow.worker.protocol import RunFinished, RunRequest, RunStarted
 from faceflow.worker.recovery import LOST_CODE, open_journal, recover_claims
 from faceflow.worker.run_start import LATE_CLAIM, engine_shape_known
@@ -655,7 +655,7 @@ class FaceFlowGpuWorker(
             self._left_for_poll = True
             return
         try:
-            announced = uuid.UUID(event.resource.id.removeprefix("prefect.flow-run."))
+            announced = uuid.UUID(run_id_of(event.resource.id))
             run = await self.client.read_flow_run(announced)
         except Exception as exc:  # ObjectNotFound, API trouble: the poll decides
             self._logger.debug("could not read announced flow run: %s", exc)
