@@ -54,7 +54,7 @@ from typing import Any
 from uuid import UUID
 
 from faceflow.worker.protocol import RunClaim
-from faceflow.worker.transitions import state_body
+from faceflow.worker.transitions import propose_shared
 
 PATCH_CALL = "flow_version=self.flow.version"
 """What ``FlowRunEngine.initialize_run`` passes to ``update_flow_run`` (Prefect 3.9.1)."""
@@ -167,7 +167,8 @@ class RunStart:
             self.claim = None
             state.message = claim.message
             force = bool(kwargs.get("force", args[0] if args else False))
-            result = propose_claim(self.client, flow_run_id, state, claim, force=force)
+            transition = claim.transition_id
+            result = propose_shared(self.client, flow_run_id, state, transition, force=force)
             return self.first_start(flow_run_id, claim_outcome(result, claim))
         return self._set_state(flow_run_id, state, *args, **kwargs)
 
@@ -241,28 +242,6 @@ class RunStart:
         if expected is not None and run.start_time > expected:
             run.estimated_start_time_delta = run.start_time - expected
         return run
-
-
-def propose_claim(
-    client: Any, flow_run_id: UUID, state: Any, claim: RunClaim, *, force: bool = False
-) -> Any:
-    """Propose ``state`` for the run with the claim's transition id (``transitions``):
-    Prefect's sync client gives every proposal a fresh one. Prefect's
-    ``OrchestrationResult``."""
-    import httpx
-    from prefect.client.schemas import OrchestrationResult
-    from prefect.exceptions import ObjectNotFound
-
-    body = state_body(flow_run_id, state, claim.transition_id, force=force)
-    try:
-        response = client.request(
-            "POST", "/flow_runs/{id}/set_state", path_params={"id": flow_run_id}, json=body
-        )
-    except httpx.HTTPStatusError as exc:
-        if exc.response.status_code == 404:
-            raise ObjectNotFound(http_exc=exc) from exc
-        raise
-    return OrchestrationResult.model_validate(response.json())
 
 
 def claim_outcome(result: Any, claim: RunClaim) -> Any:

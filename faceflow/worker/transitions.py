@@ -15,7 +15,9 @@ again) from another's.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from typing import Any
 from uuid import UUID
 
@@ -40,6 +42,23 @@ def state_body(flow_run_id: UUID, state: Any, transition_id: str, *, force: bool
     return {"state": state_create.model_dump(mode="json", serialize_as_any=True), "force": force}
 
 
+SET_STATE_PATH = "/flow_runs/{id}/set_state"
+
+
+def propose_shared(
+    client: Any, flow_run_id: UUID, state: Any, transition_id: str, *, force: bool = False
+) -> Any:
+    """Prefect's ``OrchestrationResult`` for ``state`` proposed with ``transition_id``
+    through Prefect's sync client (whose own ``set_flow_run_state`` gives every proposal a
+    fresh id)."""
+    body = state_body(flow_run_id, state, transition_id, force=force)
+    with _not_found_raised():
+        response = client.request(
+            "POST", SET_STATE_PATH, path_params={"id": flow_run_id}, json=body
+        )
+    return _orchestration_result(response)
+
+
 class SharedTransition:
     """Prefect's async client as ``propose_state`` uses it, proposing with one transition id."""
 
@@ -49,10 +68,29 @@ class SharedTransition:
 
     async def set_flow_run_state(self, flow_run_id: UUID, state: Any, force: bool = False) -> Any:
         """Prefect's ``OrchestrationResult`` for ``state`` proposed with the shared id."""
-        from prefect.client.schemas import OrchestrationResult
-
         body = state_body(flow_run_id, state, self.transition_id, force=force)
-        response = await self.client.request(
-            "POST", "/flow_runs/{id}/set_state", path_params={"id": flow_run_id}, json=body
-        )
-        return OrchestrationResult.model_validate(response.json())
+        with _not_found_raised():
+            response = await self.client.request(
+                "POST", SET_STATE_PATH, path_params={"id": flow_run_id}, json=body
+            )
+        return _orchestration_result(response)
+
+
+@contextlib.contextmanager
+def _not_found_raised() -> Iterator[None]:
+    """A 404 answer as Prefect's clients raise it: ``ObjectNotFound``."""
+    import httpx
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        yield
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code == 404:
+            raise ObjectNotFound(http_exc=exc) from exc
+        raise
+
+
+def _orchestration_result(response: Any) -> Any:
+    from prefect.client.schemas import OrchestrationResult
+
+    return OrchestrationResult.model_validate(response.json())

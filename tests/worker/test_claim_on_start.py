@@ -27,8 +27,8 @@ from prefect.states import Cancelled, Completed, Pending, Running
 
 from faceflow.testing.wait import poll, poll_value
 from faceflow.worker.protocol import RunClaim
-from faceflow.worker.run_start import LATE_CLAIM, RunStart, propose_claim
-from faceflow.worker.transitions import claim_transition
+from faceflow.worker.run_start import LATE_CLAIM, RunStart
+from faceflow.worker.transitions import claim_transition, propose_shared
 from faceflow.worker.worker import CLAIM_SETTLE_S
 from tests.worker.conftest import Api, WarmWorker, in_process_settings, start_warm_worker
 
@@ -91,7 +91,7 @@ def _new_run(api: Api, deployment_id: str, client: SyncPrefectClient) -> Any:
 
 def _propose(client: SyncPrefectClient, run: Any, claim: RunClaim) -> Any:
     """A ``Running`` proposal as another worker's child makes its claim."""
-    return propose_claim(client, run.id, Running(message=claim.message), claim)
+    return propose_shared(client, run.id, Running(message=claim.message), claim.transition_id)
 
 
 def _start(client: SyncPrefectClient, run: Any, claim: RunClaim) -> Any:
@@ -152,7 +152,7 @@ def test_a_run_another_worker_claimed_first_is_not_started_again(
     second = RunClaim(transition_id=first.transition_id, message="Started by worker b.")
     with _client(prefect_api) as client:
         run = _new_run(prefect_api, claim_deployment, client)
-        claimed = propose_claim(client, run.id, held(message=first.message), first)
+        claimed = propose_shared(client, run.id, held(message=first.message), first.transition_id)
         assert claimed.status.value == "ACCEPT"
         with pytest.raises(Abort, match=refusal):
             _start(client, run, second)
@@ -234,7 +234,7 @@ def test_a_claim_accepted_while_another_child_runs_the_run_leaves_it_to_that_chi
     late = RunClaim(transition_id=held.transition_id, message="Started by worker y.")
     with _client(prefect_api) as client:
         run = _new_run(prefect_api, claim_deployment, client)
-        propose_claim(client, run.id, Pending(message=held.message), held)
+        propose_shared(client, run.id, Pending(message=held.message), held.transition_id)
         client.set_flow_run_state(run.id, Running())  # X's child's engine
         with pytest.raises(Abort, match=f"{LATE_CLAIM}: the run was Running before .* left"):
             _start(client, run, late)
