@@ -25,6 +25,10 @@ Configurations (each on a fresh server, the server's settings need a restart):
 And a probe flow with 0 and 10 no-op tasks gives the cost of one task run.
 
     .venv/bin/python bench/prefect_costs.py --runs 20 --batch 16
+
+``--gpu-ms 30`` makes the compute GPU-shaped instead (a batch's stage timings, logged by
+its run, then show how its CPU work overlaps the model stages); ``--runs-of fuse-batch``
+and ``--servers shipped`` narrow it to one kind of run and one server.
 """
 
 from __future__ import annotations
@@ -196,6 +200,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--servers", default=",".join(SERVER_VARIANTS))
+    parser.add_argument(
+        "--gpu-ms",
+        type=float,
+        default=0.0,
+        help="GPU-shaped compute per job (bench/gpu_shaped.py); 0: the orchestration alone",
+    )
+    parser.add_argument(
+        "--runs-of",
+        default="",
+        help="comma-separated run kinds to measure (fuse-faces, fuse-batch, probe); all if empty",
+    )
     args = parser.parse_args()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
@@ -203,7 +218,12 @@ def main() -> None:
     from flows.batch import fuse_batch
     from flows.fuse import fuse_faces
 
-    gpu_shaped.install(0.0)
+    gpu_shaped.install(args.gpu_ms)
+    kinds = [kind for kind in args.runs_of.split(",") if kind]
+
+    def wanted(name: str) -> bool:
+        return not kinds or any(name.startswith(kind) for kind in kinds)
+
     flows = {"fuse-faces": fuse_faces, "fuse-batch": fuse_batch, "probe": probe_flow()}
     results: dict[str, dict[str, float]] = {}
     for variant in args.servers.split(","):
@@ -226,11 +246,15 @@ def main() -> None:
                     makers = _makers(keys, single, batch, probe_id, args.batch)
                     log = home / "server.log"
                     for name, make in makers.items():
+                        if not wanted(name):
+                            continue
                         results[f"{variant} / {name}"] = measure(
                             api, url, server.pids, log, make, flows, args.runs, True
                         )
                     if variant == "shipped":
                         for name in ("fuse-faces", f"fuse-batch x{args.batch}"):
+                            if not wanted(name):
+                                continue
                             results[f"logs-off / {name}"] = measure(
                                 api, url, server.pids, log, makers[name], flows, args.runs, False
                             )
