@@ -519,10 +519,13 @@ def stage_named(name: str) -> Stage:
     raise KeyError(name)
 
 
-def side_threads(jobs: int) -> int:
-    """Side threads of a run: a single job runs all its side work at once; a batch keeps
-    one, so its side work does not crowd the threads of the stages themselves."""
-    return sum(len(s.sides) for s in PIPELINE) if jobs == 1 else 1
+def side_threads(jobs: int, cpu_threads: int) -> int:
+    """Side threads of a run: a single job runs all its side work at once; a batch runs
+    its jobs' side work (mostly CPU: encoding and marking the results) on its
+    ``cpu_threads``, as it does its other per-job CPU work, beside the model stages (a
+    single side thread left a core idle while they waited on their model calls, and then
+    ``moderate_result`` waited for its queue: docs/batching.md)."""
+    return sum(len(s.sides) for s in PIPELINE) if jobs == 1 else max(1, cpu_threads)
 
 
 def run_stages(
@@ -534,7 +537,7 @@ def run_stages(
 ) -> None:
     """Every stage of ``PIPELINE`` (those ``only`` keeps) in order, for the jobs still live
     before it."""
-    with stage_workers(side_threads(len(works))) as pool:
+    with stage_workers(side_threads(len(works), ctx.cpu_threads)) as pool:
         for stage in PIPELINE:
             if not only(stage):
                 continue

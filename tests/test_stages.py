@@ -22,9 +22,19 @@ from tasks import pipeline, stages
 from tasks.batch import Each, EveryJobFailed, EveryJobFailedPermanently, every_job_failed
 from tasks.detect import DETECTORS
 from tasks.errors import NoFaceFound, TransientError
-from tasks.options import DetectorName, FuserName
+from tasks.options import DetectorName, FuserName, FusionOptions
 from tasks.pipeline import FUSERS, PipelineContext
-from tasks.stages import PIPELINE, STAGE_NAMES, Stage, Work, fuse_images
+from tasks.stages import (
+    PIPELINE,
+    STAGE_NAMES,
+    InMemory,
+    InProcess,
+    InputBytes,
+    Stage,
+    Work,
+    fuse_images,
+    run_stages,
+)
 from tests import samples
 
 
@@ -139,3 +149,31 @@ def test_the_result_is_encoded_beside_the_quality_stage(monkeypatch: pytest.Monk
     fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
     (quality_start, quality_end), (encode_start, encode_end) = spans["quality"], spans["encode"]
     assert encode_start < quality_end and quality_start < encode_end
+
+
+def test_a_batch_encodes_its_results_on_its_cpu_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's side work (the results' moderation and encoding) runs on the batch's CPU
+    threads: with two, the two jobs' encodings overlap, each waiting (bounded) for the other
+    to have started. On a single side thread they run one after the other and cannot."""
+    spans: dict[str, tuple[float, float]] = {}
+    started = {"job-0": threading.Event(), "job-1": threading.Event()}
+    encode = pipeline.marked_encode_stage
+
+    def recorded(*args: Any) -> Any:
+        job_id, other = args[3], "job-1" if args[3] == "job-0" else "job-0"
+        begin = time.perf_counter()
+        started[job_id].set()
+        started[other].wait(10.0)
+        try:
+            return encode(*args)
+        finally:
+            spans.setdefault(job_id, (begin, time.perf_counter()))
+
+    monkeypatch.setattr(pipeline, "marked_encode_stage", recorded)
+    ctx = PipelineContext(cpu_threads=2)
+    data = InputBytes(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
+    works = [Work(InMemory(data), FusionOptions(), job_id=f"job-{i}") for i in range(2)]
+    run_stages(works, ctx, InProcess(ctx))
+    assert all(w.error is None and w.encoded for w in works)
+    (start_0, end_0), (start_1, end_1) = spans["job-0"], spans["job-1"]
+    assert start_0 < end_1 and start_1 < end_0
