@@ -154,6 +154,7 @@ def chunk_index(name: str) -> int:
     return int(name.rsplit("chunk-", 1)[1].split("-")[0].split(".")[0])
 
 
+@pytest.mark.slow  # two warm workers: ~70 s with their start (make test-slow, CI)
 def test_chunks_render_on_both_workers_and_the_video_is_whole(
     prefect_api: Api, workers: list[WarmWorker], videos: Videos, tmp_path: Path
 ) -> None:
