@@ -121,31 +121,41 @@ def test_a_stage_that_does_not_apply_is_skipped(monkeypatch: pytest.MonkeyPatch)
     assert seen == [] and "mark" not in result.timings_ms
 
 
+def _meeting(
+    spans: dict[str, tuple[float, float]],
+    started: dict[str, threading.Event],
+    fn: Callable[..., Any],
+    name_of: Callable[[tuple[Any, ...]], str],
+) -> Callable[..., Any]:
+    """``fn``, each call named by ``name_of(args)``: it marks its name started, waits
+    (bounded: calls made one after the other never see each other start) for every other
+    name of ``started``, and records its span in ``spans`` (a retry's, later, is not)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        name = name_of(args)
+        begin = time.perf_counter()
+        started[name].set()
+        for other, event in started.items():
+            if other != name:
+                event.wait(10.0)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spans.setdefault(name, (begin, time.perf_counter()))
+
+    return run
+
+
 def test_the_result_is_encoded_beside_the_quality_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     """The table starts the store stage's encoding when postprocess ends, so it runs while
     the quality stage does: each of the two waits (bounded) for the other to have started,
     and their spans in one real job overlap. Run one after the other, they cannot."""
     spans: dict[str, tuple[float, float]] = {}
     started = {"quality": threading.Event(), "encode": threading.Event()}
-
-    def recorded(name: str, other: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            begin = time.perf_counter()
-            started[name].set()
-            started[other].wait(10.0)  # a bound: serial stages never see each other start
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spans.setdefault(name, (begin, time.perf_counter()))  # a retry's: later
-
-        return run
-
-    monkeypatch.setattr(
-        pipeline, "checked_stage", recorded("quality", "encode", pipeline.checked_stage)
-    )
-    monkeypatch.setattr(
-        pipeline, "marked_encode_stage", recorded("encode", "quality", pipeline.marked_encode_stage)
-    )
+    quality = _meeting(spans, started, pipeline.checked_stage, lambda args: "quality")
+    encode = _meeting(spans, started, pipeline.marked_encode_stage, lambda args: "encode")
+    monkeypatch.setattr(pipeline, "checked_stage", quality)
+    monkeypatch.setattr(pipeline, "marked_encode_stage", encode)
     fuse_images(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
     (quality_start, quality_end), (encode_start, encode_end) = spans["quality"], spans["encode"]
     assert encode_start < quality_end and quality_start < encode_end
@@ -157,19 +167,8 @@ def test_a_batch_encodes_its_results_on_its_cpu_threads(monkeypatch: pytest.Monk
     to have started. On a single side thread they run one after the other and cannot."""
     spans: dict[str, tuple[float, float]] = {}
     started = {"job-0": threading.Event(), "job-1": threading.Event()}
-    encode = pipeline.marked_encode_stage
-
-    def recorded(*args: Any) -> Any:
-        job_id, other = args[3], "job-1" if args[3] == "job-0" else "job-0"
-        begin = time.perf_counter()
-        started[job_id].set()
-        started[other].wait(10.0)
-        try:
-            return encode(*args)
-        finally:
-            spans.setdefault(job_id, (begin, time.perf_counter()))
-
-    monkeypatch.setattr(pipeline, "marked_encode_stage", recorded)
+    by_job = _meeting(spans, started, pipeline.marked_encode_stage, lambda args: args[3])
+    monkeypatch.setattr(pipeline, "marked_encode_stage", by_job)
     ctx = PipelineContext(cpu_threads=2)
     data = InputBytes(samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes())
     works = [Work(InMemory(data), FusionOptions(), job_id=f"job-{i}") for i in range(2)]

@@ -228,9 +228,9 @@ def test_identity_references_moderation_and_encoding_run_beside_other_stages(
     assert state.is_completed(), state.message
     assert state.result() == {first["job_id"]: "succeeded", second["job_id"]: "succeeded"}
     assert overlap.waited == {"align_stage": [True, True], "checked_stage": [True, True]}
-    side = [f"faceflow-stage_{i}" for i in range(cpu_threads(0))]
+    side = {f"faceflow-stage_{i}" for i in range(cpu_threads(0))}
     for work in ("reference_stage", "moderate_result_stage", "marked_encode_stage"):
-        assert overlap.threads[work] and overlap.threads[work] <= set(side), work
+        assert overlap.threads[work] and overlap.threads[work] <= side, work
 
 
 def test_on_the_cpu_two_jobs_are_moderated_and_checked_at_once(
