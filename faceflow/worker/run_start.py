@@ -12,12 +12,14 @@ sends two requests between the child's hand-over and the flow's first line:
 ``RunStart`` wraps the child's client for one run:
 
 - the PATCH is not sent when the run already carries that flow version and policy;
-  otherwise it goes out in a background thread, beside the engine's ``Running`` proposal
-  and the flow's body, and is joined before any other state proposal, read or end of the
-  run, so the server holds the run's flow version and retry policy before it orchestrates
-  a ``Failed`` (retries), a pause or the final state, as with Prefect's order. A run that
-  is resuming (its policy's ``resuming`` flag, which the ``Running`` transition clears) gets
-  Prefect's synchronous PATCH.
+  otherwise it is held back until the server has answered the engine's ``Running``
+  proposal (so the two do not share the server while the run starts), then goes out in a
+  background thread beside the flow's body, and is joined before any other state
+  proposal, read or end of the run, so the server holds the run's flow version and retry
+  policy before it orchestrates a ``Failed`` (retries), a pause or the final state, as
+  with Prefect's order (``Running`` reads neither). A claim that ends in an abort (the
+  run is another worker's) drops it. A run that is resuming (its policy's ``resuming``
+  flag, which the ``Running`` transition clears) gets Prefect's synchronous PATCH.
 - the re-read of a deployment run is answered from the run the worker handed over with
   what the server's ``Running`` transition sets (Prefect's ``GlobalFlowPolicy``: state,
   ``run_count`` + 1, ``start_time``, no next scheduled time) and the PATCH's values.
@@ -104,6 +106,8 @@ class RunStart:
         self.claimed_run_count: int = flow_run.run_count
         self.patched_version: str | None = None
         self.patch: Future[Any] | None = None
+        self.deferred: dict[str, Any] | None = None
+        """The engine's PATCH, held back until the server has answered ``Running``."""
         self.read_served = False
         self.sent: dict[str, int] = {"patch_skipped": 0, "patch_background": 0, "read_local": 0}
         self._update = client.update_flow_run
@@ -128,13 +132,16 @@ class RunStart:
             self.join()
 
     def join(self) -> None:
-        """Wait for the background PATCH (its error, if any, is raised here once)."""
+        """Wait for the PATCH, sending it first if it is still held back (its error, if
+        any, is raised here once)."""
+        self.send_deferred()
         patch, self.patch = self.patch, None
         if patch is not None:
             patch.result()
 
     def update_flow_run(self, flow_run_id: UUID, *args: Any, **kwargs: Any) -> Any:
-        """The engine's PATCH of this run: skipped or sent beside; anything else as is."""
+        """The engine's PATCH of this run: skipped, or held back for ``Running`` to be
+        answered; anything else as is."""
         if (
             args
             or flow_run_id != self.flow_run.id
@@ -149,13 +156,19 @@ class RunStart:
         if version == self.claimed_version and policy == self.claimed_policy:
             self.sent["patch_skipped"] += 1
             return httpx.Response(204)
-        if policy.resuming or self.patch is not None:
+        if policy.resuming or self.patch is not None or self.deferred is not None:
             self.join()
             return self._update(flow_run_id, **kwargs)
-        sent = dict(kwargs, empirical_policy=policy.model_copy(deep=True))
-        self.patch = background().submit(self._update, flow_run_id, **sent)
+        self.deferred = dict(kwargs, empirical_policy=policy.model_copy(deep=True))
         self.sent["patch_background"] += 1
         return httpx.Response(202)
+
+    def send_deferred(self) -> None:
+        """Send the engine's PATCH, held back until ``Running`` was answered, in the
+        background (a no-op when there is none)."""
+        sent, self.deferred = self.deferred, None
+        if sent is not None:
+            self.patch = background().submit(self._update, self.flow_run.id, **sent)
 
     def set_flow_run_state(self, flow_run_id: UUID, state: Any, *args: Any, **kwargs: Any) -> Any:
         """Any state proposal but this run's ``Running`` waits for the PATCH first; the
@@ -169,8 +182,18 @@ class RunStart:
             force = bool(kwargs.get("force", args[0] if args else False))
             transition = claim.transition_id
             result = propose_shared(self.client, flow_run_id, state, transition, force=force)
-            return self.first_start(flow_run_id, claim_outcome(result, claim))
-        return self._set_state(flow_run_id, state, *args, **kwargs)
+            return self.patched_after(self.first_start(flow_run_id, claim_outcome(result, claim)))
+        return self.patched_after(self._set_state(flow_run_id, state, *args, **kwargs))
+
+    def patched_after(self, outcome: Any) -> Any:
+        """``outcome`` of this run's ``Running``, once the held-back PATCH is on its way:
+        dropped on an abort (the run is not this child's to start)."""
+        from prefect.client.schemas.responses import SetStateStatus
+
+        if getattr(outcome, "status", None) == SetStateStatus.ABORT:
+            self.deferred = None
+        self.send_deferred()
+        return outcome
 
     def first_start(self, flow_run_id: UUID, outcome: Any) -> Any:
         """An accepted claim as the engine must see it: accepted when it is the run's first

@@ -135,6 +135,7 @@ def test_a_run_claimed_on_start_goes_from_scheduled_to_running(
     assert [t for t, _ in history] == ["SCHEDULED", "RUNNING", "COMPLETED"], history
     assert history[1][1] == claim.message  # the UI shows which worker and child started it
     assert held.run_count == 1
+    assert held.flow_version == claim_probe.version  # the PATCH, sent once the claim won
 
 
 @pytest.mark.parametrize(
@@ -157,8 +158,10 @@ def test_a_run_another_worker_claimed_first_is_not_started_again(
         with pytest.raises(Abort, match=refusal):
             _start(client, run, second)
         history = _history(client, run)
+        held_run = client.read_flow_run(run.id)
     assert RAN == []
     assert history[1:] == [(claimed.state.type.value, first.message)], history
+    assert held_run.flow_version is None  # the loser's engine did not PATCH the run
 
 
 def test_a_claim_sent_again_after_its_answer_was_lost_is_its_own(

@@ -53,13 +53,16 @@ def counted_requests(cancel_once_running: bool = False) -> Iterator[Calls]:
     """Every PATCH, read and state proposal the sync client sends, by run id; with
     ``cancel_once_running``, the run is forced ``Cancelling`` as soon as its ``Running`` is
     accepted (a cancellation landing before the flow's first line)."""
-    calls: Calls = {"update_flow_run": [], "read_flow_run": [], "set_flow_run_state": []}
-    originals = {name: getattr(SyncPrefectClient, name) for name in calls}
+    names = ("update_flow_run", "read_flow_run", "set_flow_run_state")
+    calls: Calls = {name: [] for name in (*names, "sequence")}
+    originals = {name: getattr(SyncPrefectClient, name) for name in names}
 
     def wrap(name: str) -> Any:
         def counted(self: Any, flow_run_id: Any, *a: Any, **k: Any) -> Any:
             calls[name].append(flow_run_id)
+            state = f" {a[0].type.value}" if name == "set_flow_run_state" else ""
             result = originals[name](self, flow_run_id, *a, **k)
+            calls["sequence"].append(name + state)  # in the order the server answered
             if cancel_once_running and name == "set_flow_run_state" and a[0].is_running():
                 originals[name](self, flow_run_id, Cancelling(), force=True)
             return result
@@ -67,7 +70,7 @@ def counted_requests(cancel_once_running: bool = False) -> Iterator[Calls]:
         return counted
 
     try:
-        for name in calls:
+        for name in names:
             setattr(SyncPrefectClient, name, wrap(name))
         yield calls
     finally:
@@ -118,7 +121,8 @@ def run_both_ways(
                     "attempts": [(s["run_count"], s["state_type"]) for s in SEEN],
                     "held": held,
                     "history": history,
-                    "sent": {n: ids.count(run.id) for n, ids in calls.items()},
+                    "sent": {n: calls[n].count(run.id) for n in calls if n != "sequence"},
+                    "sequence": calls["sequence"],
                     "start": start.sent,
                 }
             )
@@ -137,6 +141,10 @@ def test_a_run_starts_without_the_engines_patch_and_re_read_and_ends_the_same(
     # the PATCH still goes out (beside the run), the re-read not at all
     assert lean["sent"]["read_flow_run"] == 0 and lean["sent"]["update_flow_run"] == 1
     assert lean["start"] == {"patch_skipped": 0, "patch_background": 1, "read_local": 1}
+    # Prefect's PATCH precedes Running; the lean start sends it once Running is answered,
+    # so the two do not meet on the server while the run is being started
+    assert prefect["sequence"][:2] == ["update_flow_run", "set_flow_run_state RUNNING"]
+    assert lean["sequence"][:2] == ["set_flow_run_state RUNNING", "update_flow_run"]
     for arm in (prefect, lean):
         held = arm["held"]
         assert arm["state"] == "COMPLETED" and arm["history"] == [
