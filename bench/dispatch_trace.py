@@ -50,7 +50,7 @@ STEPS: list[tuple[str, str]] = [
     ("run_flow_called", "child calls run_flow"),
     ("engine_patch_done", "engine's PATCH of the run done"),
     ("running_proposed", "engine proposes Running"),
-    ("running_accepted", "Running accepted"),
+    ("running_accepted", "Running accepted (a claim: and the run's states read)"),
     ("flow_first_line", "flow function called (run context set up)"),
     ("body_end", "flow body returned"),
     ("completed_accepted", "Completed accepted"),
