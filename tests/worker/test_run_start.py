@@ -7,7 +7,7 @@ import contextlib
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from prefect import flow
@@ -45,24 +45,35 @@ def start_probe(fail_first: bool = False) -> None:
         raise RuntimeError("first attempt fails")
 
 
-Calls = dict[str, list[Any]]
+COUNTED = ("update_flow_run", "read_flow_run", "set_flow_run_state")
+
+
+class Request(NamedTuple):
+    """One request of the sync client: its method, its run, what it says (a state type)."""
+
+    method: str
+    run_id: Any
+    label: str
+
+
+def of(calls: list[Request], method: str) -> list[Any]:
+    """The run ids of the ``method`` requests among ``calls``."""
+    return [call.run_id for call in calls if call.method == method]
 
 
 @contextmanager
-def counted_requests(cancel_once_running: bool = False) -> Iterator[Calls]:
-    """Every PATCH, read and state proposal the sync client sends, by run id; with
+def counted_requests(cancel_once_running: bool = False) -> Iterator[list[Request]]:
+    """Every PATCH, read and state proposal the sync client sends, in the order sent; with
     ``cancel_once_running``, the run is forced ``Cancelling`` as soon as its ``Running`` is
     accepted (a cancellation landing before the flow's first line)."""
-    names = ("update_flow_run", "read_flow_run", "set_flow_run_state")
-    calls: Calls = {name: [] for name in (*names, "sequence")}
-    originals = {name: getattr(SyncPrefectClient, name) for name in names}
+    calls: list[Request] = []
+    originals = {name: getattr(SyncPrefectClient, name) for name in COUNTED}
 
     def wrap(name: str) -> Any:
         def counted(self: Any, flow_run_id: Any, *a: Any, **k: Any) -> Any:
-            calls[name].append(flow_run_id)
             state = f" {a[0].type.value}" if name == "set_flow_run_state" else ""
+            calls.append(Request(name, flow_run_id, name + state))
             result = originals[name](self, flow_run_id, *a, **k)
-            calls["sequence"].append(name + state)  # in the order the server answered
             if cancel_once_running and name == "set_flow_run_state" and a[0].is_running():
                 originals[name](self, flow_run_id, Cancelling(), force=True)
             return result
@@ -70,7 +81,7 @@ def counted_requests(cancel_once_running: bool = False) -> Iterator[Calls]:
         return counted
 
     try:
-        for name in names:
+        for name in COUNTED:
             setattr(SyncPrefectClient, name, wrap(name))
         yield calls
     finally:
@@ -121,8 +132,8 @@ def run_both_ways(
                     "attempts": [(s["run_count"], s["state_type"]) for s in SEEN],
                     "held": held,
                     "history": history,
-                    "sent": {n: calls[n].count(run.id) for n in calls if n != "sequence"},
-                    "sequence": calls["sequence"],
+                    "sent": {n: of(calls, n).count(run.id) for n in COUNTED},
+                    "sequence": [call.label for call in calls if call.run_id == run.id],
                     "start": start.sent,
                 }
             )
@@ -180,7 +191,7 @@ def test_a_run_that_carries_its_version_and_policy_sends_no_patch(
             with start.installed():
                 state = run_flow(start_probe, flow_run=run, return_type="state")
     assert state.type.value == "COMPLETED"  # type: ignore[union-attr]
-    assert calls["update_flow_run"] == [] and calls["read_flow_run"] == []
+    assert of(calls, "update_flow_run") == [] and of(calls, "read_flow_run") == []
     assert start.sent == {"patch_skipped": 1, "patch_background": 0, "read_local": 1}
 
 
