@@ -19,7 +19,6 @@ import copy
 import gc
 import logging
 import os
-import resource
 import signal
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 from uuid import UUID
 
 from faceflow.environ import patched_environ
-from faceflow.worker.memory import release_memory
+from faceflow.worker.memory import keep_heap, release_memory, rss_mb
 from faceflow.worker.protocol import (
     ChildSpec,
     Ready,
@@ -48,16 +47,6 @@ FlowCacheKey = tuple[str, str]
 
 STORAGE_TTL_S = 30.0
 """How long the child uses the default result storage it resolved while idle (s)."""
-
-
-def rss_mb() -> float:
-    """Resident set size of this process now (MiB); peak RSS where /proc is missing."""
-    try:
-        with open("/proc/self/statm") as fh:
-            pages = int(fh.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def model_loads() -> dict[str, int]:
@@ -159,6 +148,7 @@ class WarmChild:
         self.variants: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
         self.default_storage: tuple[float, Any] | None = None
         self.runs_done = 0
+        self.trim_above_mb: float | None = None  # set once warm (``release_memory``)
 
     def telemetry(self) -> Telemetry:
         return Telemetry(
@@ -322,7 +312,7 @@ class WarmChild:
             error = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
         self.runs_done += 1
-        release_memory()  # a large job's freed images go back to the OS, not to the heap
+        release_memory(self.trim_above_mb)  # a large job's peak goes back to the OS
         return RunFinished(
             flow_run_id=request.flow_run_id,
             state_type=state_type,
@@ -348,6 +338,8 @@ class WarmChild:
             self.preload()
             self.resolve_default_storage()
             freeze_heap()
+            if self.spec.heap_keep_mb > 0:  # the heap keeps that much above the warm size
+                self.trim_above_mb = rss_mb() + self.spec.heap_keep_mb
             self.conn.send(ready)
             while True:
                 try:
@@ -426,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = conn.recv()
     if not isinstance(spec, ChildSpec):
         raise SystemExit(2)
+    keep_heap(spec.heap_keep_mb)  # before warm-up: the models' blocks come from the heap too
     os.environ.update(spec.env)
     if spec.working_dir:
         os.chdir(spec.working_dir)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from faceflow.worker.memory import HEAP_KEEP_MB
+
 
 @dataclass(frozen=True)
 class ChildSpec:
@@ -22,6 +24,7 @@ class ChildSpec:
     shared_suspension_observer: bool = True
     lean_run_start: bool = True
     rich_console: bool = False
+    heap_keep_mb: float = HEAP_KEEP_MB
 
 
 @dataclass(frozen=True)

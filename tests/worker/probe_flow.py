@@ -26,7 +26,7 @@ def _hold_heap(mb: int) -> float:
     """Allocate ``mb`` MB in 10 KB blocks (malloc's heap, not mmap) and free them all
     but one allocated after them, which stays (pinning the top of the heap, as a large
     job's long-lived objects do, so ``free`` alone gives nothing back); the RSS (MiB) then."""
-    from faceflow.worker.child import rss_mb
+    from faceflow.worker.memory import rss_mb
 
     blocks = [bytes(10_000) for _ in range(mb * 100)]
     _PINNED.append(bytes(10_000))

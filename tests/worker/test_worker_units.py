@@ -174,22 +174,6 @@ def test_a_slot_changes_state_only_by_the_allowed_moves() -> None:
     assert set(SLOT_MOVES) == set(SlotState)
 
 
-def test_release_memory_returns_freed_heap_pages_to_the_os() -> None:
-    from faceflow.worker.child import rss_mb
-    from faceflow.worker.memory import release_memory
-
-    release_memory()
-    blocks = [bytes(10_000) for _ in range(20_000)]  # 200 MB of heap blocks
-    pin = bytes(10_000)  # allocated after them: free() alone cannot shrink the heap
-    peak = rss_mb()
-    del blocks
-    assert rss_mb() > peak - 50  # freed, but kept by the allocator
-    assert release_memory() is True  # glibc here: pages were returned
-    assert rss_mb() < peak - 150
-    assert release_memory() in (True, False)  # nothing left to return: still no error
-    del pin
-
-
 def test_a_child_runs_the_flow_run_the_worker_sent_without_reading_it() -> None:
     from uuid import uuid4
 
