@@ -200,9 +200,10 @@ class RunStart:
         start since it was scheduled; else (Prefect accepts ``Running`` after a final
         state without a persisted result, and after ``Running`` with another transition
         id) the engine is told to abort, before the flow's first line. A final (or paused)
-        state the claim displaced is put back as it was (type, name and message, which the
-        relay and the video coordinator read); a ``Running`` is not, since the child that
-        runs the run writes its next state (a put-back could overwrite that state).
+        state since the run was scheduled is put back as it was (type, name and message,
+        which the relay and the video coordinator read; ``start_blocked_by``); a ``Running``
+        is not, since the child that runs the run writes its next state (a put-back could
+        overwrite that state).
         Anything but an acceptance is returned as it is."""
         from prefect.client.schemas.responses import (
             OrchestrationResult,
@@ -304,19 +305,30 @@ def claim_outcome(result: Any, claim: RunClaim) -> Any:
 
 
 def start_blocked_by(states: list[Any], ours: Any) -> Any:
-    """The state that makes the accepted claim ``ours`` a second start: walking back from
-    it through the run's ``states`` (any order) to the run's last ``Scheduled`` state, the
-    latest that is not ``Pending`` (a start, an end, a pause); None when there is none, or
-    when ``ours`` is not among them."""
+    """The state that makes the accepted claim ``ours`` a second start, from the run's
+    ``states`` (any order) since the last ``Scheduled`` one before ``ours`` (and up to the
+    next): None when every other one is ``Pending`` (the run's first start), or when
+    ``ours`` is not among them. Else the latest final (or paused) state, which the claim
+    displaced or which ended the run after it (put back), or else the latest ``Running``
+    (another child runs the run). The server stamps a proposal as it arrives, before it
+    takes the run's lock, so a claim that arrives just before another child's start or end
+    and is accepted just after it sorts before that state: every state of the span counts,
+    not only those before ``ours``."""
     from prefect.client.schemas.objects import StateType
 
     ordered = sorted(states, key=lambda state: state.timestamp)
     mine = [i for i, state in enumerate(ordered) if state.id == ours.id]
     if not mine:
         return None
-    for state in reversed(ordered[: mine[0]]):
-        if state.type is StateType.SCHEDULED:
-            return None
-        if state.type is not StateType.PENDING:
-            return state
-    return None
+    first = last = mine[0]
+    while first > 0 and ordered[first - 1].type is not StateType.SCHEDULED:
+        first -= 1
+    while last + 1 < len(ordered) and ordered[last + 1].type is not StateType.SCHEDULED:
+        last += 1
+    others = [
+        state
+        for state in ordered[first : last + 1]
+        if state.id != ours.id and state.type is not StateType.PENDING
+    ]
+    ended = [state for state in others if not state.is_running()]
+    return (ended or others or [None])[-1]

@@ -17,7 +17,7 @@ from prefect.flow_engine import run_flow
 from prefect.settings import temporary_settings
 from prefect.states import Cancelling
 
-from faceflow.worker.run_start import RunStart, engine_shape_known
+from faceflow.worker.run_start import RunStart, engine_shape_known, start_blocked_by
 from tests.worker.conftest import Api, in_process_settings
 
 pytestmark = pytest.mark.prefect
@@ -221,3 +221,59 @@ def test_a_retried_run_counts_its_attempts_as_with_prefects_re_read(
         assert arm["attempts"] == [(1, "RUNNING"), (2, "RUNNING")]
         assert arm["held"].run_count == 2
     assert prefect["history"] == lean["history"]
+
+
+def _history(*kinds: tuple[str, str]) -> list[Any]:
+    """States of one run a millisecond apart, as Prefect's server stamped them: (type,
+    message) each."""
+    from datetime import UTC, datetime, timedelta
+
+    from prefect.client.schemas.objects import State, StateType
+
+    start = datetime.now(UTC)
+    return [
+        State(type=StateType(kind), message=message, timestamp=start + timedelta(milliseconds=i))
+        for i, (kind, message) in enumerate(kinds)
+    ]
+
+
+def test_a_claim_is_a_first_start_only_when_nothing_but_pending_came_since_scheduled() -> None:
+    states = _history(("SCHEDULED", ""), ("PENDING", "held by a"), ("RUNNING", "claim b"))
+    assert start_blocked_by(states, states[-1]) is None
+    rerun = _history(
+        ("SCHEDULED", ""),
+        ("RUNNING", "a"),
+        ("COMPLETED", "done by a"),
+        ("SCHEDULED", "again"),
+        ("RUNNING", "claim b"),
+    )
+    assert start_blocked_by(rerun, rerun[-1]) is None  # what came before the last Scheduled
+
+
+def test_a_claim_stamped_before_another_child_s_end_finds_that_end() -> None:
+    """The race the fast suite saw leave a video part ``Running`` for ever: B's claim was
+    stamped by the server just before A's child's ``Completed`` and took the run's lock just
+    after it (Prefect accepts ``Running`` after a final state without a persisted result).
+    By timestamp B's ``Running`` sorts before A's end, which is still what it displaced: it
+    is put back (``RunStart.first_start``), not left to A's child, which has ended."""
+    states = _history(
+        ("SCHEDULED", ""), ("RUNNING", "a"), ("RUNNING", "claim b"), ("COMPLETED", "done by a")
+    )
+    blocking = start_blocked_by(states, states[2])
+    assert blocking is states[3]
+
+
+def test_a_claim_stamped_before_another_child_s_start_is_no_first_start() -> None:
+    """B's claim stamped just before A's child's ``Running`` and accepted just after it:
+    nothing but ``Scheduled`` sorts before it, yet A's child runs the run. B's child must
+    not start it again."""
+    states = _history(("SCHEDULED", ""), ("RUNNING", "claim b"), ("RUNNING", "a"))
+    assert start_blocked_by(states, states[1]) is states[2]
+
+
+def test_a_claim_displacing_a_start_and_an_end_puts_the_end_back() -> None:
+    states = _history(
+        ("SCHEDULED", ""), ("RUNNING", "a"), ("COMPLETED", "done by a"), ("RUNNING", "claim b")
+    )
+    assert start_blocked_by(states, states[3]) is states[2]
+    assert start_blocked_by(states, _history(("RUNNING", "unknown"))[0]) is None
