@@ -26,6 +26,8 @@ HEAP_KEEP_MB = 1024.0
 M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
+C_INT_MAX = 2**31 - 1
+"""The most ``mallopt`` takes (an ``int``): a larger ``keep_mb`` keeps 2 GiB."""
 TOP_PAD_MB = 64
 """Extra memory the heap asks for at a time when it grows (fewer ``brk`` calls)."""
 MMAP_THRESHOLD_MAX_MB = 1024
@@ -70,7 +72,7 @@ def keep_heap(keep_mb: float) -> bool:
     if mallopt is None or keep_mb <= 0:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    keep = int(keep_mb * (1 << 20))
+    keep = min(int(keep_mb * (1 << 20)), C_INT_MAX)  # mallopt takes a C int
     threshold = min(keep, MMAP_THRESHOLD_MAX_MB << 20)
     return all(
         mallopt(option, value) == 1

@@ -81,6 +81,10 @@ def test_release_memory_gives_back_only_above_the_rss_given() -> None:
     del pin
 
 
-def test_keep_heap_zero_changes_nothing() -> None:
-    """``heap_keep_mb`` 0 keeps glibc's defaults (and the trim after every run)."""
+def test_keep_heap_zero_changes_nothing_and_a_large_keep_is_capped() -> None:
+    """``heap_keep_mb`` 0 keeps glibc's defaults (and the trim after every run); one past
+    what ``mallopt`` takes (a C int) keeps 2 GiB rather than wrapping around (in a fresh
+    interpreter: ``mallopt`` changes the whole process)."""
     assert keep_heap(0) is False
+    took, faults = _second_run_faults(8192)
+    assert took and faults < 2_000, faults
