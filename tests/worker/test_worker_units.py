@@ -296,3 +296,45 @@ def test_the_claim_that_started_a_run_is_read_from_its_states() -> None:
     held: State[Any] = Pending(message="Claimed by worker c (claim 3).")  # ahead, for a busy child
     held.state_details.transition_id = UUID(claim.transition_id)
     assert claiming_state([scheduled, held], claim) is held
+
+
+def test_one_idle_child_claims_on_start_one_of_the_runs_submitted_together() -> None:
+    """Two runs found in one poll with one child idle: the first is claimed by its child's
+    ``Running``, the second with ``Pending``. Both decided while their deployment check
+    was still under way used to be claimed on start; the second then waited for the child
+    still ``Scheduled``, another worker's child ran it, and the late claim left a video
+    part ``Running`` in the fast suite."""
+    from uuid import uuid4
+
+    from prefect.client.schemas.objects import FlowRun
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        worker = FaceFlowGpuWorker(work_pool_name="p")
+        worker._claims_on_start = True
+        worker._pool = SimpleNamespace(idle_count=lambda: 1)  # type: ignore[assignment]
+        on_start: list[str] = []
+        pending: list[str] = []
+
+        async def check(flow_run: FlowRun) -> tuple[bool, bool]:
+            await asyncio.sleep(0.05)  # the deployment read: both submissions wait here
+            return False, False
+
+        def claim_on_start(flow_run: FlowRun) -> bool:
+            on_start.append(str(flow_run.id))
+            worker._on_start.take(str(flow_run.id), flow_run.run_count)
+            return False  # not handed over: the test ends with the claims made
+
+        async def propose_pending(flow_run: FlowRun) -> bool:
+            pending.append(str(flow_run.id))
+            return False
+
+        worker._deployment_check = check  # type: ignore[method-assign]
+        worker._claim_on_start = claim_on_start  # type: ignore[method-assign]
+        worker._propose_pending_state = propose_pending  # type: ignore[method-assign]
+        runs = [FlowRun(id=uuid4(), flow_id=uuid4(), name=f"run-{i}") for i in range(2)]
+        await asyncio.gather(*(worker._submit_run(run) for run in runs))
+        return on_start, pending
+
+    on_start, pending = asyncio.run(scenario())
+    assert len(on_start) == 1 and len(pending) == 1, (on_start, pending)
+    assert set(on_start) != set(pending)
