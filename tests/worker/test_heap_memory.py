@@ -4,9 +4,11 @@ still goes back to the OS."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from faceflow.worker.memory import keep_heap, release_memory, rss_mb
 
@@ -38,15 +40,22 @@ RUN_TWICE = textwrap.dedent(
 )
 
 
+REPO = Path(__file__).resolve().parents[2]
+CLEAN_ENV = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)}
+"""A bare interpreter's environment: no site packages (``-S``), only the repository (the
+memory module needs the standard library alone)."""
+
+
 def _second_run_faults(keep_mb: float) -> tuple[bool, int]:
     """(whether ``keep_heap`` took the settings, page faults of the second run) in a fresh
     interpreter: ``mallopt`` changes the whole process."""
     out = subprocess.run(
-        [sys.executable, "-c", RUN_TWICE, str(keep_mb)],
+        [sys.executable, "-S", "-s", "-c", RUN_TWICE, str(keep_mb)],
         capture_output=True,
         text=True,
         check=True,
         timeout=60,
+        env=CLEAN_ENV,  # nothing the suite's other tests left in the environment
     ).stdout.split()
     return out[0] == "True", int(out[1])
 
