@@ -12,7 +12,9 @@ states whose claim holds it.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from faceflow.worker.protocol import RunClaim
@@ -42,8 +44,20 @@ class StartClaims:
         self._taken: dict[str, int] = {}  # not handed over yet: the run count at the claim
         self._handed: dict[str, RunClaim] = {}  # handed over: the child's claim
         self._elsewhere: dict[str, None] = {}  # handed-over runs another worker started
+        self._deciding = 0  # submissions that hold an idle child until they claim
         self.made = 0
         self.lost = 0
+
+    @contextlib.contextmanager
+    def deciding(self) -> Iterator[None]:
+        """Hold an idle child for a run whose submission decided to claim it on start and
+        awaits something (its deployment check) before ``take``: two runs submitted at once
+        with one child idle are then not both claimed so."""
+        self._deciding += 1
+        try:
+            yield
+        finally:
+            self._deciding -= 1
 
     def take(self, run_id: str, run_count: int) -> None:
         """Claim ``run_id`` on start (nothing reaches Prefect until its child's claim)."""
@@ -51,8 +65,9 @@ class StartClaims:
         self.made += 1
 
     def waiting(self) -> int:
-        """How many runs taken are not handed to a child yet."""
-        return len(self._taken)
+        """How many runs taken, or being taken (``deciding``), are not handed to a child
+        yet."""
+        return len(self._taken) + self._deciding
 
     def hand_over(self, flow_run: FlowRun, worker: str, child_pid: int) -> RunClaim | None:
         """The claim the child of pid ``child_pid`` makes for a run this worker took (the

@@ -142,7 +142,6 @@ class FaceFlowGpuWorker(
         self._starts: dict[str, asyncio.Event] = {}  # handed-over runs not seen Running yet
         self._on_start = StartClaims()  # runs claimed by their child's Running (no Pending)
         self._claims_on_start = False  # settled in ``setup``
-        self._on_start_deciding = 0  # submissions between that decision and the claim
         self.claims = {"event": 0, "poll": 0}  # runs claimed, by source
         self.polls = 0  # queries of the pool for scheduled runs
         # prefetched runs handed to a child after a wait: read again first, or not (events)
@@ -310,11 +309,8 @@ class FaceFlowGpuWorker(
         check = asyncio.create_task(self._deployment_check(flow_run))
         try:
             if self._claim_on_start_now():
-                self._on_start_deciding += 1  # the idle child is this run's while it waits
-                try:
+                with self._on_start.deciding():  # the idle child is this run's meanwhile
                     gone, limited = await check  # from the definition cache, as a rule
-                finally:
-                    self._on_start_deciding -= 1
                 if gone:
                     ready = False
                 elif limited:  # Prefect takes the deployment's slot with Pending
@@ -410,15 +406,15 @@ class FaceFlowGpuWorker(
 
     def _claim_on_start_now(self) -> bool:
         """Whether a run claimed now is claimed by its child's ``Running``: the mode is on
-        and a warm child is idle for it, beyond the runs already claimed so and those whose
-        submission is deciding so (two runs found in one poll with one child idle: the
+        and a warm child is idle for it, beyond the runs already claimed so or being claimed
+        so (``StartClaims.deciding``; two runs found in one poll with one child idle: the
         second is claimed with ``Pending``, not left ``Scheduled`` while it waits for the
         child, where another worker's idle child may take it first)."""
         pool = self._pool
         return (
             self._claims_on_start
             and pool is not None
-            and pool.idle_count() > self._on_start.waiting() + self._on_start_deciding
+            and pool.idle_count() > self._on_start.waiting()
         )
 
     def _claim_on_start(self, flow_run: FlowRun) -> bool:
