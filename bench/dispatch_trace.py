@@ -1,15 +1,16 @@
 """A single job's way from its run's creation to its end, hop by hop (bench only).
 
-Installed in the warm worker and its children by ``bench/gpu_shaped_site/sitecustomize.py``
-when ``FACEFLOW_BENCH_TRACE`` names a file: it wraps the worker's and the child's steps and
-Prefect's flow engine steps, and appends one JSON line per step (``run``, ``mark``, ``t``:
-epoch seconds, comparable across the processes) to that file. Nothing of it runs outside
-the bench. Read the file with ``report`` (``main``), with the job store beside it for the
-job's creation and end:
+Installed by ``bench/gpu_shaped_site/sitecustomize.py`` when ``FACEFLOW_BENCH_TRACE`` names
+a file, in every process that has that folder on its path: it wraps the relay's creation
+of a run (webapi), the worker's and the child's steps and Prefect's flow engine steps, and
+appends one JSON line per step (``run``, ``mark``, ``t``: epoch seconds, comparable across
+the processes) to that file. Nothing of it runs outside the bench. Set both for the bench
+itself, which hands its environment to the webapi and the worker; read the file with
+``report`` (``main``), with the job store beside it for the job's creation and end:
 
-    BENCH_KEEP_DIR=/tmp/keep PYTHONPATH=$PWD .venv/bin/python bench/warm_worker.py \
-        --modes per-job --gpu-ms 30 --jobs 20 --server-db postgresql --no-in-process \
-        --worker-env FACEFLOW_BENCH_TRACE=/tmp/keep/trace.jsonl
+    BENCH_KEEP_DIR=/tmp/keep FACEFLOW_BENCH_TRACE=/tmp/keep/trace.jsonl \
+        PYTHONPATH=$PWD:$PWD/bench/gpu_shaped_site .venv/bin/python bench/warm_worker.py \
+        --modes per-job --gpu-ms 30 --jobs 20 --server-db postgresql --no-in-process
     PYTHONPATH=$PWD .venv/bin/python bench/dispatch_trace.py /tmp/keep/trace.jsonl \
         /tmp/keep/jobs-per-job.db
 
@@ -40,9 +41,13 @@ _CURRENT: dict[str, str] = {}  # the child's run now (one run at a time)
 # The steps in order: (mark, what it is)
 STEPS: list[tuple[str, str]] = [
     ("job_created", "job row created (POST /v1/jobs)"),
+    ("relay_create_called", "relay calls create_flow_run"),
     ("run_created", "run created on the server (its Scheduled event's time)"),
     ("event_at_worker", "Scheduled event reaches the worker"),
+    ("relay_create_returned", "relay has the created run"),
     ("run_read", "worker has read the run (submission starts)"),
+    ("submit_started", "worker's submission of the run starts"),
+    ("configured", "worker has the run's job configuration"),
     ("pending_proposed", "worker proposes Pending"),
     ("pending_accepted", "Pending accepted"),
     ("sent_to_child", "worker sends the run to the child"),
@@ -50,6 +55,8 @@ STEPS: list[tuple[str, str]] = [
     ("run_flow_called", "child calls run_flow"),
     ("engine_patch_done", "engine's PATCH of the run done"),
     ("running_proposed", "engine proposes Running"),
+    ("claim_sent", "the claim's Running sent"),
+    ("claim_answered", "the claim's Running answered"),
     ("running_accepted", "Running accepted (a claim: and the run's states read)"),
     ("flow_first_line", "flow function called (run context set up)"),
     ("body_end", "flow body returned"),
@@ -135,6 +142,12 @@ def install_worker() -> None:
 
     _wrap(cls, "_claim_announced", on_event)
     _wrap(cls, "_submit_scheduled_flow_runs", on_submit)
+    _wrap(cls, "_submit_run", lambda _s, fr, *_a, **_k: mark(str(fr.id), "submit_started"))
+    _wrap(
+        cls,
+        "run",
+        lambda _s, *a, **k: mark(str((a[0] if a else k["flow_run"]).id), "configured"),
+    )
     _wrap(
         cls,
         "_propose_pending_state",
@@ -171,6 +184,9 @@ def install_child() -> None:
         _current("running_proposed"),
         _current("running_accepted"),
     )
+    from faceflow.worker import run_start
+
+    _wrap(run_start, "propose_shared", _current("claim_sent"), _current("claim_answered"))
     _wrap(engine.FlowRunEngine, "call_flow_fn", _current("flow_first_line"))
     _wrap(engine.FlowRunEngine, "handle_success", _current("body_end"), _current("hooks_done"))
     completed = _current("completed_accepted")
@@ -182,8 +198,29 @@ def install_child() -> None:
     )
 
 
+def install_relay() -> None:
+    """Wrap the relay's creation of a run (called at the webapi's import of its client)."""
+    from webapi.prefect_api import PrefectAPI
+
+    original = PrefectAPI.create_flow_run
+    if getattr(original, "_traced", False):
+        return
+
+    @functools.wraps(original)
+    def create(*args: Any, **kwargs: Any) -> Any:
+        called = time.time()
+        run = original(*args, **kwargs)
+        mark(str(run.id), "relay_create_called", called)
+        mark(str(run.id), "relay_create_returned")
+        return run
+
+    create._traced = True  # type: ignore[attr-defined]
+    PrefectAPI.create_flow_run = create  # type: ignore[method-assign]
+
+
 def install() -> None:
-    """Install the wrappers that fit this process (worker or child), once imported."""
+    """Install the wrappers that fit this process (worker, child or webapi), once imported."""
+    _after_import("webapi.prefect_api", install_relay)
     _after_import("faceflow.worker.worker", install_worker)
     _after_import("prefect.flow_engine", install_child)
 

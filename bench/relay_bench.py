@@ -233,8 +233,11 @@ def relay_mode(
     jobs: int,
     port: int,
     server_log: Path | None,
+    apart_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One relay mode: sequential and burst jobs through a fresh webapi."""
+    """One relay mode: sequential and burst jobs through a fresh webapi. Each sequential
+    job is submitted ``apart_s`` after the previous one finished (0: at once, while the
+    Prefect server still works off the previous run's end: its artifacts, events, logs)."""
     from bench.fuse_jobs import requests_per_job
 
     with webapi(home, name, port, env, storage, prefect_url, batch_max_jobs) as (
@@ -251,6 +254,7 @@ def relay_mode(
             for _ in range(jobs):
                 sequential.append(client.submit(http, wait_s=60))
                 wait_terminal(database_url, sequential[-1:], 300)
+                time.sleep(apart_s)
         # The sequential runs' events are worked off first: else the server spends the
         # burst's first seconds on them, and its CPU per job counts them.
         quiet_s = wait_until_quiet(pids.get("server"))

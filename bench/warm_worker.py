@@ -325,6 +325,7 @@ def relay_modes(
     worker_env: dict[str, str],
     gpu_ms: float | None,
     url: str,
+    apart_s: float = 0.0,
 ) -> dict[str, dict[str, Any]]:
     """Jobs submitted over HTTP to the webapi, dispatched by its relay to one warm worker
     shared by the modes (``bench/relay_bench.py``); the bare loop runs before and after each
@@ -365,6 +366,7 @@ def relay_modes(
                 prefect_url=url,
                 body=relay_bench.request_body(inputs[2], inputs[3]),
                 jobs=jobs,
+                apart_s=apart_s,
                 port=free_port(),
                 server_log=home / "server.log",
             )
@@ -382,11 +384,14 @@ def relay_modes(
     return results
 
 
-def print_relay_table(results: dict[str, dict[str, Any]], gpu_ms: float | None) -> None:
+def print_relay_table(
+    results: dict[str, dict[str, Any]], gpu_ms: float | None, apart_s: float = 0.0
+) -> None:
     """The relay modes side by side, against their bare loops."""
     modes = list(results)
     compute = f"GPU-shaped {gpu_ms:g} ms/job" if gpu_ms else "real pipeline"
-    print(f"relay modes, compute: {compute}")
+    spacing = f"{apart_s:g} s apart" if apart_s else "back to back"
+    print(f"relay modes, compute: {compute}; single jobs one at a time, {spacing}")
     rows = [
         ("bare loop, a job's work (jobs/min)", lambda r: r["bare"]["jobs_per_min"], "{:.1f}"),
         (
@@ -610,6 +615,14 @@ def main() -> None:
         "docs/prefect-scale-out.md; needs --server-db postgresql)",
     )
     parser.add_argument(
+        "--apart-s",
+        type=float,
+        default=0.0,
+        help="relay modes: seconds from one single job's end to the next one's submission "
+        "(default 0: back to back, the next job meets the last one's work still on the "
+        "Prefect server; 1: each single job alone)",
+    )
+    parser.add_argument(
         "--count-requests",
         action="store_true",
         help="log the server's requests and report Prefect API calls per job (burst)",
@@ -650,6 +663,7 @@ def main() -> None:
                         worker_env=worker_env,
                         gpu_ms=args.gpu_ms,
                         url=url,
+                        apart_s=args.apart_s,
                     )
                     if relay
                     else {}
@@ -670,7 +684,7 @@ def main() -> None:
     if results:
         print_table(out)
     if relay_results:
-        print_relay_table(relay_results, args.gpu_ms)
+        print_relay_table(relay_results, args.gpu_ms, args.apart_s)
     if celery:
         print(f"celery + redis (same inputs, same compute): {celery}")
 
