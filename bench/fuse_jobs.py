@@ -25,10 +25,11 @@ def ts(value: str) -> float:
 
 
 def prepare_inputs(
-    url: str, home: Path, *, gpu_shaped: bool = False
+    url: str, home: Path, *, gpu_shaped: bool = False, stage_task_runs: str | None = None
 ) -> tuple[str, str, bytes, bytes]:
     """Default blocks saved; the sample photos stored as the webapi would. ``gpu_shaped``:
-    the settings a GPU host gets (``bench.job_work.bench_settings``)."""
+    the settings a GPU host gets, ``stage_task_runs``: which runs have a task run per stage
+    (``bench.job_work.bench_settings``)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from bench.job_work import bench_settings
@@ -38,8 +39,9 @@ def prepare_inputs(
 
     with temporary_settings(updates={PREFECT_API_URL: url}):
         saved = init_default_blocks(home)
-        if gpu_shaped:
-            bench_settings(gpu_shaped=True).save(SETTINGS_NAME, overwrite=True)
+        if gpu_shaped or stage_task_runs:
+            settings = bench_settings(gpu_shaped=gpu_shaped, stage_task_runs=stage_task_runs)
+            settings.save(SETTINGS_NAME, overwrite=True)
     source, target = samples.astronaut_jpeg_bytes(), samples.grace_hopper_jpeg_bytes()
     keys = [put_input(saved.storage_path, data) for data in (source, target)]
     return keys[0], keys[1], source, target

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from blocks.settings import FusionSettings
@@ -26,13 +26,15 @@ if TYPE_CHECKING:
     from tasks.pipeline import PipelineContext
 
 
-def bench_settings(*, gpu_shaped: bool) -> FusionSettings:
+def bench_settings(*, gpu_shaped: bool, stage_task_runs: str | None = None) -> FusionSettings:
     """The fusion settings the benches save as the stack's default block: the defaults, or
     with ``gpu_shaped`` those of a GPU host (one model call in flight:
-    ``tasks.batch.model_threads``), although the shaped worker's device is the CPU."""
+    ``tasks.batch.model_threads``), although the shaped worker's device is the CPU;
+    ``stage_task_runs`` overrides ``FusionSettings.stage_task_runs``."""
     from blocks.settings import FusionSettings
 
-    return FusionSettings(model_threads=1) if gpu_shaped else FusionSettings()
+    extra: dict[str, Any] = {"stage_task_runs": stage_task_runs} if stage_task_runs else {}
+    return FusionSettings(model_threads=1, **extra) if gpu_shaped else FusionSettings(**extra)
 
 
 @dataclass

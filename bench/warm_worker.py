@@ -623,6 +623,12 @@ def main() -> None:
         "Prefect server; 1: each single job alone)",
     )
     parser.add_argument(
+        "--stage-task-runs",
+        choices=["never", "batches", "always"],
+        default=None,
+        help="the runs' FusionSettings.stage_task_runs (default: the settings' default)",
+    )
+    parser.add_argument(
         "--count-requests",
         action="store_true",
         help="log the server's requests and report Prefect API calls per job (burst)",
@@ -641,7 +647,12 @@ def main() -> None:
             url, env = server.api_url, server.env
             try:
                 api = PrefectRest(url)
-                inputs = prepare_inputs(url, home / "faceflow", gpu_shaped=bool(args.gpu_ms))
+                inputs = prepare_inputs(
+                    url,
+                    home / "faceflow",
+                    gpu_shaped=bool(args.gpu_ms),
+                    stage_task_runs=args.stage_task_runs,
+                )
                 results = {
                     m: bench_mode(
                         m, api, server.pids, env, home, inputs, args.jobs, worker_env, args.children

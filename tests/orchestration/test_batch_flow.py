@@ -69,7 +69,9 @@ def _exists(key: str) -> bool:
 
 def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     """Good jobs succeed beside a no-face job, a job whose deadline is about to pass, a job
-    the relay stopped and one moderation blocks; one task run per stage for the batch."""
+    the relay stopped and one moderation blocks; with ``stage_task_runs="batches"`` one
+    task run per stage for the batch."""
+    FusionSettings(stage_task_runs="batches").save("test-batches", overwrite=True)
     astronaut = prefect_harness.put_input(samples.astronaut_jpeg_bytes())
     grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     no_face = prefect_harness.put_input(samples.no_face_jpeg_bytes())
@@ -82,9 +84,16 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     stopped = job_params(astronaut, grace)
     write_bytes(DEFAULT_STORAGE_BLOCK, stop_marker_key(stopped["job_id"], 1), b"cancelled")
 
-    state = fuse_batch(
-        **_batch(good, good_jpeg, faceless, late, stopped, blocked), return_state=True
+    batch = _batch(
+        good,
+        good_jpeg,
+        faceless,
+        late,
+        stopped,
+        blocked,
+        settings_block="fusion-settings/test-batches",
     )
+    state = fuse_batch(**batch, return_state=True)
 
     assert state.is_completed(), state.message
     outcomes = state.result()

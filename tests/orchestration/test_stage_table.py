@@ -39,7 +39,9 @@ def test_a_stage_added_to_the_table_runs_in_both_flows(
     state = fuse_batch(jobs=jobs, deadline_at=jobs[0]["deadline_at"], return_state=True)
     assert state.is_completed(), state.message
     assert set(batch_outcomes(state).values()) == {"succeeded"}
-    assert task_runs(state.state_details.flow_run_id)["mark"].state.is_completed()  # type: ignore[union-attr]
+    # stages inline by default (FusionSettings.stage_task_runs), in batches too
+    assert stages_seen(state.state_details.flow_run_id, inline=True)["mark"] == (1, "Completed")
+    assert task_runs(state.state_details.flow_run_id) == {}
     for job in jobs:
         assert "mark" in stored_result(job["job_id"]).timings_ms
     assert seen == ["png"] * 3
