@@ -3,8 +3,9 @@
 The relay's dispatch puts the due jobs that can share a run (same lane, detector and
 fuser) into one ``fuse-batch`` run when more than one is waiting (``FuseBatchParams``);
 a job alone still gets its own ``fuse-faces`` run. Both are drivers of the same pipeline
-(``flows.run.run_jobs`` over ``tasks.stages.PIPELINE``): one task run per stage for the
-whole batch (unless the settings' ``stage_task_runs`` is ``never``: then inline), MTCNN on every job's images in batched calls, and per job its own deadline,
+(``flows.run.run_jobs`` over ``tasks.stages.PIPELINE``): every stage inline, once for the
+whole batch (one task run per stage when the settings' ``stage_task_runs`` is ``batches``
+or ``always``), MTCNN on every job's images in batched calls, and per job its own deadline,
 outcome (a ``JobFailure`` record for a failed job, its result and ``ResultRef`` sidecar for
 a successful one), fencing and stop markers (see ``flows.run``). The warm worker kills the
 run past its ``deadline_at``, the latest of the jobs', plus grace.
