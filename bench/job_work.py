@@ -33,8 +33,10 @@ def bench_settings(*, gpu_shaped: bool, stage_task_runs: str | None = None) -> F
     ``stage_task_runs`` overrides ``FusionSettings.stage_task_runs``."""
     from blocks.settings import FusionSettings
 
-    extra: dict[str, Any] = {"stage_task_runs": stage_task_runs} if stage_task_runs else {}
-    return FusionSettings(model_threads=1, **extra) if gpu_shaped else FusionSettings(**extra)
+    fields: dict[str, Any] = {"model_threads": 1} if gpu_shaped else {}
+    if stage_task_runs:
+        fields["stage_task_runs"] = stage_task_runs
+    return FusionSettings(**fields)
 
 
 @dataclass

@@ -124,12 +124,13 @@ def batch_outcomes(state: State[Any]) -> dict[str, str]:
     return cast(dict[str, str], state.result())
 
 
-def stage_settings(inline: bool, name: str = "", **fields: Any) -> str:
+def stage_settings(inline: bool, name: str = "", *, mode: str | None = None, **fields: Any) -> str:
     """A saved ``FusionSettings`` block with ``fields`` whose runs call their stages inline
-    (``stage_task_runs="never"``) or as task runs (``"always"``); its block name."""
+    (``stage_task_runs="never"``) or as task runs (``"always"``), or as ``mode`` says when
+    given (``"batches"``); its block name."""
     from blocks.settings import FusionSettings
 
-    mode = "never" if inline else "always"
+    mode = mode or ("never" if inline else "always")
     block = f"test-{name or 'stages'}-{mode}"
     FusionSettings(stage_task_runs=mode, **fields).save(block, overwrite=True)
     return f"fusion-settings/{block}"

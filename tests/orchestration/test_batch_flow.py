@@ -71,7 +71,6 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
     """Good jobs succeed beside a no-face job, a job whose deadline is about to pass, a job
     the relay stopped and one moderation blocks; with ``stage_task_runs="batches"`` one
     task run per stage for the batch."""
-    FusionSettings(stage_task_runs="batches").save("test-batches", overwrite=True)
     astronaut = prefect_harness.put_input(samples.astronaut_jpeg_bytes())
     grace = prefect_harness.put_input(samples.grace_hopper_jpeg_bytes())
     no_face = prefect_harness.put_input(samples.no_face_jpeg_bytes())
@@ -91,7 +90,7 @@ def test_mixed_batch_ends_each_job_on_its_own(prefect_harness: Home) -> None:
         late,
         stopped,
         blocked,
-        settings_block="fusion-settings/test-batches",
+        settings_block=stage_settings(inline=False, mode="batches"),
     )
     state = fuse_batch(**batch, return_state=True)
 
