@@ -8,8 +8,10 @@ Only when the flow run's environment has ``FACEFLOW_ENABLE_FAULTS=true`` does
 
 A matching entry (same stage, an owner of one of the run's jobs listed) blocks the flow's
 main thread in a plain sleep *outside* the stage's task, so no stage timeout can end it:
-the worker's deadline kill and the relay's reaper must. Nothing here runs in production
-unless an operator sets the variable on a worker.
+the worker's deadline kill and the relay's reaper must. A video part is a "stage" too,
+under its part name (``chunk-0001``, ``analyse-0-60``): it hangs once its first frames are
+done (``flows.video_parts.PartFrames``), inside its render or analysis task, mid-part.
+Nothing here runs in production unless an operator sets the variable on a worker.
 """
 
 from __future__ import annotations
@@ -64,11 +66,12 @@ def hang_seconds(plan: dict[str, Any], *, stage: str, owner_ids: Collection[str]
 
 def run_owners(parameters: dict[str, Any]) -> set[str]:
     """The owners of the jobs a run carries: ``owner_id`` of a ``fuse-faces`` run, every
-    job's ``owner_id`` of a ``fuse-batch`` run."""
+    job's ``owner_id`` of a ``fuse-batch`` run, its ``job``'s of a video part."""
     owners = {str(parameters["owner_id"])} if parameters.get("owner_id") else set()
-    for job in parameters.get("jobs") or []:
-        if isinstance(job, dict) and job.get("owner_id"):
-            owners.add(str(job["owner_id"]))
+    for job in [*(parameters.get("jobs") or []), parameters.get("job")]:
+        owner = job.get("owner_id") if isinstance(job, dict) else getattr(job, "owner_id", None)
+        if owner:
+            owners.add(str(owner))
     return owners
 
 

@@ -43,6 +43,7 @@ from blocks.storage import (
     read_from,
     write_to,
 )
+from flows import faults
 from flows.attempt import admit, failed
 from flows.deadline import Deadline
 from flows.params import (
@@ -88,21 +89,32 @@ from tasks.watermark import payload_for
 class PartFrames:
     """The frames a range or render part has analysed or rendered, written to
     ``part_progress_key`` at most once per ``MIN_INTERVAL_S`` (a record that cannot be
-    written is skipped: progress never fails the part)."""
+    written is skipped: progress never fails the part). Once the first record is written,
+    a fault plan may hang the part under its name ``part`` (``flows.faults``: inert
+    unless enabled)."""
 
     def __init__(
-        self, store: ByteStore, key: str, clock: Callable[[], float] = time.monotonic
+        self,
+        store: ByteStore,
+        key: str,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        part: str = "",
     ) -> None:
         self.store, self.key, self.clock, self.frames = store, key, clock, 0
+        self.part = part
         self.written_at: float | None = None
 
     def add(self, frames: int = 1) -> None:
         """``frames`` more frames done; written when the interval passed."""
         self.frames += frames
         now = self.clock()
+        first = self.written_at is None
         if self.written_at is None or now - self.written_at >= MIN_INTERVAL_S:
             self.written_at = now
             self.write({})
+        if first and self.part:
+            faults.inject(self.part)  # mid-part; no-op unless FACEFLOW_ENABLE_FAULTS=true
 
     def write(self, failures: dict[str, int]) -> None:
         """Write the count, and ``failures`` (frames a stage failed on, by code: once the
@@ -186,7 +198,8 @@ def run_part(
             if is_stored(store, job.analysis_key(*ranges[part])):  # by an earlier run
                 return False
             job.read_input(spec.target_key)  # the range is read by a seek
-            job.progress = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
+            key = part_progress_key(spec.job_id, spec.attempt, part)
+            job.progress = PartFrames(store, key, part=part)
             task = analyse_task.with_options(task_run_name=part)
             return bool(guarded("analyse", deadline).run(task, job, *ranges[part]))
         if part == PLAN_PART:
@@ -214,7 +227,7 @@ def run_part(
         if is_stored(store, job.chunk_key(chunk)):  # stored by an earlier run of it
             return False
         job.read_input(spec.target_key)
-        counter = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part))
+        counter = PartFrames(store, part_progress_key(spec.job_id, spec.attempt, part), part=part)
         job.progress = counter
         render = render_chunk_task.with_options(task_run_name=f"render-{part}")
         runner = FrameRunner(ctx)

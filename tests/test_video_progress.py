@@ -3,9 +3,13 @@ is written to storage, and the description the Prefect UI and the relay read."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
 from blocks.storage import ByteStore
+from flows import faults
 from flows.params import (
     JobProgress,
     analysis_part,
@@ -186,3 +190,26 @@ def test_a_range_parts_record_is_found_from_its_stored_analysis() -> None:
     key = "video-analysis/analysis-000032-000060-" + "ab" * 16 + ".npz"
     assert analysis_part_of(key) == analysis_part(32, 60)
     assert analysis_part_of("video-chunks/chunk-00001-" + "ab" * 16 + ".mp4") is None
+
+
+def test_a_fault_plan_hangs_a_part_once_after_its_first_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``flows.faults`` may hang a part mid-way: after its first frames' record is written
+    (the test that kills a part mid-chunk waits for that record), and only once."""
+    store, clock = local_store(tmp_path / "store"), Clock()
+    key = part_progress_key("job-1", 1, chunk_part(1))
+    seen: list[tuple[str, int | None]] = []
+
+    def inject(stage: str) -> None:
+        record = json.loads((tmp_path / "store" / key).read_text())
+        seen.append((stage, record["frames"]))
+
+    monkeypatch.setattr(faults, "inject", inject)
+    counter = PartFrames(store, key, clock=clock, part=chunk_part(1))
+    for _ in range(3):
+        counter.add()
+        clock.now += 2.0
+    assert seen == [(chunk_part(1), 1)]
+    PartFrames(store, key, clock=clock).add()  # a counter without a part: no fault point
+    assert seen == [(chunk_part(1), 1)]

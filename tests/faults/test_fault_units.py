@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -174,3 +175,6 @@ def test_the_owners_of_a_run_are_its_jobs_owners() -> None:
     batch = {"jobs": [{"owner_id": "a"}, {"owner_id": "b"}, {"owner_id": "a"}], "deadline_at": 1}
     assert faults.run_owners(batch) == {"a", "b"}
     assert faults.run_owners({}) == set()
+    part = {"job": {"job_id": "j", "owner_id": "c"}, "part": "chunk-0001"}  # a video part
+    assert faults.run_owners(part) == {"c"}
+    assert faults.run_owners({"job": SimpleNamespace(owner_id="d"), "part": "probe"}) == {"d"}

@@ -22,6 +22,7 @@ import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from faceflow.testing.wait import poll
+from flows import faults
 from flows.artifacts import artifact_key
 from flows.params import (
     VIDEO_ANALYSE_DEPLOYMENT,
@@ -56,13 +57,26 @@ PART_ENTRYPOINT = "flows/video_parts.py:fuse_video_part"
 
 
 @pytest.fixture(scope="module")
+def fault_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The workers' fault plan (``flows.faults``), empty until a test writes one."""
+    plan = tmp_path_factory.mktemp("video-faults") / "faults.json"
+    plan.write_text("{}")
+    return plan
+
+
+@pytest.fixture(scope="module")
 def workers(
-    prefect_api: Api, tmp_path_factory: pytest.TempPathFactory
+    prefect_api: Api, tmp_path_factory: pytest.TempPathFactory, fault_plan: Path
 ) -> Iterator[list[WarmWorker]]:
-    """Two warm workers (one child each) on one pool holding the two part deployments."""
+    """Two warm workers (one child each) on one pool holding the two part deployments,
+    fault injection on (inert while the plan is empty)."""
     tmp = tmp_path_factory.mktemp("video-parts")
     pool = f"video-{uuid.uuid4().hex[:6]}"
-    env = {"FACEFLOW_WORKER_ACQUIRE_TIMEOUT_S": "30"}
+    env = {
+        "FACEFLOW_WORKER_ACQUIRE_TIMEOUT_S": "30",
+        faults.ENABLE_VAR: "true",
+        faults.FILE_VAR: str(fault_plan),
+    }
     started = [start_warm_worker(prefect_api, tmp / "a", pool, env, name="gpu-a")]
     try:
         started.append(
@@ -305,35 +319,41 @@ def test_a_coordinator_run_again_for_the_same_attempt_reuses_its_parts(
 ENDED = ("COMPLETED", "CANCELLED", "CRASHED", "FAILED")
 
 
+def part_started(prefect_api: Api, job_id: str, part: str) -> bool:
+    """Whether ``part`` of job ``job_id``'s attempt 1 wrote its first frames' record."""
+    return (prefect_api.home.storage / part_progress_key(job_id, 1, part)).exists()
+
+
 def _run_holding_a_chunk(
     prefect_api: Api,
     workers: list[WarmWorker],
     videos: Videos,
+    plan: Path,
     source: bytes,
     *,
-    chunk: str,
+    part: str,
     act: Callable[[str, int], None],
-) -> tuple[Any, str, str | None, set[str]]:
-    """Run a video job whose first part caught running with ``chunk`` in its name has its
-    child held (SIGSTOP, ``stop_while_running``), then ``act(job_id, pid)``: the job's final
-    state, its id, the held run's id (None when no such part was caught running) and the
+) -> tuple[Any, str, str, set[str]]:
+    """Run a video job whose part ``part`` (``chunk-0001``) the fault plan hangs once its
+    first frames are done (``flows.faults``), mid-chunk: the child running it is held
+    (SIGSTOP, ``stop_while_running``), the plan emptied (the part's next run does not hang),
+    then ``act(job_id, pid)``. The job's final state, its id, the held run's id and the
     chunk files it added. The held child is let go (SIGCONT) only once every part has
     ended, so it never writes its chunk after ``act`` (a child its worker killed is gone)."""
     child_pids(workers)
     params = new_job(prefect_api, videos, source)
     job_id = params["job_id"]
+    hang = {"stage": part, "owner_ids": [params["owner_id"]], "seconds": 120}
+    plan.write_text(json.dumps({"hang": [hang]}))
     held: list[tuple[str, int]] = []
 
     def hold(run: dict[str, Any]) -> bool:
-        if chunk not in run["name"]:
+        if run["name"] != f"{job_id}-{part}" or not part_started(prefect_api, job_id, part):
             return False
         pid = stop_while_running(prefect_api, workers, run)
         if pid is None:
             return False
-        stored = {chunk_index(f) for f in set(chunk_files(prefect_api)) - set(before)}
-        if chunk_index(run["name"]) in stored:  # stopped after its chunk was stored: a kill
-            os.kill(pid, signal.SIGCONT)  # or cancel now proves nothing
-            return False
+        plan.write_text("{}")
         held.append((str(run["id"]), pid))
         act(job_id, pid)
         return True
@@ -349,56 +369,30 @@ def _run_holding_a_chunk(
             step_s=0.2,
         )
     finally:
+        plan.write_text("{}")
         for _, pid in held:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
     for worker in workers:
         worker.wait_idle()  # a fresh child for what comes next
+    assert held, f"{part} was not caught hanging mid-chunk"
     new = set(chunk_files(prefect_api)) - set(before)
-    return state, job_id, (held[0][0] if held else None), new
-
-
-def _hold_a_chunk_in_three_tries(
-    prefect_api: Api,
-    workers: list[WarmWorker],
-    videos: Videos,
-    *,
-    quality: int,
-    chunk: str,
-    act: Callable[[str, int], None],
-    caught: Callable[[str], bool],
-    missed: str,
-) -> tuple[Any, str, str, set[str]]:
-    """``_run_holding_a_chunk`` until the held run's final state type is ``caught``. Parts
-    are caught running by polling their runs, so under load one may be caught only as it
-    ends or not at all; such a try proves nothing and the job is run again with another
-    source (JPEG ``quality`` lowered by one: its chunks are not stored yet), at most three
-    times, then the test fails with ``missed``."""
-    for attempt in range(3):
-        source = samples.encode(samples.astronaut_rgb(), quality=quality - attempt)
-        state, job_id, held, new = _run_holding_a_chunk(
-            prefect_api, workers, videos, source, chunk=chunk, act=act
-        )
-        if held is not None and caught(prefect_api.run(held)["state_type"]):
-            return state, job_id, held, new
-    pytest.fail(f"{missed} in three tries")
+    return state, job_id, held[0][0], new
 
 
 def test_a_part_killed_mid_chunk_runs_again_and_renders_only_its_chunk(
-    prefect_api: Api, workers: list[WarmWorker], videos: Videos
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos, fault_plan: Path
 ) -> None:
-    """A part killed while it runs (one caught only as it ends is killed after its
-    ``Completed`` proposal left: a try that proves nothing) ends Crashed and is run again;
-    every other chunk is rendered once."""
-    state, job_id, killed, new = _hold_a_chunk_in_three_tries(
+    """A part killed mid-chunk ends Crashed and is run again; every other chunk is
+    rendered once."""
+    state, job_id, killed, new = _run_holding_a_chunk(
         prefect_api,
         workers,
         videos,
-        quality=90,
-        chunk="-chunk-0001",
+        fault_plan,
+        samples.encode(samples.astronaut_rgb(), quality=90),  # chunks not stored yet
+        part=chunk_part(1),
         act=lambda _job_id, pid: os.kill(pid, signal.SIGKILL),
-        caught=lambda ended: ended != "COMPLETED",
-        missed="chunk 1's part was not killed while it ran",
     )
     assert state.is_completed(), state.message
     assert prefect_api.run(killed)["state_type"] == "CRASHED"
@@ -416,19 +410,18 @@ def cancel_parts(prefect_api: Api, job_id: str) -> None:
 
 
 def test_cancelling_the_parts_ends_the_attempt_cancelled_without_a_result(
-    prefect_api: Api, workers: list[WarmWorker], videos: Videos
+    prefect_api: Api, workers: list[WarmWorker], videos: Videos, fault_plan: Path
 ) -> None:
     """The held part's chunk is never written, no result is, and no partial file is left
     behind."""
-    state, job_id, held, new = _hold_a_chunk_in_three_tries(
+    state, job_id, held, new = _run_holding_a_chunk(
         prefect_api,
         workers,
         videos,
-        quality=80,
-        chunk="-chunk-",
+        fault_plan,
+        samples.encode(samples.astronaut_rgb(), quality=80),
+        part=chunk_part(1),
         act=lambda job, _pid: cancel_parts(prefect_api, job),
-        caught=lambda ended: ended == "CANCELLED",
-        missed="no chunk's part was held and cancelled while it ran",
     )
     assert state.is_cancelled(), state
     settled = all(
