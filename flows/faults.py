@@ -6,16 +6,20 @@ Only when the flow run's environment has ``FACEFLOW_ENABLE_FAULTS=true`` does
 
     {"hang": [{"stage": "detect", "owner_ids": ["<user uuid>"], "seconds": 600}]}
 
-A matching entry (same stage, an owner of one of the run's jobs listed) blocks the flow's
-main thread in a plain sleep *outside* the stage's task, so no stage timeout can end it:
-the worker's deadline kill and the relay's reaper must. A video part is a "stage" too,
-under its part name (``chunk-0001``, ``analyse-0-60``): it hangs once its first frames are
-done (``flows.video_parts.PartFrames``), inside its render or analysis task, mid-part.
-Nothing here runs in production unless an operator sets the variable on a worker.
+A matching entry (its ``stage`` the stage's name or a shell-style pattern of it, an owner
+of one of the run's jobs listed) blocks the flow's main thread in a plain sleep *outside*
+the stage's task, so no stage timeout can end it: the worker's deadline kill and the
+relay's reaper must. The sleep ends early once the plan no longer holds a matching entry
+(read every ``HANG_STEP_S``): a test lets a held run go on by emptying the plan. A video
+part is a "stage" too, under its part name (``chunk-0001``, ``analyse-000000-000030``): it
+hangs once its first frames are done (``flows.video_parts.PartFrames``), inside its render
+or analysis task, mid-part. Nothing here runs in production unless an operator sets the
+variable on a worker.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -27,6 +31,8 @@ from typing import Any
 ENABLE_VAR = "FACEFLOW_ENABLE_FAULTS"
 FILE_VAR = "FACEFLOW_FAULTS_FILE"
 PLAN_NAME = "faults.json"
+HANG_STEP_S = 0.1
+"""How often a hang reads the plan again (it ends once its entry is gone)."""
 
 log = logging.getLogger("faceflow.flows.faults")
 
@@ -57,7 +63,7 @@ def hang_seconds(plan: dict[str, Any], *, stage: str, owner_ids: Collection[str]
     """Seconds the plan makes ``stage`` of a run carrying a job of one of ``owner_ids``
     hang (0: none)."""
     for entry in plan.get("hang") or []:
-        if not isinstance(entry, dict) or entry.get("stage") != stage:
+        if not isinstance(entry, dict) or not fnmatch.fnmatchcase(stage, str(entry.get("stage"))):
             continue
         if set(owner_ids) & set(entry.get("owner_ids") or []):
             return float(entry.get("seconds", 0.0))
@@ -82,7 +88,13 @@ def inject(stage: str) -> None:
     from prefect.runtime import flow_run
 
     owners = run_owners(dict(flow_run.parameters or {}))
-    seconds = hang_seconds(read_plan(plan_path()), stage=stage, owner_ids=owners)
+    path = plan_path()
+    seconds = hang_seconds(read_plan(path), stage=stage, owner_ids=owners)
     if seconds > 0:
         log.warning("fault injection: stage %s hangs for %.0f s", stage, seconds)
-        time.sleep(seconds)
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            time.sleep(min(left, HANG_STEP_S))
+            if hang_seconds(read_plan(path), stage=stage, owner_ids=owners) <= 0:
+                log.warning("fault injection: stage %s let go", stage)
+                return

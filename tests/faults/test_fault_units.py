@@ -140,8 +140,15 @@ def test_fault_hook_is_inert_unless_enabled(
     plan = tmp_path / "faults.json"
     plan.write_text(json.dumps({"hang": [{"stage": "detect", "owner_ids": ["u1"], "seconds": 5}]}))
     monkeypatch.setenv(faults.FILE_VAR, str(plan))
+    clock = [0.0]
     slept: list[float] = []
-    monkeypatch.setattr(faults.time, "sleep", slept.append)
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(faults.time, "sleep", sleep)
+    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
     from prefect.runtime import flow_run
 
     monkeypatch.setattr(flow_run, "parameters", {"owner_id": "u1"}, raising=False)
@@ -151,10 +158,41 @@ def test_fault_hook_is_inert_unless_enabled(
     monkeypatch.setenv(faults.ENABLE_VAR, "true")
     faults.inject("load")
     faults.inject("detect")
-    assert slept == [5.0]
+    assert sum(slept) == pytest.approx(5.0) and max(slept) <= faults.HANG_STEP_S
     monkeypatch.setattr(flow_run, "parameters", {"owner_id": "someone-else"}, raising=False)
+    slept.clear()
     faults.inject("detect")
-    assert slept == [5.0]
+    assert slept == []
+
+
+def test_a_hang_ends_once_the_plan_drops_its_entry(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A test lets a held run go on by emptying the plan; an entry's stage may be a
+    pattern (a video part's name: ``analyse-000000-*``)."""
+    plan = tmp_path / "faults.json"
+    entry = {"stage": "analyse-000000-*", "owner_ids": ["u1"], "seconds": 600}
+    plan.write_text(json.dumps({"hang": [entry]}))
+    monkeypatch.setenv(faults.FILE_VAR, str(plan))
+    monkeypatch.setenv(faults.ENABLE_VAR, "true")
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+        if clock[0] >= 3.0:
+            plan.write_text("{}")
+
+    monkeypatch.setattr(faults.time, "sleep", sleep)
+    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
+    from prefect.runtime import flow_run
+
+    monkeypatch.setattr(
+        flow_run, "parameters", {"job": {"owner_id": "u1"}, "part": "x"}, raising=False
+    )
+    faults.inject("analyse-000030-000060")  # another range: no hang
+    assert clock[0] == 0.0
+    faults.inject("analyse-000000-000030")
+    assert clock[0] == pytest.approx(3.0)
 
 
 def test_fault_plan_reading_tolerates_missing_and_malformed_files(tmp_path: Path) -> None:
