@@ -31,6 +31,7 @@ from flows.params import (
     JobFailure,
     JobProgress,
     VideoResultRef,
+    analysis_part,
     chunk_part,
     part_progress_key,
     progress_key,
@@ -170,17 +171,27 @@ def chunk_index(name: str) -> int:
 
 @pytest.mark.slow  # two warm workers: ~70 s with their start (make test-slow, CI)
 def test_chunks_render_on_both_workers_and_the_video_is_whole(
-    prefect_api: Api, workers: list[WarmWorker], videos: Videos, tmp_path: Path
+    prefect_api: Api,
+    workers: list[WarmWorker],
+    videos: Videos,
+    fault_plan: Path,
+    tmp_path: Path,
 ) -> None:
-    """The first analysis range's and the first chunk's children are held (SIGSTOP) until
+    """The first analysis range and the first chunk hang mid-part (the fault plan) until
     the other ranges or chunks are done: those can only go to the other worker, so the
-    spread does not depend on this machine's speed; then the held part finishes. While
-    the range is held, the job's progress shows the other ranges' frames analysed."""
+    spread does not depend on this machine's speed; then the plan lets the held part go
+    on. While the range is held, the job's progress shows the other ranges' frames
+    analysed."""
     pids = child_pids(workers)
     params = new_job(prefect_api, videos, samples.grace_hopper_jpeg_bytes())
     job_id = params["job_id"]
-    steps = [("-analyse-", RANGES), ("-chunk-", CHUNKS)]
-    held: dict[str, int] = {}
+    owner = [params["owner_id"]]
+    steps = [
+        ("-analyse-", RANGES, analysis_part(0, 0)[:-6] + "*"),
+        ("-chunk-", CHUNKS, chunk_part(0)),
+    ]
+    hangs = [{"stage": part, "owner_ids": owner, "seconds": 300} for _, _, part in steps]
+    fault_plan.write_text(json.dumps({"hang": hangs}))
     released: set[str] = set()
     analysing: list[JobProgress] = []  # records read while the first range was held
     others_done_at: list[float] = []
@@ -197,37 +208,31 @@ def test_chunks_render_on_both_workers_and_the_video_is_whole(
         others_done_at[:] = others_done_at or [time.monotonic()]
         return time.monotonic() - others_done_at[0] > 30
 
-    def hold_the_first_of_each_step(run: dict[str, Any]) -> bool:
-        step = next(((kind, n) for kind, n in steps if kind not in released), None)
+    def release_each_step(run: dict[str, Any]) -> bool:
+        """Let the held part of the first step not released yet go on once the step's
+        other parts are done (and, for the ranges, the progress shows them)."""
+        step = next(((kind, n) for kind, n, _ in steps if kind not in released), None)
         if step is None:
             return True
         kind, total = step
-        if kind not in held:
-            if kind in run["name"] and run["state_type"] == "RUNNING":
-                pid = running_child(workers, run)
-                if pid is not None:
-                    os.kill(pid, signal.SIGSTOP)
-                    held[kind] = pid
-            return False
         runs = [r for r in parts_of(prefect_api, job_id) if kind in r["name"]]
         if len(runs) == total and sum(r["state_type"] == "COMPLETED" for r in runs) == total - 1:
             if kind == "-analyse-" and not analysis_advanced():
                 return False
-            os.kill(held[kind], signal.SIGCONT)
             released.add(kind)
+            left = [h for h, (k, _, _) in zip(hangs, steps, strict=True) if k not in released]
+            fault_plan.write_text(json.dumps({"hang": left}))
         return False
 
     before = set(chunk_files(prefect_api))
-    watcher = watch_parts(prefect_api, job_id, hold_the_first_of_each_step)
+    watcher = watch_parts(prefect_api, job_id, release_each_step)
     try:
         state = coordinate(prefect_api, params)
     finally:
-        for pid in held.values():  # never leave a child stopped
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        fault_plan.write_text("{}")  # never leave a part hanging
     watcher.join(timeout=5)
     assert state.is_completed(), state.message
-    assert released == {"-analyse-", "-chunk-"}, (held, released)
+    assert released == {"-analyse-", "-chunk-"}, released
     # the progress moved while the frames were analysed, before the first was rendered
     assert analysing and analysing[0].stage == "analyse", analysing
     print(f"\nwhile the first range was held: {analysing[0]!r}")
