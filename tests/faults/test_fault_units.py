@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -134,35 +136,53 @@ def test_receiver_refuses_then_answers_500_then_accepts_and_checks_signatures() 
     assert not independent_verify(new_secret(), lower, body, tolerance_s=None)
 
 
+class HangClock:
+    """A fault plan of ``entries`` and a clock that only ``faults``' sleeps move: ``slept``
+    holds each sleep; ``on_sleep(now)`` runs after each (a test rewrites the plan there)."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, entries: list[dict[str, Any]]
+    ) -> None:
+        self.plan = tmp_path / "faults.json"
+        self.plan.write_text(json.dumps({"hang": entries}))
+        self.now = 0.0
+        self.slept: list[float] = []
+        self.on_sleep: Callable[[float], None] = lambda _now: None
+        self.monkeypatch = monkeypatch
+        monkeypatch.setenv(faults.FILE_VAR, str(self.plan))
+        monkeypatch.setattr(faults.time, "sleep", self.sleep)
+        monkeypatch.setattr(faults.time, "monotonic", lambda: self.now)
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        self.on_sleep(self.now)
+
+    def run_parameters(self, parameters: dict[str, Any]) -> None:
+        """The current flow run's parameters, as ``prefect.runtime`` gives them."""
+        from prefect.runtime import flow_run
+
+        self.monkeypatch.setattr(flow_run, "parameters", parameters, raising=False)
+
+
 def test_fault_hook_is_inert_unless_enabled(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    plan = tmp_path / "faults.json"
-    plan.write_text(json.dumps({"hang": [{"stage": "detect", "owner_ids": ["u1"], "seconds": 5}]}))
-    monkeypatch.setenv(faults.FILE_VAR, str(plan))
-    clock = [0.0]
-    slept: list[float] = []
-
-    def sleep(seconds: float) -> None:
-        slept.append(seconds)
-        clock[0] += seconds
-
-    monkeypatch.setattr(faults.time, "sleep", sleep)
-    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
-    from prefect.runtime import flow_run
-
-    monkeypatch.setattr(flow_run, "parameters", {"owner_id": "u1"}, raising=False)
+    clock = HangClock(
+        monkeypatch, tmp_path, [{"stage": "detect", "owner_ids": ["u1"], "seconds": 5}]
+    )
+    clock.run_parameters({"owner_id": "u1"})
     monkeypatch.delenv(faults.ENABLE_VAR, raising=False)
     faults.inject("detect")
-    assert slept == []
+    assert clock.slept == []
     monkeypatch.setenv(faults.ENABLE_VAR, "true")
     faults.inject("load")
     faults.inject("detect")
-    assert sum(slept) == pytest.approx(5.0) and max(slept) <= faults.HANG_STEP_S
-    monkeypatch.setattr(flow_run, "parameters", {"owner_id": "someone-else"}, raising=False)
-    slept.clear()
+    assert sum(clock.slept) == pytest.approx(5.0) and max(clock.slept) <= faults.HANG_STEP_S
+    clock.run_parameters({"owner_id": "someone-else"})
+    clock.slept.clear()
     faults.inject("detect")
-    assert slept == []
+    assert clock.slept == []
 
 
 def test_a_hang_ends_once_the_plan_drops_its_entry(
@@ -170,29 +190,20 @@ def test_a_hang_ends_once_the_plan_drops_its_entry(
 ) -> None:
     """A test lets a held run go on by emptying the plan; an entry's stage may be a
     pattern (a video part's name: ``analyse-000000-*``)."""
-    plan = tmp_path / "faults.json"
     entry = {"stage": "analyse-000000-*", "owner_ids": ["u1"], "seconds": 600}
-    plan.write_text(json.dumps({"hang": [entry]}))
-    monkeypatch.setenv(faults.FILE_VAR, str(plan))
+    clock = HangClock(monkeypatch, tmp_path, [entry])
+
+    def let_go_at_3_s(now: float) -> None:
+        if now >= 3.0:
+            clock.plan.write_text("{}")
+
+    clock.on_sleep = let_go_at_3_s
+    clock.run_parameters({"job": {"owner_id": "u1"}, "part": "x"})
     monkeypatch.setenv(faults.ENABLE_VAR, "true")
-    clock = [0.0]
-
-    def sleep(seconds: float) -> None:
-        clock[0] += seconds
-        if clock[0] >= 3.0:
-            plan.write_text("{}")
-
-    monkeypatch.setattr(faults.time, "sleep", sleep)
-    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
-    from prefect.runtime import flow_run
-
-    monkeypatch.setattr(
-        flow_run, "parameters", {"job": {"owner_id": "u1"}, "part": "x"}, raising=False
-    )
     faults.inject("analyse-000030-000060")  # another range: no hang
-    assert clock[0] == 0.0
+    assert clock.now == 0.0
     faults.inject("analyse-000000-000030")
-    assert clock[0] == pytest.approx(3.0)
+    assert clock.now == pytest.approx(3.0)
 
 
 def test_fault_plan_reading_tolerates_missing_and_malformed_files(tmp_path: Path) -> None:
